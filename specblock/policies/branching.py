@@ -1,0 +1,219 @@
+"""Tree policies: how many of each parent's ranked draft candidates join the tree.
+
+A drafter hands a policy plain arrays, for P parents at once: the parents' cumulative draft
+log-prob, their top-k candidates' log-probs (sorted, best first) and, when the drafter has a rank
+head, each position's predicted rank bucket. The policy answers with a width per parent: keep
+candidates ``0 .. width-1``. Because candidates are sorted, any width vector keeps the tree
+"prefix-closed", and the shared helpers below turn widths into tree nodes with one ``extend``.
+
+The simulator feeds the same classes synthetic candidates, so nothing here imports torch.
+Subclass :class:`TreePolicy` (override :meth:`TreePolicy.raw_widths`) to customise branching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specblock.policies.tree import NUM_BUCKETS, DraftTree
+
+
+class TreePolicy:
+    """Base: decides widths per parent, fits them to the node budget, and reranks a whole tree."""
+
+    name = "base"
+
+    def raw_widths(
+        self, parent_score: np.ndarray, cand_logprob: np.ndarray, bucket: np.ndarray | None
+    ) -> np.ndarray:
+        raise NotImplementedError
+
+    def widths(
+        self,
+        parent_score: np.ndarray,
+        cand_logprob: np.ndarray,
+        bucket: np.ndarray | None,
+        budget_left: int,
+    ) -> np.ndarray:
+        """Widths that respect ``budget_left``: the best candidates by cumulative log-prob win."""
+        k = cand_logprob.shape[1]
+        w = np.clip(np.asarray(self.raw_widths(parent_score, cand_logprob, bucket)), 0, k).astype(np.int64)
+        return fit_budget(w, parent_score, cand_logprob, budget_left)
+
+    def prune(self, tree: DraftTree, budget: int) -> DraftTree:
+        """Final rerank of a finished tree to ``budget`` draft nodes (root excluded).
+
+        Default: keep the ``budget`` nodes with the highest cumulative log-prob. Cumulative
+        log-prob never increases down a path, so ties aside the kept set is ancestor-closed; the
+        stable sort by (score, index) makes it so with ties too.
+        """
+        if tree.size - 1 <= budget:
+            return tree
+        score = tree.cum_logprob.astype(np.float64)
+        score[0] = np.inf
+        order = np.lexsort((np.arange(tree.size), -score))  # by score desc, then index asc
+        keep = np.zeros(tree.size, dtype=bool)
+        keep[order[: budget + 1]] = True
+        keep = _ancestor_close(tree, keep)
+        return tree.subtree(keep)[0]
+
+
+def _ancestor_close(tree: DraftTree, keep: np.ndarray) -> np.ndarray:
+    """Drop kept nodes whose ancestors were dropped (guards against exact score ties)."""
+    return ~(tree.ancestor_mask & ~keep[None, :]).any(axis=1) & keep
+
+
+def fit_budget(
+    widths: np.ndarray, parent_score: np.ndarray, cand_logprob: np.ndarray, budget_left: int
+) -> np.ndarray:
+    """Trim ``widths`` so their sum is at most ``budget_left``, dropping the lowest-scoring
+    candidates first. Candidates are sorted per parent, so what survives stays a prefix."""
+    total = int(widths.sum())
+    if total <= budget_left:
+        return widths
+    if budget_left <= 0:
+        return np.zeros_like(widths)
+    p, k = cand_logprob.shape
+    allowed = np.arange(k)[None, :] < widths[:, None]
+    score = np.where(allowed, parent_score[:, None] + cand_logprob, -np.inf).reshape(-1)
+    best = np.argsort(-score, kind="stable")[:budget_left]
+    chosen = np.zeros(p * k, dtype=bool)
+    chosen[best] = True
+    chosen = chosen.reshape(p, k)
+    # Make each row a prefix (only matters under exact ties inside a row).
+    return np.cumprod(chosen, axis=1).sum(axis=1).astype(np.int64)
+
+
+@dataclass
+class ChainBranching(TreePolicy):
+    """One candidate per parent: a chain (SpS, lookup chains)."""
+
+    name = "chain"
+
+    def raw_widths(self, parent_score, cand_logprob, bucket):
+        return np.ones(cand_logprob.shape[0], dtype=np.int64)
+
+
+@dataclass
+class TopKBranching(TreePolicy):
+    """A fixed number of candidates per parent (the paper's 'fixed uniform top-k' ablation)."""
+
+    k: int = 2
+    name = "topk"
+
+    def raw_widths(self, parent_score, cand_logprob, bucket):
+        return np.full(cand_logprob.shape[0], self.k, dtype=np.int64)
+
+
+@dataclass
+class RankBucketBranching(TreePolicy):
+    """SpecBlock's rank-guided widths: the predicted bucket b0..b3 sets the sibling count.
+
+    ``widths[b]`` is how many candidates a position in bucket b keeps; a 0 ends the branch. The
+    paper gives (2, 4, 10, 0) and (2, 4, 6, 4). Positions without a prediction use
+    ``widths[unknown_bucket]`` (our choice; the paper always has a rank head).
+    """
+
+    widths_by_bucket: tuple[int, int, int, int] = (2, 4, 10, 0)
+    unknown_bucket: int = 0
+    name = "rank"
+
+    def __post_init__(self) -> None:
+        if len(self.widths_by_bucket) != NUM_BUCKETS or min(self.widths_by_bucket) < 0:
+            raise ValueError("RankBucketBranching needs four non-negative widths (b0, b1, b2, b3)")
+
+    def raw_widths(self, parent_score, cand_logprob, bucket):
+        table = np.asarray(self.widths_by_bucket, dtype=np.int64)
+        if bucket is None:
+            return np.full(cand_logprob.shape[0], table[self.unknown_bucket], dtype=np.int64)
+        b = np.asarray(bucket, dtype=np.int64)
+        return table[np.where(b < 0, self.unknown_bucket, b)]
+
+
+@dataclass
+class DynamicBranching(TreePolicy):
+    """EAGLE-2-style: each expanded parent offers its top ``top_k`` candidates; the frontier
+    (which nodes expand next) is chosen by a seed policy, and :meth:`prune` reranks the finished
+    tree to the node budget by cumulative log-prob."""
+
+    top_k: int = 8
+    name = "dynamic"
+
+    def raw_widths(self, parent_score, cand_logprob, bucket):
+        return np.full(cand_logprob.shape[0], self.top_k, dtype=np.int64)
+
+    def widths(self, parent_score, cand_logprob, bucket, budget_left):
+        # No per-step budget cut: EAGLE-2 grows generously and reranks once at the end.
+        k = cand_logprob.shape[1]
+        return np.minimum(self.raw_widths(parent_score, cand_logprob, bucket), k)
+
+
+def add_candidates(
+    tree: DraftTree,
+    parents: np.ndarray,
+    cand_tokens: np.ndarray,
+    cand_logprob: np.ndarray,
+    widths: np.ndarray,
+    bucket: np.ndarray | None = None,
+    block: int = 0,
+) -> np.ndarray:
+    """Add candidates ``0..widths[p]-1`` of each parent with one ``extend``.
+
+    Returns ``[P, k]`` node indices, -1 where a candidate was not added.
+    """
+    p, k = cand_tokens.shape
+    take = np.arange(k)[None, :] < np.asarray(widths)[:, None]
+    rows, cols = np.nonzero(take)
+    out = np.full((p, k), -1, dtype=np.int64)
+    if rows.size == 0:
+        return out
+    new = tree.extend(
+        parents=np.asarray(parents)[rows],
+        tokens=cand_tokens[rows, cols],
+        logprob=cand_logprob[rows, cols],
+        rank=cols,
+        bucket=None if bucket is None else np.asarray(bucket)[rows],
+        block=block,
+    )
+    out[rows, cols] = new
+    return out
+
+
+def grow_block(
+    tree: DraftTree,
+    seeds: np.ndarray,
+    cand_tokens: np.ndarray,
+    cand_logprob: np.ndarray,
+    bucket: np.ndarray | None,
+    policy: TreePolicy,
+    budget: int,
+    block: int,
+) -> np.ndarray:
+    """Hang one drafted block under each seed (our reading of the paper, see DESIGN.md).
+
+    ``cand_*`` are ``[S, K, k]``: for seed s and in-block position d, the top-k candidates. The
+    block's forward conditioned position d on the drafter's top-1 belief at d-1, so the top-1
+    candidate continues the *spine*; the other kept candidates are siblings, leaves of this block.
+    A width of 0 (bucket b3 under (2, 4, 10, 0)) cuts the spine. Loops over the K depths, never
+    over nodes. Returns the spine ``[S, K]`` (-1 where cut) and the added node ids via
+    ``tree.meta['block_nodes']``.
+    """
+    s, kdepth, _ = cand_tokens.shape
+    spine = np.full((s, kdepth), -1, dtype=np.int64)
+    parents = np.asarray(seeds, dtype=np.int64)
+    added = []
+    for d in range(kdepth):
+        alive = np.nonzero(parents >= 0)[0]
+        budget_left = budget - (tree.size - 1)
+        if alive.size == 0 or budget_left <= 0:
+            break
+        score = tree.cum_logprob[parents[alive]]
+        b = None if bucket is None else bucket[alive, d]
+        w = policy.widths(score, cand_logprob[alive, d], b, budget_left)
+        new = add_candidates(tree, parents[alive], cand_tokens[alive, d], cand_logprob[alive, d], w, b, block)
+        added.append(new[new >= 0])
+        spine[alive, d] = new[:, 0]
+        parents = spine[:, d]
+    tree.meta["block_nodes"] = np.concatenate(added) if added else np.zeros(0, dtype=np.int64)
+    return spine

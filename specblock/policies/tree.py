@@ -1,0 +1,199 @@
+"""The draft tree: flat arrays, root at index 0, parents before children.
+
+Why flat arrays: the target verifies the whole tree in one forward, so what it needs (an ancestor
+mask and position ids) must come out of a few vectorised numpy operations, not a walk over node
+objects. The simulator builds the same trees without torch, so nothing here imports it.
+
+The root is the last committed token that the target has not yet processed (the previous
+iteration's bonus token, or the last prompt token). It is always "correct"; drafted nodes hang
+below it. A tree with only the root is plain autoregressive decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+#: Rank buckets of the paper: b0 = rank 1, b1 = ranks 2-4, b2 = ranks 5-10, b3 = rank > 10.
+#: Upper bounds (inclusive, 1-based rank) of b0..b2; anything above is b3.
+BUCKET_UPPER = (1, 4, 10)
+NUM_BUCKETS = 4
+NO_BUCKET = -1
+
+
+def rank_to_bucket(rank: np.ndarray | int) -> np.ndarray:
+    """Map 0-based ranks (0 = top-1) to buckets b0..b3."""
+    r = np.asarray(rank) + 1
+    return np.searchsorted(np.asarray(BUCKET_UPPER), r, side="left").astype(np.int64)
+
+
+@dataclass
+class DraftTree:
+    """A token tree. Stored: tokens, parent, depth and per-node draft statistics.
+
+    Derived on demand and cached (never stored twice): the ancestor mask, children lists, leaves,
+    root-to-node paths. Trees are grown with :meth:`extend`, which keeps parents before children
+    by construction (a parent index must already exist).
+    """
+
+    tokens: np.ndarray
+    parent: np.ndarray
+    depth: np.ndarray
+    logprob: np.ndarray  # draft log-prob of the node's token given its parent (0 at the root)
+    rank: np.ndarray  # 0-based rank among its parent's draft candidates (-1 when unknown)
+    bucket: np.ndarray  # predicted rank bucket b0..b3 of the position (NO_BUCKET when none)
+    block: np.ndarray  # block iteration that drafted the node (-1 at the root)
+    meta: dict = field(default_factory=dict)  # drafter-private per-tree data (e.g. hidden states)
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def root_only(cls, token: int) -> "DraftTree":
+        return cls(
+            tokens=np.array([token], dtype=np.int64),
+            parent=np.array([-1], dtype=np.int64),
+            depth=np.array([0], dtype=np.int64),
+            logprob=np.zeros(1, dtype=np.float32),
+            rank=np.array([-1], dtype=np.int64),
+            bucket=np.array([NO_BUCKET], dtype=np.int64),
+            block=np.array([-1], dtype=np.int64),
+        )
+
+    def extend(
+        self,
+        parents: np.ndarray,
+        tokens: np.ndarray,
+        logprob: np.ndarray | None = None,
+        rank: np.ndarray | None = None,
+        bucket: np.ndarray | None = None,
+        block: int | np.ndarray = 0,
+    ) -> np.ndarray:
+        """Append nodes under existing ``parents``; returns their new indices.
+
+        One call per drafting step (not per node): the arrays are concatenated once.
+        """
+        parents = np.asarray(parents, dtype=np.int64).reshape(-1)
+        n_new = parents.shape[0]
+        start = self.size
+        if n_new == 0:
+            return np.arange(start, start, dtype=np.int64)
+        if parents.min() < 0 or parents.max() >= start:
+            raise ValueError("extend: every parent must be an existing node")
+
+        def col(x, default, dtype):
+            if x is None:
+                return np.full(n_new, default, dtype=dtype)
+            return np.broadcast_to(np.asarray(x, dtype=dtype), (n_new,))
+
+        self.tokens = np.concatenate([self.tokens, col(tokens, 0, np.int64)])
+        self.parent = np.concatenate([self.parent, parents])
+        self.depth = np.concatenate([self.depth, self.depth[parents] + 1])
+        self.logprob = np.concatenate([self.logprob, col(logprob, 0.0, np.float32)])
+        self.rank = np.concatenate([self.rank, col(rank, -1, np.int64)])
+        self.bucket = np.concatenate([self.bucket, col(bucket, NO_BUCKET, np.int64)])
+        self.block = np.concatenate([self.block, col(block, 0, np.int64)])
+        self._invalidate()
+        return np.arange(start, start + n_new, dtype=np.int64)
+
+    def subtree(self, keep: np.ndarray) -> tuple["DraftTree", np.ndarray]:
+        """Keep the nodes in ``keep`` (bool mask or indices; must be ancestor-closed).
+
+        Returns the new tree and, for each kept node, its old index. Used to cut a tree to a
+        node budget or to the context limit.
+        """
+        keep = np.asarray(keep)
+        if keep.dtype == bool:
+            idx = np.nonzero(keep)[0]
+        else:
+            idx = np.unique(keep.astype(np.int64))
+        if idx.size == 0 or idx[0] != 0:
+            raise ValueError("subtree: the root must be kept")
+        remap = np.full(self.size, -1, dtype=np.int64)
+        remap[idx] = np.arange(idx.size)
+        old_parent = self.parent[idx]
+        new_parent = np.where(old_parent >= 0, remap[np.maximum(old_parent, 0)], -1)
+        if (new_parent[1:] < 0).any():
+            raise ValueError("subtree: kept nodes must be ancestor-closed")
+        t = DraftTree(
+            tokens=self.tokens[idx],
+            parent=new_parent,
+            depth=self.depth[idx],
+            logprob=self.logprob[idx],
+            rank=self.rank[idx],
+            bucket=self.bucket[idx],
+            block=self.block[idx],
+            meta=dict(self.meta),
+        )
+        return t, idx
+
+    # ----------------------------------------------------------------- derived views
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    def _invalidate(self) -> None:
+        for name in ("ancestor_mask", "cum_logprob", "is_leaf"):
+            self.__dict__.pop(name, None)
+
+    @cached_property
+    def ancestor_mask(self) -> np.ndarray:
+        """``[N, N]`` bool: ``mask[i, j]`` iff j is i or an ancestor of i (the attention pattern).
+
+        Built one depth level at a time (a handful of vectorised steps), never node by node.
+        """
+        n = self.size
+        mask = np.zeros((n, n), dtype=bool)
+        mask[0, 0] = True
+        for d in range(1, self.max_depth + 1):
+            nodes = np.nonzero(self.depth == d)[0]
+            mask[nodes] = mask[self.parent[nodes]]
+            mask[nodes, nodes] = True
+        return mask
+
+    @cached_property
+    def cum_logprob(self) -> np.ndarray:
+        """Sum of draft log-probs from the root to each node (EAGLE-2's ranking score)."""
+        return (self.ancestor_mask * self.logprob[None, :]).sum(axis=1).astype(np.float32)
+
+    @cached_property
+    def is_leaf(self) -> np.ndarray:
+        has_child = np.zeros(self.size, dtype=bool)
+        has_child[self.parent[1:]] = True
+        return ~has_child
+
+    def position_ids(self, past_len: int) -> np.ndarray:
+        """Position of each node in the sequence: the root sits at ``past_len``."""
+        return past_len + self.depth
+
+    def path_to(self, node: int) -> np.ndarray:
+        """Indices from the root to ``node`` inclusive, in depth order.
+
+        Parents precede children, so ascending index order along an ancestor chain is depth order.
+        """
+        return np.nonzero(self.ancestor_mask[node])[0]
+
+    def leaf_paths(self) -> list[np.ndarray]:
+        return [self.path_to(int(i)) for i in np.nonzero(self.is_leaf)[0]]
+
+    def children(self, node: int) -> np.ndarray:
+        return np.nonzero(self.parent == node)[0]
+
+    def check(self) -> None:
+        """Validate the structural invariants (for tests and for trees from users' drafters)."""
+        n = self.size
+        for name in ("parent", "depth", "logprob", "rank", "bucket", "block"):
+            if getattr(self, name).shape != (n,):
+                raise ValueError(f"DraftTree.{name} has shape {getattr(self, name).shape}, want ({n},)")
+        if self.parent[0] != -1 or self.depth[0] != 0:
+            raise ValueError("DraftTree: node 0 must be the root (parent -1, depth 0)")
+        if n > 1:
+            p = self.parent[1:]
+            if (p < 0).any() or (p >= np.arange(1, n)).any():
+                raise ValueError("DraftTree: every parent must come before its child")
+            if (self.depth[1:] != self.depth[p] + 1).any():
+                raise ValueError("DraftTree: depth must be parent depth + 1")
