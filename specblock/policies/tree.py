@@ -60,6 +60,33 @@ class DraftTree:
             block=np.array([-1], dtype=np.int64),
         )
 
+    @classmethod
+    def from_parents(cls, tokens: np.ndarray, parent: np.ndarray, **stats: np.ndarray) -> "DraftTree":
+        """Build a whole tree at once from a parent array (parents before children).
+
+        Depth comes from pointer jumping: one vectorised step per tree level, not per node.
+        """
+        parent = np.asarray(parent, dtype=np.int64)
+        n = parent.shape[0]
+        if n == 0 or parent[0] != -1 or (n > 1 and ((parent[1:] < 0) | (parent[1:] >= np.arange(1, n))).any()):
+            raise ValueError("from_parents: node 0 must be the root and parents must precede children")
+        depth = np.zeros(n, dtype=np.int64)
+        anc = parent.copy()
+        while (anc >= 0).any():
+            live = anc >= 0
+            depth += live
+            anc = np.where(live, parent[np.maximum(anc, 0)], -1)
+        full = lambda key, default, dtype: np.asarray(stats.get(key, np.full(n, default)), dtype=dtype)
+        return cls(
+            tokens=np.asarray(tokens, dtype=np.int64),
+            parent=parent,
+            depth=depth,
+            logprob=full("logprob", 0.0, np.float32),
+            rank=full("rank", -1, np.int64),
+            bucket=full("bucket", NO_BUCKET, np.int64),
+            block=full("block", 0, np.int64),
+        )
+
     def extend(
         self,
         parents: np.ndarray,

@@ -1,0 +1,157 @@
+"""The one decode loop: draft, verify, commit, tell the drafter. Every method runs through it.
+
+State between iterations: the target's cache holds every committed token but the last, which
+is the next tree's root (the previous bonus token, or the last prompt token). Plain decoding is
+the same loop with a root-only tree.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Callable, TextIO
+
+import numpy as np
+import torch
+
+from specblock.errors import SpecBlockError
+from specblock.policies.tree import DraftTree
+from specblock.runtime.drafters.base import DraftRequest, Drafter
+from specblock.runtime.metrics import DecodeStats
+from specblock.runtime.target import TargetModel
+from specblock.runtime.verify import GreedyVerifier, Verdict, Verifier
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # new tokens only
+    stats: DecodeStats
+    stopped: str  # "eos", "max_new_tokens" or "context"
+
+
+@dataclass
+class Engine:
+    target: TargetModel
+    drafter: Drafter
+    verifier: Verifier = field(default_factory=GreedyVerifier)
+    budget: int = 24  # draft nodes per tree (root excluded)
+    eos_ids: frozenset[int] = frozenset()
+    trace: TextIO | None = None  # per-iteration JSONL, when set
+    on_iteration: list[Callable[[DraftTree, Verdict], None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.target.want_features = self.drafter.needs_features
+        self._cuda = self.target.device.type == "cuda"
+
+    def _now(self) -> float:
+        if self._cuda:  # kernels are async: time what the GPU did, not what was queued
+            torch.cuda.synchronize(self.target.device)
+        return time.perf_counter()
+
+    def generate(
+        self,
+        prompt_ids: list[int] | np.ndarray,
+        max_new_tokens: int,
+        seed: int = 0,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> GenerationResult:
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
+        if prompt.size == 0:
+            raise SpecBlockError("the prompt is empty; give at least one token")
+        if max_new_tokens < 1:
+            raise SpecBlockError("max_new_tokens must be at least 1")
+        limit = self.target.max_context
+        if prompt.size >= limit:
+            raise SpecBlockError(
+                f"the prompt has {prompt.size} tokens but the model's context is {limit}; shorten the prompt"
+            )
+        self.verifier.reset(seed)
+        self.drafter.reset()
+        stats = DecodeStats()
+        t0 = self._now()
+        feats = self.target.prefill(prompt[:-1])
+        self.drafter.prefill(prompt, feats)
+        t1 = self._now()
+        stats.prefill_s = t1 - t0
+
+        tokens = list(prompt.tolist())
+        new: list[int] = []
+        stopped = "max_new_tokens"
+        while True:
+            ta = self._now()
+            room = limit - len(tokens)  # positions left; the root sits at len(tokens) - 1
+            req = DraftRequest(tokens=np.asarray(tokens, dtype=np.int64), budget=self.budget, max_depth=room)
+            tree = self.drafter.propose(req)
+            if tree.max_depth > room or tree.size - 1 > self.budget:
+                tree = _fit(tree, room, self.budget)
+            tb = self._now()
+            out = self.target.tree_forward(tree)
+            verdict = self.verifier.verify(tree, out.logits)
+            tc = self._now()
+            self.target.commit(verdict.path)
+            feats = out.rows(verdict.path) if self.drafter.needs_features else None
+            self.drafter.accept(tree, verdict, feats)
+            emitted = tree.tokens[verdict.path[1:]].tolist() + [verdict.bonus]
+            td = self._now()
+            for hook in self.on_iteration:
+                hook(tree, verdict)
+
+            stats.draft_s += tb - ta
+            stats.verify_s += tc - tb
+            stats.commit_s += td - tc
+            stats.accepted.append(verdict.accepted)
+            stats.tree_depth.append(tree.max_depth)
+            stats.tree_size.append(tree.size)
+            if self.trace is not None:
+                self._write_trace(stats, tree, verdict, len(tokens) - 1, tb - ta, tc - tb, td - tc)
+
+            for i, tok in enumerate(emitted):
+                if tok in self.eos_ids:
+                    emitted, stopped = emitted[: i + 1], "eos"
+                    break
+            if len(new) + len(emitted) >= max_new_tokens:
+                emitted, stopped = emitted[: max_new_tokens - len(new)], "max_new_tokens"
+            new.extend(emitted)
+            tokens.extend(emitted)
+            if on_tokens is not None and emitted:
+                on_tokens(emitted)
+            if stopped == "eos" or len(new) >= max_new_tokens:
+                break
+            if len(tokens) >= limit:
+                stopped = "context"
+                break
+        t_end = self._now()
+        stats.loop_s = t_end - t1
+        stats.wall_s = t_end - t0
+        stats.new_tokens = len(new)
+        return GenerationResult(token_ids=new, stats=stats, stopped=stopped)
+
+    def _write_trace(self, stats, tree: DraftTree, verdict: Verdict, ctx: int, ds, vs, cs) -> None:
+        rec = {
+            "iter": stats.iterations - 1,
+            "ctx": ctx,
+            "tree_size": tree.size,
+            "depth": tree.max_depth,
+            "accepted": verdict.accepted,
+            "draft_s": ds,
+            "verify_s": vs,
+            "commit_s": cs,
+            "nodes": {
+                "depth": tree.depth.tolist(),
+                "rank": tree.rank.tolist(),
+                "bucket": tree.bucket.tolist(),
+                "block": tree.block.tolist(),
+                "correct": None if verdict.correct is None else verdict.correct.astype(int).tolist(),
+            },
+        }
+        self.trace.write(json.dumps(rec) + "\n")
+
+
+def _fit(tree: DraftTree, max_depth: int, budget: int) -> DraftTree:
+    """Cut a drafter's tree to the context limit and the node budget (lowest indices win,
+    which keeps the drafter's own order and ancestor closure)."""
+    keep = tree.depth <= max_depth
+    keep &= np.cumsum(keep) <= budget + 1
+    keep = ~(tree.ancestor_mask & ~keep[None, :]).any(axis=1)
+    return tree.subtree(keep)[0]

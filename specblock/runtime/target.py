@@ -1,0 +1,219 @@
+"""The target: one adapter over any HF ``AutoModelForCausalLM``, no forked modeling files.
+
+It owns the KV cache and knows three moves: prefill a prompt, run one tree forward (a float
+additive 4D mask plus explicit position ids: the only way HF's sdpa/eager paths honour a tree),
+and commit, which prunes the cache to the accepted path with one gather per layer.
+
+Hidden-state taps: EAGLE-3 fuses the hidden states *entering* layers 2, L//2 and L-3. For models
+shallower than 8 layers those collide (6 layers: 2, 3, 3), so there we spread them to 1, L//2,
+L-1 (our choice). ``hidden_states[i]`` of HF's output is the input of layer i.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from specblock.errors import SpecBlockError
+from specblock.policies.tree import DraftTree
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def default_taps(num_layers: int) -> tuple[int, int, int]:
+    if num_layers >= 8:
+        return (2, num_layers // 2, num_layers - 3)
+    return (min(1, num_layers - 1), num_layers // 2, max(num_layers - 1, 0))
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SpecBlockError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    return torch.device(device)
+
+
+@dataclass
+class TargetOutput:
+    """What one target forward hands back, one row per processed position."""
+
+    logits: torch.Tensor  # [N, V]
+    top: torch.Tensor | None = None  # [N, h] final (post-norm) hidden state
+    taps: torch.Tensor | None = None  # [N, len(taps) * h] low/mid/top features (EAGLE-3)
+
+    def rows(self, idx: torch.Tensor | np.ndarray) -> "TargetOutput":
+        idx = torch.as_tensor(idx, device=self.logits.device, dtype=torch.long)
+        pick = lambda t: None if t is None else t.index_select(0, idx)
+        return TargetOutput(self.logits.index_select(0, idx), pick(self.top), pick(self.taps))
+
+
+class TargetModel:
+    """A causal LM plus its KV cache, driven one tree at a time (batch size 1)."""
+
+    def __init__(self, model: PreTrainedModel, tap_layers: tuple[int, ...] | None = None) -> None:
+        impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+        if impl.startswith("flash"):
+            raise SpecBlockError(
+                f"attention '{impl}' ignores tree masks; load the target with attn_implementation='sdpa' or 'eager'"
+            )
+        if getattr(model.config, "use_sliding_window", False) and getattr(model.config, "sliding_window", None):
+            raise SpecBlockError("sliding-window attention is not supported for tree verification; disable it in the config")
+        self.model = model.eval()
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        n_layers = int(self.config.num_hidden_layers)
+        self.tap_layers = tuple(tap_layers) if tap_layers is not None else default_taps(n_layers)
+        if any(not 0 <= t <= n_layers for t in self.tap_layers):
+            raise SpecBlockError(f"tap layers {self.tap_layers} outside 0..{n_layers}")
+        self.want_features = False  # set by the engine when the drafter reads taps/top states
+        self.max_context = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+        self.vocab_size = int(self.config.vocab_size)
+        self.hidden_size = int(self.config.hidden_size)
+        self.cache: DynamicCache | None = None
+        self.past_len = 0
+        self._min = torch.finfo(self.dtype).min
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        dtype: str = "bfloat16",
+        device: str = "auto",
+        attn: str = "sdpa",
+        trust_remote_code: bool = False,
+        tap_layers: tuple[int, ...] | None = None,
+    ) -> "TargetModel":
+        model = load_causal_lm(path, dtype, device, attn, trust_remote_code)
+        return cls(model, tap_layers)
+
+    # ------------------------------------------------------------------ forwards
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.config)
+        self.past_len = 0
+
+    @torch.no_grad()
+    def prefill(self, ids: np.ndarray) -> TargetOutput | None:
+        """Process committed tokens (all but the pending root). Returns per-position features
+        when a drafter wants them; logits only for the last position."""
+        self.reset()
+        if len(ids) == 0:
+            return None
+        x = torch.as_tensor(np.asarray(ids), device=self.device, dtype=torch.long)[None]
+        out = self.model(
+            input_ids=x,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=self.want_features,
+            logits_to_keep=1,
+        )
+        self.past_len = int(x.shape[1])
+        return self._output(out, full_logits=False)
+
+    @torch.no_grad()
+    def tree_forward(self, tree: DraftTree) -> TargetOutput:
+        """One forward over every node of ``tree``; the root sits at position ``past_len``."""
+        n = tree.size
+        if self.past_len + tree.max_depth >= self.max_context:
+            raise SpecBlockError("tree reaches past the model's context; the engine should have cut it")
+        x = torch.as_tensor(tree.tokens, device=self.device)[None]
+        pos = torch.as_tensor(tree.position_ids(self.past_len), device=self.device)[None]
+        mask = None
+        if n > 1:  # a lone root needs no mask: it sees the whole past
+            anc = torch.as_tensor(tree.ancestor_mask, device=self.device)
+            mask = torch.zeros((1, 1, n, self.past_len + n), dtype=self.dtype, device=self.device)
+            mask[0, 0, :, self.past_len :].masked_fill_(~anc, self._min)
+        out = self.model(
+            input_ids=x,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=self.want_features,
+        )
+        return self._output(out, full_logits=True)
+
+    def _output(self, out, full_logits: bool) -> TargetOutput:
+        logits = out.logits[0]
+        if not self.want_features:
+            return TargetOutput(logits)
+        hs = out.hidden_states
+        taps = torch.cat([hs[i][0] for i in self.tap_layers], dim=-1)
+        return TargetOutput(logits, top=hs[-1][0], taps=taps)
+
+    @torch.no_grad()
+    def commit(self, path: np.ndarray) -> None:
+        """Keep the past plus the tree nodes on ``path`` (root first), drop the rest.
+
+        The cache holds ``past_len + N`` entries after a tree forward; accepted nodes are moved to
+        the front of the tree region with one gather per layer, then the tail is cut off. A path
+        that is already a prefix 0..a (every chain) needs no gather at all.
+        """
+        assert self.cache is not None
+        keep = len(path)
+        path = np.asarray(path, dtype=np.int64)
+        contiguous = bool((path == np.arange(keep)).all())
+        idx = None if contiguous else torch.as_tensor(path + self.past_len, device=self.device)
+        end = self.past_len + keep
+        for layer in self.cache.layers:
+            if idx is not None:
+                layer.keys[..., self.past_len : end, :] = layer.keys.index_select(-2, idx)
+                layer.values[..., self.past_len : end, :] = layer.values.index_select(-2, idx)
+            layer.keys = layer.keys[..., :end, :]
+            layer.values = layer.values[..., :end, :]
+        self.past_len = end
+
+
+def load_causal_lm(
+    path: str | Path, dtype: str, device: str, attn: str, trust_remote_code: bool
+) -> PreTrainedModel:
+    """Load a local HF causal LM safely: safetensors only, no remote code unless asked."""
+    path = Path(path)
+    if not path.is_dir():
+        raise SpecBlockError(f"no model directory at {path}; pass --target DIR holding config.json and *.safetensors")
+    if not (path / "config.json").is_file():
+        raise SpecBlockError(f"{path} has no config.json; is it a HuggingFace model directory?")
+    if not any(path.glob("*.safetensors")):
+        raise SpecBlockError(f"{path} has no *.safetensors weights (pickled checkpoints are refused); convert them first")
+    if dtype not in DTYPES:
+        raise SpecBlockError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    if attn not in ("sdpa", "eager"):
+        raise SpecBlockError(f"attention {attn!r} cannot run tree masks; use sdpa or eager")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as e:  # e.g. unknown model_type, or remote code needed
+        raise SpecBlockError(f"cannot read {path}/config.json: {str(e).splitlines()[0]}") from None
+    archs = getattr(config, "architectures", None) or []
+    if archs and not any(a.endswith("ForCausalLM") for a in archs):
+        raise SpecBlockError(f"{path} holds a {archs[0]}, not a causal LM (…ForCausalLM)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=DTYPES[dtype],
+            attn_implementation=attn,
+            use_safetensors=True,
+            trust_remote_code=trust_remote_code,
+        )
+    except ValueError as e:
+        raise SpecBlockError(f"cannot load {path} as a causal LM: {str(e).splitlines()[0]}") from None
+    return model.to(resolve_device(device))
+
+
+def read_generation_eos(path: str | Path) -> set[int]:
+    """EOS ids from generation_config.json (falls back to config.json)."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        f = Path(path) / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                ids.update(eos if isinstance(eos, list) else [eos])
+                break
+    return ids
