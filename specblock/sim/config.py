@@ -1,0 +1,214 @@
+"""Configuration models: pydantic at the boundary (CLI, YAML sweeps, JSON next to results).
+
+Inside, the engine works with plain dataclasses and policy objects built by :func:`build_method`.
+A config's hash (:func:`config_hash`) keys the sweep cache, so every field that changes a result
+lives here, seeds included.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from specblock.policies.branching import (
+    ChainBranching,
+    DynamicBranching,
+    RankBucketBranching,
+    TopKBranching,
+    TreePolicy,
+)
+from specblock.policies.seeds import DeepestConfidentSeeds, SeedPolicy, TopScoreSeeds
+
+METHODS = ("ar", "sps", "medusa", "eagle3", "specblock")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MethodCfg(_Strict):
+    """Which method, its tree geometry and its policies. Unused fields are ignored per method.
+
+    ``policy_class`` / ``seed_class`` ("package.module:Class", kwargs in ``*_kwargs``) drop a
+    user's TreePolicy / SeedPolicy subclass into the sim, the same class the runtime takes.
+    """
+
+    name: Literal["ar", "sps", "medusa", "eagle3", "specblock"] = "specblock"
+    # SpecBlock (digest defaults K = 4, M = 2; seeds and budget are ours: the digest is silent)
+    K: int = Field(4, ge=1, le=16)
+    M: int = Field(2, ge=1, le=8)
+    max_seeds: int = Field(4, ge=1, le=64)
+    widths: tuple[int, int, int, int] = (2, 4, 10, 0)
+    branching: Literal["rank", "topk", "dynamic", "chain"] = "rank"
+    topk: int = Field(2, ge=1, le=16)
+    seeds: Literal["deepest-confident", "top-score"] = "deepest-confident"
+    min_prob: float = Field(0.0, ge=0, le=1)
+    use_rank_head: bool = True
+    # EAGLE-3 / Medusa / SpS
+    depth: int = Field(7, ge=1, le=16)
+    top_k: int = Field(10, ge=1, le=16)
+    heads: int = Field(4, ge=1, le=8)
+    medusa_top_k: int = Field(4, ge=1, le=16)
+    gamma: int = Field(5, ge=1, le=16)
+    budget: int | None = Field(None, ge=1, le=512)
+    policy_class: str | None = None
+    policy_kwargs: dict = Field(default_factory=dict)
+    seed_class: str | None = None
+    seed_kwargs: dict = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _widths(self) -> "MethodCfg":
+        if min(self.widths) < 0 or max(self.widths) > 16:
+            raise ValueError("method.widths: four widths (b0..b3) in 0..16")
+        return self
+
+
+class AcceptanceCfg(_Strict):
+    """Where ranks come from.
+
+    * ``digest``: parametric shape per method, top-1 scale fitted to the digest's tau for the
+      preset's target, this method and ``benchmark`` (see ``digest.py``);
+    * ``parametric``: the method's shape with ``a1`` given here;
+    * ``iid``: every position accepts its top-1 with probability ``a`` (Leviathan's assumption);
+    * ``traces``: fitted from runtime JSONL traces (``traces``: paths).
+    """
+
+    kind: Literal["digest", "parametric", "iid", "traces"] = "digest"
+    benchmark: str = "mean"
+    a: float | None = Field(None, ge=0, le=1)
+    a1: float | None = Field(None, ge=0, le=1)
+    head_accuracy: float | None = Field(None, ge=0, le=1)
+    kappa: float | None = Field(None, gt=0)
+    decay: float | None = Field(None, gt=0, le=1)
+    traces: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _need(self) -> "AcceptanceCfg":
+        if self.kind == "iid" and self.a is None:
+            raise ValueError("acceptance.kind=iid needs acceptance.a")
+        if self.kind == "parametric" and self.a1 is None:
+            raise ValueError("acceptance.kind=parametric needs acceptance.a1")
+        if self.kind == "traces" and not self.traces:
+            raise ValueError("acceptance.kind=traces needs acceptance.traces (JSONL paths)")
+        return self
+
+
+class ShiftCfg(_Strict):
+    """From request ``at_request`` on, traffic comes from ``benchmark`` (a domain shift)."""
+
+    at_request: int = Field(ge=0)
+    benchmark: str
+
+
+class WorkloadCfg(_Strict):
+    requests: int = Field(200, ge=1)
+    tokens: int = Field(256, ge=1)
+    prompt_len: int = Field(512, ge=0)
+    arrival: Literal["closed", "poisson"] = "closed"
+    rate_per_s: float = Field(1.0, gt=0)
+    max_batch: int = Field(1, ge=1, le=256)
+    shifts: list[ShiftCfg] = Field(default_factory=list)
+
+
+class AdaptCfg(_Strict):
+    """Serving-time adaptation in the sim (issue 6's bandit and rollback drive it).
+
+    The drafter's state per domain is a *skill* s: top-1 acceptance moves from its static value
+    towards ``a + headroom * (1 - a)`` as s goes to 1 (negative s: worse than static). Update
+    effects, costs and the interference factor are our assumptions until measured on real runs.
+    """
+
+    enabled: bool = False
+    window: int = Field(64, ge=4)  # decoding iterations per window
+    headroom: float = Field(0.3, ge=0, le=1)
+    heads_ms: float = Field(40.0, ge=0)  # GPU time of one heads-only update
+    full_ms: float = Field(600.0, ge=0)  # ... of one full-backbone update (> 10x heads, digest)
+    chunk_ms: float = Field(5.0, gt=0)  # background work is scheduled in chunks this long
+    interference: float = Field(0.05, ge=0)  # decoding slowdown while an update is in flight
+    heads_rate: float = Field(0.25, ge=0, le=1)
+    heads_cap: float = Field(0.8, ge=0, le=1)  # heads-only absorbs most of the drift, not all
+    full_rate: float = Field(0.4, ge=0, le=1)
+    full_bad_prob: float = Field(0.1, ge=0, le=1)  # a full update sometimes hurts
+    full_bad_drop: float = Field(0.5, ge=0)
+    always: Literal["heads", "full"] | None = None  # ablations: no bandit
+    no_heads_arm: bool = False
+    ewma: float = Field(0.3, gt=0, le=1)
+    explore: float = Field(0.5, ge=0)
+    rollback_tolerance: float = Field(0.03, ge=0)
+
+
+class SimConfig(_Strict):
+    preset: str = "paper"
+    latency_file: str | None = None
+    target: str | None = None  # acceptance target key; default: the preset's model
+    method: MethodCfg = Field(default_factory=MethodCfg)
+    acceptance: AcceptanceCfg = Field(default_factory=AcceptanceCfg)
+    workload: WorkloadCfg = Field(default_factory=WorkloadCfg)
+    adapt: AdaptCfg = Field(default_factory=AdaptCfg)
+    seed: int = 0
+    n_seeds: int = Field(1, ge=1, le=64)
+    # Trees per domain drafted up front and then resampled per iteration (a bootstrap of the tree
+    # distribution: draft + acceptance depend on the rank model only, not on context). Why: the
+    # shared tree code costs ~1 ms per tree, too slow for sweeps. 0 = draft a fresh tree every
+    # iteration (exact). Ignored while adaptation changes the rank model.
+    tree_pool: int = Field(2048, ge=0)
+
+
+def config_hash(cfg: SimConfig) -> str:
+    blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _load_class(path: str, base: type):
+    mod, _, name = path.partition(":")
+    cls = getattr(importlib.import_module(mod), name)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise TypeError(f"{path} is not a {base.__name__} subclass")
+    return cls
+
+
+def tree_policy(m: MethodCfg) -> TreePolicy:
+    if m.policy_class:
+        return _load_class(m.policy_class, TreePolicy)(**m.policy_kwargs)
+    return {
+        "rank": lambda: RankBucketBranching(widths_by_bucket=tuple(m.widths)),
+        "topk": lambda: TopKBranching(k=m.topk),
+        "dynamic": lambda: DynamicBranching(top_k=m.top_k),
+        "chain": ChainBranching,
+    }[m.branching]()
+
+
+def seed_policy(m: MethodCfg) -> SeedPolicy:
+    if m.seed_class:
+        return _load_class(m.seed_class, SeedPolicy)(**m.seed_kwargs)
+    if m.seeds == "top-score":
+        return TopScoreSeeds()
+    return DeepestConfidentSeeds(min_prob=m.min_prob)
+
+
+def build_method(m: MethodCfg):
+    """Policy objects and method model for a config (the runtime builds the same policies)."""
+    from specblock.sim import methods as mm
+
+    if m.name == "ar":
+        return mm.Autoregressive()
+    if m.name == "sps":
+        return mm.sps(m.gamma)
+    if m.name == "medusa":
+        d = mm.medusa(heads=m.heads, top_k=m.medusa_top_k, budget=m.budget or 63)
+        if m.policy_class:
+            d.policy = tree_policy(m)
+        return d
+    if m.name == "eagle3":
+        d = mm.eagle3(depth=m.depth, top_k=m.top_k, budget=m.budget or 60)
+        if m.policy_class:
+            d.policy = tree_policy(m)
+        if m.seed_class:
+            d.seeds = seed_policy(m)
+        return d
+    return mm.SpecBlockDrafter(policy=tree_policy(m), seeds=seed_policy(m), K=m.K, M=m.M,
+                               max_seeds=m.max_seeds, budget=m.budget or 48, use_rank_head=m.use_rank_head)

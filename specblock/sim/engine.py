@@ -1,0 +1,279 @@
+"""The SimPy engine: requests, the decode loop, domain shifts, background adaptation.
+
+One server process serves requests from a queue: closed loop (every request queued at t = 0,
+``max_batch`` at a time; batch 1 is the paper's setting) or Poisson arrivals. Each decoding
+iteration drafts one tree per active request with the method model (shared policy objects),
+accepts with the shared ``accept_longest``, and charges
+``T_iter = sum(drafter forwards) + T_target(sum of tree sizes, ctx, batch) + overhead``; drafter
+forwards of a batch run in lockstep (i-th forward of every request together). When adaptation is
+on, the GPU is one ``simpy.PriorityResource``: decoding iterations at priority 0, update chunks at
+priority 1 (see ``adaptation.py``). Time unit: milliseconds. Each random component has its own
+seed (acceptance, arrivals, adaptation), spawned from the run's seed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+import simpy
+
+from specblock.sim.acceptance import RankModel, iid_rank_model, METHOD_SHAPES
+from specblock.sim.config import SimConfig, build_method
+from specblock.sim.presets import latency_preset
+
+
+@dataclass
+class Request:
+    idx: int
+    domain: str
+    arrival: float
+    tokens_left: int
+    ctx: int
+    generated: int = 0
+    start: float | None = None
+    finish: float | None = None
+
+
+@dataclass
+class Counters:
+    forwards: int = 0  # target forwards, counted per request (tau's denominator)
+    tau_sum: int = 0
+    accepted_hist: np.ndarray = field(default_factory=lambda: np.zeros(64, dtype=np.int64))
+    iterations: int = 0
+    t_iter: float = 0.0
+    t_draft: float = 0.0
+    t_verify: float = 0.0
+    tokens: int = 0
+
+
+class AcceptanceSource:
+    """Rank models per (domain, adaptation skill), cached."""
+
+    def __init__(self, cfg: SimConfig, target: str) -> None:
+        self.cfg, self.target, self.notes = cfg, target, []
+        self._base: dict[str, RankModel] = {}
+        self._cache: dict[tuple, RankModel] = {}
+        self.model(cfg.acceptance.benchmark, 0.0)  # fail early on bad names / files
+
+    def base(self, domain: str) -> RankModel:
+        if domain not in self._base:
+            self._base[domain] = self._build(domain)
+        return self._base[domain]
+
+    def _build(self, domain: str) -> RankModel:
+        a, m = self.cfg.acceptance, self.cfg.method.name
+        if m == "ar" or a.kind == "iid":
+            return iid_rank_model(a.a if a.a is not None else 0.0, kappa=a.kappa or 2.0)
+        if a.kind == "traces":
+            from specblock.sim.traces import fit_traces
+
+            return fit_traces(a.traces, method=m)
+        shape = METHOD_SHAPES[m]
+        over = {k: v for k, v in (("head_accuracy", a.head_accuracy), ("kappa", a.kappa), ("decay", a.decay))
+                if v is not None}
+        if over:
+            from dataclasses import replace
+
+            shape = replace(shape, **over)
+        if a.kind == "parametric":
+            return shape.rank_model(a.a1)
+        from specblock.sim.digest import fitted_a1
+
+        a1, note = fitted_a1(self.cfg.target or self.target, m, domain)
+        if note:
+            self.notes.append(note)
+        return shape.rank_model(a1)
+
+    def model(self, domain: str, skill: float) -> RankModel:
+        key = (domain, round(skill, 4))
+        if key not in self._cache:
+            self._cache[key] = self.base(domain).lift(skill * self.cfg.adapt.headroom if skill > 0 else skill)
+        return self._cache[key]
+
+
+class Simulation:
+    def __init__(self, cfg: SimConfig, seed: int, trace_out: str | None = None) -> None:
+        self.cfg = cfg
+        acc_ss, arr_ss, ad_ss = np.random.SeedSequence(seed).spawn(3)
+        self.rng_acc = np.random.default_rng(acc_ss)
+        self.rng_arr = np.random.default_rng(arr_ss)
+        self.lat, target = latency_preset(cfg.preset, cfg.latency_file)
+        self.source = AcceptanceSource(cfg, target)
+        self.method = build_method(cfg.method)
+        self.env = simpy.Environment()
+        self.gpu = simpy.PriorityResource(self.env, capacity=1) if cfg.adapt.enabled else None
+        self.queue: deque[Request] = deque()
+        self.arrived = simpy.Event(self.env)
+        self.c = Counters()
+        self.done: list[Request] = []
+        self.skill: dict[str, float] = {}
+        self.adapter = None
+        self.pools: dict[str, list] = {}
+        self.trace = open(trace_out, "w") if trace_out else None
+        if cfg.adapt.enabled:
+            from specblock.sim.adaptation import Adapter
+
+            self.adapter = Adapter(self, ad_ss)
+
+    # ------------------------------------------------------------------ workload
+    def domain_of(self, i: int) -> str:
+        dom = self.cfg.acceptance.benchmark
+        for s in sorted(self.cfg.workload.shifts, key=lambda s: s.at_request):
+            if i >= s.at_request:
+                dom = s.benchmark
+        return dom
+
+    def _new_request(self, i: int) -> Request:
+        w = self.cfg.workload
+        return Request(i, self.domain_of(i), self.env.now, w.tokens, w.prompt_len)
+
+    def arrivals(self):
+        w = self.cfg.workload
+        for i in range(w.requests):
+            yield self.env.timeout(self.rng_arr.exponential(1000.0 / w.rate_per_s))
+            self.queue.append(self._new_request(i))
+            if not self.arrived.triggered:
+                self.arrived.succeed()
+
+    # ------------------------------------------------------------------ decoding
+    def step(self, active: list[Request]) -> tuple[float, list]:
+        """Draft and verify one iteration for ``active``; returns (ms, drafts)."""
+        drafts = [self._draft(r.domain) for r in active]
+        b = len(active)
+        ctx = float(np.mean([r.ctx for r in active]))
+        draft = 0.0
+        n_fw = max(len(d.forwards) for d in drafts)
+        for i in range(n_fw):
+            q = sum(d.forwards[i] for d in drafts if i < len(d.forwards))
+            draft += self.lat.draft_ms(self.method.drafter, q, ctx, b)
+        verify = self.lat.target_ms(sum(d.tree.size for d in drafts), ctx, b)
+        t = draft + verify + self.lat.overhead_ms
+        if self.adapter is not None and self.adapter.busy:
+            t *= 1.0 + self.cfg.adapt.interference
+        c = self.c
+        c.iterations += 1
+        c.t_iter += t
+        c.t_draft += draft
+        c.t_verify += verify
+        if self.trace is not None:
+            self._write_trace(active, drafts, draft, verify, t)
+        return t, drafts
+
+    def _draft(self, domain: str):
+        if self.adapter is not None or self.cfg.tree_pool == 0:
+            return self.method.draft(self.rng_acc, self.source.model(domain, self.skill.get(domain, 0.0)))
+        pool = self.pools.get(domain)
+        if pool is None:
+            rm = self.source.model(domain, 0.0)
+            pool = self.pools[domain] = [self.method.draft(self.rng_acc, rm) for _ in range(self.cfg.tree_pool)]
+        return pool[int(self.rng_acc.integers(len(pool)))]
+
+    def server(self):
+        w = self.cfg.workload
+        active: list[Request] = []
+        n_done = 0
+        while n_done < w.requests:
+            while self.queue and len(active) < w.max_batch:
+                r = self.queue.popleft()
+                r.start = self.env.now
+                active.append(r)
+            if not active:
+                self.arrived = simpy.Event(self.env)
+                yield self.arrived
+                continue
+            t, drafts = self.step(active)
+            if self.gpu is not None:
+                with self.gpu.request(priority=0) as req:
+                    yield req
+                    yield self.env.timeout(t)
+            else:
+                yield self.env.timeout(t)
+            win_tokens = 0
+            for r, d in zip(active, drafts):
+                acc = d.acceptance.accepted
+                self.c.forwards += 1
+                self.c.tau_sum += acc + 1
+                self.c.accepted_hist[min(acc, 63)] += 1
+                got = min(acc + 1, r.tokens_left)
+                r.tokens_left -= got
+                r.generated += got
+                r.ctx += got
+                win_tokens += got
+            self.c.tokens += win_tokens
+            if self.adapter is not None:
+                self.adapter.after_iteration(drafts, win_tokens, t)
+            for r in [r for r in active if r.tokens_left == 0]:
+                r.finish = self.env.now
+                self.done.append(r)
+                n_done += 1
+            active = [r for r in active if r.tokens_left > 0]
+
+    def run(self) -> dict:
+        w = self.cfg.workload
+        if w.arrival == "closed":
+            self.queue.extend(self._new_request(i) for i in range(w.requests))
+        else:
+            self.env.process(self.arrivals())
+        self.env.process(self.server())
+        self.env.run()
+        if self.trace is not None:
+            self.trace.close()
+        return self.metrics()
+
+    # ------------------------------------------------------------------ outputs
+    def metrics(self) -> dict:
+        c, w = self.c, self.cfg.workload
+        tau = c.tau_sum / c.forwards
+        tpot = float(np.mean([(r.finish - r.start) / r.generated for r in self.done]))
+        ar = ar_tpot_ms(self.cfg.preset, self.cfg.latency_file, w.prompt_len, w.tokens)
+        hist = c.accepted_hist[: max(int(np.nonzero(c.accepted_hist)[0].max()) + 1, 1)]
+        reach = hist[::-1].cumsum()[::-1]  # forwards that accepted >= d tokens
+        per_depth = [float(reach[d] / reach[d - 1]) for d in range(1, len(reach))]
+        out = {
+            "speedup": ar / tpot,
+            "speedup_iter": tau * ar / (c.t_iter / c.iterations),
+            "tau": tau,
+            "draft_share": c.t_draft / c.t_iter,
+            "tokens_per_s": 1000.0 * c.tokens / self.env.now,
+            "tpot_ms": tpot,
+            "ar_tpot_ms": ar,
+            "t_iter_ms": c.t_iter / c.iterations,
+            "t_draft_ms": c.t_draft / c.iterations,
+            "t_verify_ms": c.t_verify / c.iterations,
+            "per_depth_acceptance": per_depth,
+            "iterations": c.iterations,
+            "tokens": c.tokens,
+        }
+        if self.adapter is not None:
+            out.update(self.adapter.summary())
+        if self.source.notes:
+            out["notes"] = sorted(set(self.source.notes))
+        return out
+
+    def _write_trace(self, active, drafts, draft, verify, t) -> None:
+        """The runtime's JSONL trace format (``traces.TraceRecord``), one line per request."""
+        for r, d in zip(active, drafts):
+            tr = d.tree
+            rec = {"iter": self.c.iterations - 1, "ctx": r.ctx, "tree_size": tr.size, "depth": tr.max_depth,
+                   "accepted": d.acceptance.accepted, "draft_s": draft / 1e3, "verify_s": verify / 1e3,
+                   "commit_s": (t - draft - verify) / 1e3, "domain": r.domain,
+                   "nodes": {"parent": tr.parent.tolist(), "depth": tr.depth.tolist(), "rank": tr.rank.tolist(),
+                             "bucket": tr.bucket.tolist(), "block": tr.block.tolist(),
+                             "correct": d.correct.astype(int).tolist()}}
+            self.trace.write(json.dumps(rec) + "\n")
+
+
+@lru_cache(maxsize=64)
+def ar_tpot_ms(preset: str, latency_file: str | None, prompt_len: int, tokens: int) -> float:
+    """Plain autoregressive decoding's time per output token at batch 1 over the same contexts."""
+    lat, _ = latency_preset(preset, latency_file)
+    return float(np.mean([lat.target_ms(1, prompt_len + t, 1) + lat.overhead_ms for t in range(tokens)]))
+
+
+def simulate(cfg: SimConfig, seed: int | None = None, trace_out: str | None = None) -> dict:
+    """One seeded run."""
+    return Simulation(cfg, cfg.seed if seed is None else seed, trace_out).run()

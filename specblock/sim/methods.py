@@ -1,0 +1,219 @@
+"""Method models: each drafts one synthetic tree per iteration with the runtime's own policy objects.
+
+Candidates are synthetic (token ids are candidate ranks; only structure and log-probs matter); the
+acceptance model (``acceptance.RankModel``) draws, for every expanded position, the rank of the
+target's token, and a child is correct iff its candidate rank equals it. Trees are built with the
+shared ``specblock.policies`` functions (``add_candidates``, ``grow_block``, ``TreePolicy.widths``,
+``TreePolicy.prune``, ``SeedPolicy.select``), exactly the calls the runtime makes, and accepted with
+the shared ``accept_longest``.
+
+Drafting cost is reported as the list of drafter forwards with their query counts; the engine
+prices them with the latency model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specblock.policies.acceptance import Acceptance, accept_longest
+from specblock.policies.branching import (
+    ChainBranching,
+    DynamicBranching,
+    TopKBranching,
+    TreePolicy,
+    add_candidates,
+    grow_block,
+)
+from specblock.policies.seeds import DeepestConfidentSeeds, SeedPolicy, TopScoreSeeds
+from specblock.policies.tree import DraftTree
+from specblock.sim.acceptance import R, RankModel
+
+
+@dataclass
+class Drafted:
+    """One iteration's draft: the tree, per-node correctness, its acceptance, drafter forwards."""
+
+    tree: DraftTree
+    correct: np.ndarray
+    acceptance: Acceptance
+    forwards: list[int]  # query count of each drafter forward, in order
+
+
+class _RankBook:
+    """Target rank per expanded parent node (the tree's future correctness), grown with the tree."""
+
+    def __init__(self) -> None:
+        self.rank = np.full(64, -1, dtype=np.int64)
+
+    def set(self, parents: np.ndarray, ranks: np.ndarray) -> None:
+        top = int(parents.max(initial=-1)) + 1
+        if top > self.rank.size:
+            self.rank = np.concatenate([self.rank, np.full(max(top, 2 * self.rank.size), -1)])
+        self.rank[parents] = ranks
+
+    def correct(self, tree: DraftTree) -> np.ndarray:
+        if tree.size > self.rank.size:
+            self.rank = np.concatenate([self.rank, np.full(tree.size, -1)])
+        c = np.ones(tree.size, dtype=bool)
+        c[1:] = tree.rank[1:] == self.rank[tree.parent[1:]]
+        return c
+
+
+def _finish(tree: DraftTree, book: _RankBook, forwards: list[int], policy: TreePolicy | None,
+            budget: int | None) -> Drafted:
+    correct = book.correct(tree)
+    if policy is not None and budget is not None and tree.size - 1 > budget:
+        tree.tokens = np.arange(tree.size, dtype=np.int64)  # synthetic ids: remember old indices
+        tree = policy.prune(tree, budget)
+        correct = correct[tree.tokens]
+    return Drafted(tree, correct, accept_longest(tree, correct), forwards)
+
+
+class MethodModel:
+    """Base: ``drafter`` names the latency model's drafter; :meth:`draft` builds one tree."""
+
+    name = "base"
+    drafter: str | None = None
+
+    def draft(self, rng: np.random.Generator, rm: RankModel) -> Drafted:
+        raise NotImplementedError
+
+
+@dataclass
+class Autoregressive(MethodModel):
+    """Plain decoding: the tree is its root; one target forward per token."""
+
+    name = "ar"
+
+    def draft(self, rng, rm):
+        tree = DraftTree.root_only(0)
+        c = np.ones(1, dtype=bool)
+        return Drafted(tree, c, accept_longest(tree, c), [])
+
+
+@dataclass
+class DepthwiseDrafter(MethodModel):
+    """Expands the tree one depth at a time: ``depth`` steps, each offering ``n_cand`` candidates
+    under every frontier node, widths from ``policy``, next frontier from ``seeds`` (at most
+    ``max_frontier``), final rerank with ``policy.prune`` to ``budget`` draft nodes.
+
+    * SpS: ChainBranching, one drafter forward per depth (``forward_per_depth``);
+    * EAGLE-3: DynamicBranching + TopScoreSeeds (EAGLE-2's dynamic tree), one forward per depth;
+    * Medusa: TopKBranching, all positions from one forward of the heads (depth = heads). Our
+      reading of Medusa's sparse tree: grow the best-scoring frontier, prune to the budget.
+    """
+
+    policy: TreePolicy = field(default_factory=DynamicBranching)
+    seeds: SeedPolicy = field(default_factory=TopScoreSeeds)
+    depth: int = 7
+    n_cand: int = 10
+    max_frontier: int = 10
+    budget: int = 60
+    forward_per_depth: bool = True
+    drafter: str = "eagle3"
+    name: str = "eagle3"
+
+    def draft(self, rng, rm):
+        tree = DraftTree.root_only(0)
+        book = _RankBook()
+        frontier = np.zeros(1, dtype=np.int64)
+        forwards: list[int] = []
+        k = min(self.n_cand, R)
+        for d in range(self.depth):
+            p = frontier.size
+            rank, logp, _ = rm.sample(rng, 0, d, k, p)
+            book.set(frontier, rank)
+            if self.forward_per_depth:
+                forwards.append(p)
+            w = self.policy.widths(tree.cum_logprob[frontier], logp, None, self.budget - (tree.size - 1))
+            tokens = np.broadcast_to(np.arange(k), (p, k))
+            new = add_candidates(tree, frontier, tokens, logp, w, None, block=0)
+            new = new[new >= 0]
+            if new.size == 0:
+                break
+            frontier = self.seeds.select(tree, new, self.max_frontier)
+        if not self.forward_per_depth:
+            forwards.append(1)
+        return _finish(tree, book, forwards, self.policy, self.budget)
+
+
+@dataclass
+class SpecBlockDrafter(MethodModel):
+    """SpecBlock: ``M`` blocks of ``K`` positions, one drafter forward per block (all seeds
+    batched: ``S * K`` queries). Block m grows under its seeds with ``grow_block`` (spine + rank-
+    bucket siblings); the next block's seeds are chosen by ``seeds`` among this block's *leaf*
+    nodes (our choice: a node that already has a drafted continuation from its own block would
+    only get duplicate candidates), at most ``max_seeds``. ``use_rank_head=False`` hides the
+    predicted buckets from the policy (the digest's fixed top-k ablation uses TopKBranching)."""
+
+    policy: TreePolicy = field(default_factory=lambda: _rank_policy())
+    seeds: SeedPolicy = field(default_factory=DeepestConfidentSeeds)
+    K: int = 4
+    M: int = 2
+    max_seeds: int = 4
+    budget: int = 48
+    use_rank_head: bool = True
+    drafter: str = "specblock"
+    name: str = "specblock"
+
+    def draft(self, rng, rm):
+        tree = DraftTree.root_only(0)
+        book = _RankBook()
+        seeds = np.zeros(1, dtype=np.int64)
+        forwards: list[int] = []
+        k = min(max(_max_width(self.policy), 1), R)
+        for m in range(self.M):
+            s = seeds.size
+            rank, logp, pred = rm.sample(rng, m, np.tile(np.arange(self.K), s), k, s * self.K)
+            rank, pred = rank.reshape(s, self.K), pred.reshape(s, self.K)
+            forwards.append(s * self.K)
+            tokens = np.broadcast_to(np.arange(k), (s, self.K, k))
+            bucket = pred if self.use_rank_head else None
+            spine = grow_block(tree, seeds, tokens, logp.reshape(s, self.K, k), bucket, self.policy,
+                               self.budget, block=m)
+            parents = np.concatenate([seeds[:, None], spine[:, :-1]], axis=1)
+            ok = parents >= 0
+            book.set(parents[ok], rank[ok])
+            if m + 1 == self.M or tree.size - 1 >= self.budget:
+                break
+            cand = tree.meta["block_nodes"]
+            cand = cand[tree.is_leaf[cand]]
+            seeds = np.asarray(self.seeds.select(tree, cand, self.max_seeds), dtype=np.int64)
+            if seeds.size == 0:
+                break
+        return _finish(tree, book, forwards, None, None)
+
+
+def _rank_policy() -> TreePolicy:
+    from specblock.policies.branching import RankBucketBranching
+
+    return RankBucketBranching()
+
+
+def _max_width(policy: TreePolicy) -> int:
+    """How many candidates per position the drafter must offer the policy."""
+    for attr in ("widths_by_bucket", "k", "top_k"):
+        v = getattr(policy, attr, None)
+        if v is not None:
+            return int(max(v)) if isinstance(v, (tuple, list)) else int(v)
+    return 1 if isinstance(policy, ChainBranching) else R
+
+
+def sps(gamma: int = 5) -> DepthwiseDrafter:
+    return DepthwiseDrafter(policy=ChainBranching(), seeds=TopScoreSeeds(), depth=gamma, n_cand=1,
+                            max_frontier=1, budget=gamma, drafter="sps", name="sps")
+
+
+def medusa(heads: int = 4, top_k: int = 4, frontier: int = 8, budget: int = 63) -> DepthwiseDrafter:
+    return DepthwiseDrafter(policy=TopKBranching(k=top_k), seeds=TopScoreSeeds(), depth=heads, n_cand=top_k,
+                            max_frontier=frontier, budget=budget, forward_per_depth=False,
+                            drafter="medusa", name="medusa")
+
+
+def eagle3(depth: int = 7, top_k: int = 10, budget: int = 60) -> DepthwiseDrafter:
+    """EAGLE-3 with EAGLE-2's dynamic tree (defaults: depth 7 as in the digest, top-k 10,
+    60 draft tokens as in EAGLE-3's released configs)."""
+    return DepthwiseDrafter(policy=DynamicBranching(top_k=top_k), seeds=TopScoreSeeds(), depth=depth,
+                            n_cand=top_k, max_frontier=top_k, budget=budget, drafter="eagle3", name="eagle3")
