@@ -1,0 +1,74 @@
+"""The five evaluation prompt sets every benchmark in the project uses.
+
+Domains mirror the paper's benchmarks: ``code`` (HumanEval), ``math`` (GSM8K test), ``chat``
+(AlpacaEval instructions never trained on), ``qa`` (Spec-Bench natural questions: a domain the
+target never trained on) and ``mtbench`` (Spec-Bench MT-Bench first turns). Prompts are
+formatted with the same functions that built the training corpus, so the target continues
+them in-domain.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from specblock.training.corpus import chat_prompt, data_file, math_prompt
+
+DOMAINS: tuple[str, ...] = ("code", "math", "chat", "qa", "mtbench")
+
+# Spec-Bench stores MT-Bench's 80 questions under their 8 MT-Bench categories (no category is
+# literally "mt_bench"); its other categories are qa, math_reasoning and summarization.
+MTBENCH_CATEGORIES = frozenset(
+    {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One evaluation prompt: a stable id, its domain and the exact text fed to the model."""
+
+    id: str
+    domain: str
+    text: str
+
+
+def _rows(*parts: str) -> list[dict]:
+    path: Path = data_file(*parts)
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _code() -> list[Prompt]:
+    return [Prompt(r["task_id"], "code", r["prompt"]) for r in _rows("humaneval", "HumanEval.jsonl")]
+
+
+def _math() -> list[Prompt]:
+    return [Prompt(f"gsm8k/test/{i}", "math", math_prompt(r["question"]))
+            for i, r in enumerate(_rows("gsm8k", "test.jsonl"))]
+
+
+def _chat() -> list[Prompt]:
+    return [Prompt(f"alpaca_eval/{r['id']}", "chat", chat_prompt(r["instruction"]))
+            for r in _rows("alpaca_eval", "eval_prompts.jsonl")]
+
+
+def _spec_bench(domain: str, keep) -> list[Prompt]:
+    return [Prompt(f"spec_bench/{r['question_id']}", domain, chat_prompt(r["turns"][0]))
+            for r in _rows("spec_bench", "question.jsonl") if keep(r["category"])]
+
+
+_LOADERS = {
+    "code": _code,
+    "math": _math,
+    "chat": _chat,
+    "qa": lambda: _spec_bench("qa", lambda c: c == "qa"),
+    "mtbench": lambda: _spec_bench("mtbench", lambda c: c in MTBENCH_CATEGORIES),
+}
+
+
+def load_prompts(domain: str, n: int | None = None) -> list[Prompt]:
+    """The first ``n`` prompts (all if ``None``) of ``domain``, in the data set's order."""
+    if domain not in _LOADERS:
+        raise ValueError(f"unknown prompt domain {domain!r}; expected one of {DOMAINS}")
+    prompts = _LOADERS[domain]()
+    return prompts if n is None else prompts[:n]
