@@ -35,3 +35,24 @@ def tiny_model(family: str = "llama", seed: int = 0, attn: str = "sdpa", **kw):
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     return model.eval()
+
+
+def tiny_tokenizer(vocab: int = 64):
+    """A character-level tokenizer whose ids fit a tiny model's vocabulary (0 bos, 1 eos)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)][: vocab - 3]
+    table = {"<s>": 0, "</s>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tk = Tokenizer(models.WordLevel(vocab=table, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<s>")
+
+
+def save_tiny(path, family: str = "llama", vocab: int = 64, **kw):
+    """Write a tiny model (safetensors) and tokenizer to ``path``; returns the path."""
+    model = tiny_model(family, vocab=vocab, **kw)
+    model.save_pretrained(path)
+    tiny_tokenizer(vocab).save_pretrained(path)
+    return path

@@ -80,11 +80,13 @@ class Engine:
         stopped = "max_new_tokens"
         while True:
             ta = self._now()
-            room = limit - len(tokens)  # positions left; the root sits at len(tokens) - 1
-            req = DraftRequest(tokens=np.asarray(tokens, dtype=np.int64), budget=self.budget, max_depth=room)
+            # The sequence may grow to `limit` tokens: accepted drafts plus the bonus fill the room
+            # left, so no draft deeper than room - 1 can ever be used.
+            room = limit - len(tokens)
+            req = DraftRequest(tokens=np.asarray(tokens, dtype=np.int64), budget=self.budget, max_depth=room - 1)
             tree = self.drafter.propose(req)
-            if tree.max_depth > room or tree.size - 1 > self.budget:
-                tree = _fit(tree, room, self.budget)
+            if tree.max_depth > room - 1 or tree.size - 1 > self.budget:
+                tree = _fit(tree, room - 1, self.budget)
             tb = self._now()
             out = self.target.tree_forward(tree)
             verdict = self.verifier.verify(tree, out.logits)
@@ -112,6 +114,7 @@ class Engine:
                     break
             if len(new) + len(emitted) >= max_new_tokens:
                 emitted, stopped = emitted[: max_new_tokens - len(new)], "max_new_tokens"
+            emitted = emitted[:room]
             new.extend(emitted)
             tokens.extend(emitted)
             if on_tokens is not None and emitted:

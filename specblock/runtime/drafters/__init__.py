@@ -1,0 +1,31 @@
+"""Drafter registry: one place that maps ``--method`` names to drafters."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from specblock.errors import SpecBlockError
+from specblock.runtime.drafters.base import ARDrafter, DraftRequest, Drafter
+from specblock.runtime.drafters.lookup import LookupDrafter
+from specblock.runtime.drafters.random_tree import RandomDrafter
+
+__all__ = ["Drafter", "DraftRequest", "ARDrafter", "LookupDrafter", "RandomDrafter", "register", "build", "METHODS"]
+
+# name -> factory(target, options) -> Drafter. Trained drafters register themselves here too.
+METHODS: dict[str, Callable] = {
+    "ar": lambda target, opt: ARDrafter(),
+    "lookup": lambda target, opt: LookupDrafter(
+        max_ngram=opt.get("ngram", 3), depth=opt.get("lookup_depth", 8), branches=opt.get("branches", 1)
+    ),
+    "random": lambda target, opt: RandomDrafter(target.vocab_size, seed=opt.get("seed", 0)),
+}
+
+
+def register(name: str, factory: Callable) -> None:
+    METHODS[name] = factory
+
+
+def build(name: str, target, options: dict | None = None) -> Drafter:
+    if name not in METHODS:
+        raise SpecBlockError(f"unknown method {name!r}; choose one of {', '.join(sorted(METHODS))}")
+    return METHODS[name](target, options or {})

@@ -1,0 +1,5 @@
+import sys
+
+from specblock.runtime.cli import main
+
+sys.exit(main())

@@ -1,0 +1,203 @@
+"""``python -m specblock.runtime``: decode live, optionally against plain decoding.
+
+Every user error ends as one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from specblock.errors import SpecBlockError
+from specblock.runtime import drafters
+from specblock.runtime.config import RunConfig, read_prompt_file, validate
+from specblock.runtime.engine import Engine, GenerationResult
+from specblock.runtime.metrics import DecodeStats, speedup
+from specblock.runtime.target import TargetModel, read_generation_eos
+from specblock.runtime.verify import GreedyVerifier, SamplingVerifier
+
+DEMO_PROMPT = "def fibonacci(n):\n    "
+
+#: Subcommands other modules add (``bench``, ``calibrate``): name -> main(argv) -> exit status.
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, status 2, no usage dump
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m specblock.runtime", description="Lossless speculative decoding with an HF causal LM.")
+    p.add_argument("--target", type=Path, help="HF model directory (default: the shipped small model)")
+    p.add_argument("--method", default="lookup", help=f"drafting method: {', '.join(sorted(drafters.METHODS))}")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="JSONL with a 'prompt' field per line")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_out", action="store_true", help="print JSON objects instead of text")
+    p.add_argument("--compare", choices=["ar"], help="also decode with plain decoding; report speedup and identity")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--budget", type=int, default=24, help="draft nodes per tree (root excluded)")
+    p.add_argument("--trace", type=Path, help="write a per-iteration JSONL trace here")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model directory's own Python code")
+    p.add_argument("--ngram", type=int, default=3, help="lookup: longest n-gram to match")
+    p.add_argument("--lookup-depth", type=int, default=8, help="lookup: tokens proposed per match")
+    p.add_argument("--branches", type=int, default=1, help="lookup: distinct continuations merged into a tree")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up decode")
+    return p
+
+
+@dataclass
+class Session:
+    """Models loaded once, reused for every prompt."""
+
+    cfg: RunConfig
+    target: TargetModel
+    tokenizer: object
+    engine: Engine
+    baseline: Engine | None
+
+    @classmethod
+    def open(cls, cfg: RunConfig, trace) -> "Session":
+        path = cfg.target_dir
+        target = TargetModel.load(path, cfg.dtype, cfg.device, cfg.attn, cfg.trust_remote_code)
+        tokenizer = load_tokenizer(path, cfg.trust_remote_code)
+        eos = frozenset(read_generation_eos(path) or {tokenizer.eos_token_id} - {None})
+
+        def verifier():
+            if cfg.temperature == 0:
+                return GreedyVerifier()
+            return SamplingVerifier(cfg.temperature, cfg.top_p, cfg.seed)
+
+        drafter = drafters.build(cfg.method, target, cfg.drafter_options())
+        engine = Engine(target, drafter, verifier(), cfg.budget, eos, trace)
+        baseline = Engine(target, drafters.ARDrafter(), verifier(), 0, eos) if cfg.compare else None
+        return cls(cfg, target, tokenizer, engine, baseline)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def warmup(self, ids: list[int]) -> None:
+        for eng in filter(None, (self.engine, self.baseline)):
+            eng.generate(ids[-16:], 4, seed=self.cfg.seed)
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise SpecBlockError(f"no usable tokenizer in {path}: {str(e).splitlines()[0]}") from None
+
+
+class Streamer:
+    """Prints text as tokens are accepted; holds back a trailing partial UTF-8 character."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+
+    def __call__(self, new: list[int]) -> None:
+        self.ids.extend(new)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")
+        sys.stdout.write(text[self.shown :])
+        sys.stdout.flush()
+        self.shown = max(self.shown, len(text))
+
+
+def result_record(s: Session, res: GenerationResult, base: GenerationResult | None) -> dict:
+    rec = {
+        "method": s.cfg.method,
+        "token_ids": res.token_ids,
+        "text": s.tokenizer.decode(res.token_ids, skip_special_tokens=True),
+        "stopped": res.stopped,
+        **res.stats.summary(),
+    }
+    if base is not None:
+        rec["ar_tokens_per_s"] = round(base.stats.tokens_per_s, 3)
+        rec["speedup"] = round(speedup(res.stats, base.stats), 4)
+        rec["identical_to_ar"] = res.token_ids == base.token_ids
+    return rec
+
+
+def run(cfg: RunConfig) -> int:
+    rows = read_prompt_file(cfg.prompt_file) if cfg.prompt_file else [{"prompt": cfg.prompt or DEMO_PROMPT}]
+    with contextlib.ExitStack() as stack:
+        trace = stack.enter_context(cfg.trace.open("w")) if cfg.trace else None
+        s = Session.open(cfg, trace)
+        encoded = [s.encode(r["prompt"]) for r in rows]
+        for i, ids in enumerate(encoded):
+            if len(ids) >= s.target.max_context:
+                where = f"prompt {i + 1}" if cfg.prompt_file else "the prompt"
+                raise SpecBlockError(f"{where} has {len(ids)} tokens, the model's context is {s.target.max_context}; shorten it")
+        if cfg.warmup:
+            s.warmup(encoded[0])
+        total, total_base, identical = DecodeStats(), DecodeStats(), True
+        for row, ids in zip(rows, encoded):
+            stream = None if cfg.json_out else Streamer(s.tokenizer)
+            res = s.engine.generate(ids, cfg.max_new_tokens, seed=cfg.seed, on_tokens=stream)
+            base = s.baseline.generate(ids, cfg.max_new_tokens, seed=cfg.seed) if s.baseline else None
+            total = total.merge(res.stats)
+            if base is not None:
+                total_base = total_base.merge(base.stats)
+                identical &= res.token_ids == base.token_ids
+            rec = result_record(s, res, base)
+            rec.update({k: row[k] for k in ("id", "domain") if k in row})
+            if cfg.json_out:
+                print(json.dumps(rec), flush=True)
+            else:
+                print("\n" + summary_line(rec), flush=True)
+        if cfg.prompt_file:
+            summary = {"summary": True, "method": cfg.method, "prompts": len(rows), **total.summary()}
+            if s.baseline:
+                summary.update(speedup=round(speedup(total, total_base), 4), identical_to_ar=identical)
+            print(json.dumps(summary) if cfg.json_out else "total: " + summary_line(summary), flush=True)
+    return 0
+
+
+def summary_line(rec: dict) -> str:
+    line = (
+        f"[{rec['method']}] {rec['new_tokens']} tokens, {rec['tokens_per_s']:.1f} tokens/s, "
+        f"tau {rec['tau']:.2f}, T_D% {100 * rec['draft_share']:.1f}"
+    )
+    if "speedup" in rec:
+        line += f", {rec['speedup']:.2f}x vs ar, identical to ar: {rec['identical_to_ar']}"
+    return line
+
+
+def quiet_transformers() -> None:
+    """HF's weight-loading bars and advisory warnings would bury our one-line messages."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_transformers()
+    try:
+        if argv and argv[0] in SUBCOMMANDS:
+            return SUBCOMMANDS[argv[0]](argv[1:])
+        ns = build_parser().parse_args(argv)
+        return run(validate(vars(ns)))
+    except SpecBlockError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130

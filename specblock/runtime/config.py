@@ -1,0 +1,91 @@
+"""The CLI's configuration: validated once at the boundary, plain values inside."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from specblock.errors import SpecBlockError
+
+#: The shipped default target (issue: the small lab model).
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+DEFAULT_TARGET = ASSETS / "target"
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    target: Path | None = None
+    method: str = "lookup"
+    prompt: str | None = None
+    prompt_file: Path | None = None
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int = 0
+    json_out: bool = False
+    compare: Literal["ar"] | None = None
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    attn: Literal["sdpa", "eager"] = "sdpa"
+    budget: int = Field(24, ge=0, le=256)
+    trace: Path | None = None
+    trust_remote_code: bool = False
+    ngram: int = Field(3, ge=1)
+    lookup_depth: int = Field(8, ge=1)
+    branches: int = Field(1, ge=1)
+    warmup: bool = True
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self) -> "RunConfig":
+        if self.prompt is not None and self.prompt_file is not None:
+            raise ValueError("give either --prompt or --prompt-file, not both")
+        if self.prompt is not None and not self.prompt.strip():
+            raise ValueError("the prompt is empty; give some text with --prompt")
+        return self
+
+    @property
+    def target_dir(self) -> Path:
+        if self.target is not None:
+            return self.target
+        if not (DEFAULT_TARGET / "config.json").is_file():
+            raise SpecBlockError(f"no shipped model at {DEFAULT_TARGET}; pass --target DIR")
+        return DEFAULT_TARGET
+
+    def drafter_options(self) -> dict:
+        return {"ngram": self.ngram, "lookup_depth": self.lookup_depth, "branches": self.branches, "seed": self.seed}
+
+
+def validate(values: dict) -> RunConfig:
+    """Build a RunConfig or raise a one-line SpecBlockError naming the flag to fix."""
+    try:
+        return RunConfig(**values)
+    except ValidationError as e:
+        err = e.errors()[0]
+        flag = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-") if err["loc"] else "config"
+        flag = flag.replace("--json-out", "--json")
+        msg = err["msg"].removeprefix("Value error, ")
+        raise SpecBlockError(f"{flag}: {msg}" if err["loc"] else msg) from None
+
+
+def read_prompt_file(path: Path) -> list[dict]:
+    """JSONL, one object per line with a ``prompt`` (and optionally ``domain``, ``id``)."""
+    if not path.is_file():
+        raise SpecBlockError(f"no prompt file at {path}")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            raise SpecBlockError(f"{path}:{i}: not valid JSON; each line must be an object with a 'prompt'") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+            raise SpecBlockError(f"{path}:{i}: each line needs a non-empty string field 'prompt'")
+        rows.append(obj)
+    if not rows:
+        raise SpecBlockError(f"{path} holds no prompts")
+    return rows
