@@ -115,11 +115,10 @@ class TargetModel:
             logits_to_keep=1,
         )
         self.past_len = int(x.shape[1])
-        return self._output(out, full_logits=False)
+        return self._output(out)
 
-    @torch.no_grad()
-    def tree_forward(self, tree: DraftTree) -> TargetOutput:
-        """One forward over every node of ``tree``; the root sits at position ``past_len``."""
+    def tree_inputs(self, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Token ids, position ids and the float additive 4D mask for one tree forward."""
         n = tree.size
         if self.past_len + tree.max_depth >= self.max_context:
             raise SpecBlockError("tree reaches past the model's context; the engine should have cut it")
@@ -130,6 +129,12 @@ class TargetModel:
             anc = torch.as_tensor(tree.ancestor_mask, device=self.device)
             mask = torch.zeros((1, 1, n, self.past_len + n), dtype=self.dtype, device=self.device)
             mask[0, 0, :, self.past_len :].masked_fill_(~anc, self._min)
+        return x, pos, mask
+
+    @torch.no_grad()
+    def tree_forward(self, tree: DraftTree) -> TargetOutput:
+        """One forward over every node of ``tree``; the root sits at position ``past_len``."""
+        x, pos, mask = self.tree_inputs(tree)
         out = self.model(
             input_ids=x,
             attention_mask=mask,
@@ -138,9 +143,9 @@ class TargetModel:
             use_cache=True,
             output_hidden_states=self.want_features,
         )
-        return self._output(out, full_logits=True)
+        return self._output(out)
 
-    def _output(self, out, full_logits: bool) -> TargetOutput:
+    def _output(self, out) -> TargetOutput:
         logits = out.logits[0]
         if not self.want_features:
             return TargetOutput(logits)
