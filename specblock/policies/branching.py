@@ -196,13 +196,14 @@ def grow_block(
     block's forward conditioned position d on the drafter's top-1 belief at d-1, so the top-1
     candidate continues the *spine*; the other kept candidates are siblings, leaves of this block.
     A width of 0 (bucket b3 under (2, 4, 10, 0)) cuts the spine. Loops over the K depths, never
-    over nodes. Returns the spine ``[S, K]`` (-1 where cut) and the added node ids via
-    ``tree.meta['block_nodes']``.
+    over nodes. Returns the spine ``[S, K]`` (-1 where cut). ``tree.meta`` gets, for every node
+    this block added, ``block_nodes`` (node id), ``block_rows`` (seed row s) and ``block_pos``
+    (in-block position d): a drafter finds the hidden state behind each node from them.
     """
     s, kdepth, _ = cand_tokens.shape
     spine = np.full((s, kdepth), -1, dtype=np.int64)
     parents = np.asarray(seeds, dtype=np.int64)
-    added = []
+    nodes, rows, pos = [], [], []
     for d in range(kdepth):
         alive = np.nonzero(parents >= 0)[0]
         budget_left = budget - (tree.size - 1)
@@ -212,8 +213,12 @@ def grow_block(
         b = None if bucket is None else bucket[alive, d]
         w = policy.widths(score, cand_logprob[alive, d], b, budget_left)
         new = add_candidates(tree, parents[alive], cand_tokens[alive, d], cand_logprob[alive, d], w, b, block)
-        added.append(new[new >= 0])
+        r, _ = np.nonzero(new >= 0)
+        nodes.append(new[new >= 0])
+        rows.append(alive[r])
+        pos.append(np.full(r.size, d, dtype=np.int64))
         spine[alive, d] = new[:, 0]
         parents = spine[:, d]
-    tree.meta["block_nodes"] = np.concatenate(added) if added else np.zeros(0, dtype=np.int64)
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)
+    tree.meta.update(block_nodes=cat(nodes), block_rows=cat(rows), block_pos=cat(pos))
     return spine

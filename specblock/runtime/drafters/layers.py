@@ -1,0 +1,109 @@
+"""Small decoder layers for drafters, written for *block* attention.
+
+Why not HF's decoder layer: drafters attend to a shared context (their own KV cache of committed
+positions) from many blocks at once, each block causal inside and seeing only part of the
+context. One primitive covers training (every position of a sequence starts a block) and
+inference (one block after the root, or one per seed), without materialising the context once
+per block:
+
+    q      [G, H, R, K, d]   G groups, R blocks per group, K queries per block (causal inside)
+    ctx    [G, H, C, d]      keys/values every block of the group may see
+    mask   [G|1, R, C] bool  which context positions each block sees (None: all)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (Llama's half-split layout); ``pos`` broadcasts against ``x[..., 0]``."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    ang = pos.float()[..., None] * inv
+    cos, sin = ang.cos(), ang.sin()
+    cos, sin = torch.cat([cos, cos], -1).to(x.dtype), torch.cat([sin, sin], -1).to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def block_attention(
+    q: torch.Tensor,
+    k_own: torch.Tensor,
+    v_own: torch.Tensor,
+    k_ctx: torch.Tensor | None,
+    v_ctx: torch.Tensor | None,
+    ctx_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Softmax attention of each block over (visible context) + (its own causal prefix)."""
+    kq = q.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    own = torch.einsum("ghrkd,ghrjd->ghrkj", q, k_own).float() * scale
+    causal = torch.ones(kq, kq, dtype=torch.bool, device=q.device).tril()
+    own = own.masked_fill(~causal, float("-inf"))
+    if k_ctx is None or k_ctx.shape[-2] == 0:
+        return torch.einsum("ghrkj,ghrjd->ghrkd", own.softmax(-1).to(v_own.dtype), v_own)
+    ctx = torch.einsum("ghrkd,ghcd->ghrkc", q, k_ctx).float() * scale
+    if ctx_mask is not None:
+        ctx = ctx.masked_fill(~ctx_mask[:, None, :, None, :], float("-inf"))
+    probs = torch.cat([ctx, own], dim=-1).softmax(-1).to(q.dtype)
+    c = k_ctx.shape[-2]
+    return torch.einsum("ghrkc,ghcd->ghrkd", probs[..., :c], v_ctx) + torch.einsum(
+        "ghrkj,ghrjd->ghrkd", probs[..., c:], v_own
+    )
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP (Llama's layer), over block-shaped inputs."""
+
+    def __init__(self, hidden: int, heads: int, intermediate: int, rope_theta: float, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.rope_theta = heads, hidden // heads, rope_theta
+        self.attn_norm, self.mlp_norm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.o = nn.Linear(hidden, hidden, bias=False)
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [G, R, K, h]
+        pos: torch.Tensor,  # [G, R, K]
+        ctx: tuple[torch.Tensor, torch.Tensor] | None = None,  # [G|1, H, C, d] each
+        ctx_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        g, r, k, h = x.shape
+        qkv = self.qkv(self.attn_norm(x)).view(g, r, k, 3, self.heads, self.head_dim)
+        q, kk, v = (qkv[..., i, :, :].permute(0, 3, 1, 2, 4) for i in range(3))  # [G, H, R, K, d]
+        p = pos[:, None]  # broadcast over heads
+        q, kk = rope(q, p, self.rope_theta), rope(kk, p, self.rope_theta)
+        k_ctx = v_ctx = None
+        if ctx is not None:
+            k_ctx, v_ctx = (t.expand(g, -1, -1, -1) for t in ctx)
+        att = block_attention(q, kk, v, k_ctx, v_ctx, ctx_mask)  # [G, H, R, K, d]
+        x = x + self.o(att.permute(0, 2, 3, 1, 4).reshape(g, r, k, h))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        x = x + self.down(F.silu(gate) * up)
+        return x, (kk, v)
+
+
+def flat_kv(kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[G, H, R, K, d] -> [G, H, R*K, d]: a stream's own keys as context for another stream."""
+    k, v = kv
+    g, hh, r, kk, d = k.shape
+    return k.reshape(g, hh, r * kk, d), v.reshape(g, hh, r * kk, d)

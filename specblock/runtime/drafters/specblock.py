@@ -1,0 +1,141 @@
+"""SpecBlock at serving time: M block forwards grow one tree, verified once by the target.
+
+Block 1 starts from the root: its prefix summary is the g of the root's parent position (target
+taps fused with the root token). Later blocks start from seeds that the seed policy picks among
+the previous block's nodes, all seeds batched in one forward, each with the drafter's own top
+hidden state at the seed plus the seed token's embedding. The drafter's KV cache holds only
+committed positions: what a block computes for drafted tokens is thrown away, and the target's
+taps at accepted nodes become the next context positions (``accept``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specblock.policies.branching import RankBucketBranching, TreePolicy, grow_block
+from specblock.policies.seeds import DeepestConfidentSeeds, SeedPolicy
+from specblock.policies.tree import DraftTree
+from specblock.runtime.drafters.base import DraftRequest, Drafter
+from specblock.runtime.drafters.specblock_net import SpecBlockNet
+from specblock.runtime.target import TargetModel, TargetOutput
+from specblock.runtime.verify import Verdict
+
+
+class SpecBlockDrafter(Drafter):
+    name = "specblock"
+    needs_features = True
+
+    def __init__(
+        self,
+        net: SpecBlockNet,
+        M: int = 2,
+        policy: TreePolicy | None = None,
+        seeds: SeedPolicy | None = None,
+        max_seeds: int = 2,
+    ) -> None:
+        self.net = net.eval()
+        self.M, self.max_seeds = M, max_seeds
+        self.policy = policy or RankBucketBranching((2, 4, 10, 0))
+        self.seed_policy = seeds or DeepestConfidentSeeds()
+        p = next(net.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.reset()
+
+    @classmethod
+    def load(cls, path: str | Path, target: TargetModel, **kw) -> "SpecBlockDrafter":
+        m = target.model
+        net = SpecBlockNet.load(path, m.get_input_embeddings().weight, m.get_output_embeddings().weight)
+        if tuple(net.cfg.tap_layers) != tuple(target.tap_layers):
+            target.tap_layers = tuple(net.cfg.tap_layers)  # the drafter decides which layers it reads
+        return cls(net.to(device=target.device, dtype=target.dtype), **kw)
+
+    def reset(self) -> None:
+        self.cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.pending: torch.Tensor | None = None  # g's of committed positions not yet cached [n, h]
+        self.pending_pos: torch.Tensor | None = None
+
+    # ---------------------------------------------------------------- committed state
+    def _set_pending(self, taps: torch.Tensor, next_tokens: np.ndarray, first_pos: int) -> None:
+        nt = torch.as_tensor(next_tokens, device=self.device)
+        with torch.no_grad():
+            self.pending = self.net.g_from_target(taps.to(self.dtype), nt)
+        self.pending_pos = first_pos + torch.arange(len(next_tokens), device=self.device)
+
+    def prefill(self, prompt: np.ndarray, features: TargetOutput | None) -> None:
+        self.reset()
+        if features is not None and features.taps is not None and len(prompt) > 1:
+            self._set_pending(features.taps, prompt[1:], 0)
+
+    def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
+        nxt = np.append(tree.tokens[verdict.path[1:]], verdict.bonus)
+        self._set_pending(features.taps, nxt, self._root_pos)
+
+    # ---------------------------------------------------------------- drafting
+    def _first_block(self, root: int) -> tuple[torch.Tensor, int]:
+        """Block 1: append the pending context positions to the cache and draft K positions."""
+        net = self.net
+        if self.pending is None:  # a one-token prompt: no target taps yet, start from the embedding
+            zero = torch.zeros(1, net.cfg.hidden_size, device=self.device, dtype=self.dtype)
+            g_prefix, prefix_pos = net.g_from_drafter(zero, torch.tensor([root], device=self.device)), self._root_pos - 1
+            xc = pos_c = None
+        else:
+            g_prefix, prefix_pos = self.pending[-1:], int(self.pending_pos[-1])
+            xc, pos_c = self.pending[None, None], self.pending_pos[None, None]
+        xq = net.queries(g_prefix[None])  # [1, 1, K, h]
+        pos_q = prefix_pos + torch.arange(1, net.cfg.K + 1, device=self.device)[None, None]
+        hq, new_kv = net.run(xc, pos_c, xq, pos_q, self.cache)
+        if new_kv:
+            self.cache = new_kv if self.cache is None else [
+                (torch.cat([ck, nk], -2), torch.cat([cv, nv], -2)) for (ck, cv), (nk, nv) in zip(self.cache, new_kv)
+            ]
+        self.pending = self.pending_pos = None
+        return hq, prefix_pos
+
+    def _seed_block(self, g_seed: torch.Tensor, seed_pos: torch.Tensor) -> torch.Tensor:
+        """Later blocks: one row per seed; each seed is a private context position."""
+        net, s = self.net, g_seed.shape[0]
+        xc, pos_c = g_seed[None, :, None, :], seed_pos[None, :, None]
+        xq = net.queries(g_seed[None])
+        pos_q = seed_pos[None, :, None] + torch.arange(1, net.cfg.K + 1, device=self.device)
+        c = 0 if self.cache is None else self.cache[0][0].shape[-2]
+        q_mask = torch.cat(
+            [torch.ones(s, c, dtype=torch.bool, device=self.device), torch.eye(s, dtype=torch.bool, device=self.device)], -1
+        )[None]
+        hq, _ = net.run(xc, pos_c, xq, pos_q, self.cache, None, q_mask)
+        return hq
+
+    def _candidates(self, hq: torch.Tensor):
+        """Top-k ids and log-probs [S, K, k] and predicted buckets [S, K], moved to host once."""
+        logits, rank = self.net.heads(hq[0])
+        top = torch.log_softmax(logits.float(), -1).topk(self.net.cfg.top_k, dim=-1)
+        return top.indices.cpu().numpy(), top.values.cpu().numpy(), rank.argmax(-1).cpu().numpy()
+
+    @torch.no_grad()
+    def propose(self, req: DraftRequest) -> DraftTree:
+        root = int(req.tokens[-1])
+        self._root_pos = len(req.tokens) - 1
+        tree = DraftTree.root_only(root)
+        hq, prefix_pos = self._first_block(root)
+        seeds = np.zeros(1, dtype=np.int64)
+        block_base = torch.full((1,), prefix_pos, device=self.device)  # g position of each row
+        for m in range(self.M):
+            ids, lps, buckets = self._candidates(hq)
+            grow_block(tree, seeds, ids, lps, buckets, self.policy, req.budget, block=m)
+            if m == self.M - 1 or tree.size - 1 >= req.budget:
+                break
+            nodes = tree.meta["block_nodes"]
+            seeds = self.seed_policy.select(tree, nodes, self.max_seeds)
+            if seeds.size == 0:
+                break
+            where = np.searchsorted(nodes, seeds)  # block_nodes is ascending (nodes are appended)
+            rows = torch.as_tensor(tree.meta["block_rows"][where], device=self.device)
+            pos = torch.as_tensor(tree.meta["block_pos"][where], device=self.device)
+            h_seed = hq[0, rows, pos]  # the state that predicted each seed's token
+            seed_pos = block_base[rows] + pos + 1
+            g_seed = self.net.g_from_drafter(h_seed, torch.as_tensor(tree.tokens[seeds], device=self.device))
+            hq = self._seed_block(g_seed, seed_pos)
+            block_base = seed_pos
+        return tree

@@ -1,0 +1,175 @@
+"""The SpecBlock drafter network: K positions per forward, layer-wise shift, rank head.
+
+Inputs (paper, SPECBLOCK.md): the target's low/mid/top hidden states at the last verified
+position, fused by one linear layer (EAGLE-3) and fused again with the embedding of the token
+that follows it: ``g_p = W_in [W_taps taps_p ; e(x_{p+1})]``. The drafter keeps a causal KV cache
+over the g's of committed positions (the *context stream*). A block is K position queries
+``q_k = g + P_k`` (the prefix summary g broadcast to every position, plus a learned in-block
+position vector) that attend to the context and, causally, to each other. Between consecutive
+layers position k is re-projected with the state of position k-1 from the layer below,
+``h~_k = W_l [h_k ; h_{k-1}]`` (h_0 = 0; W_l starts as [I, 0], so an untrained shift is the
+identity). For a block that starts from a drafted seed there are no target features: the seed's
+g uses the drafter's own top hidden state instead, as one private context position.
+
+Choices the digest leaves open, made here: the embedding and LM head are the target's (frozen,
+not saved: they are copied from the target at load time); RoPE positions continue the
+sequence's; the 15 rank-head statistics are the top-10 log-probs, the gaps top1-top2, top2-top3
+and top1-top10, the max probability and the entropy.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from specblock.errors import SpecBlockError
+from specblock.runtime.drafters.layers import DecoderLayer, RMSNorm, flat_kv
+
+N_STATS = 15
+FROZEN_FROM_TARGET = ("embed.weight", "lm_head.weight")
+
+
+class SpecBlockConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(6, ge=1)
+    intermediate_size: int = Field(1024, gt=0)
+    K: int = Field(4, ge=1)  # positions per block
+    tap_layers: tuple[int, ...] = (1, 3, 5)
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    shift: bool = True  # layer-wise hidden-state shift (ablation: False)
+    prefix_broadcast: bool = True  # add g to every query (ablation: False, queries see g only via attention)
+    rank_hidden: int = 128
+    top_k: int = 10  # candidates per position handed to the tree policy
+
+
+def rank_stats(logits: torch.Tensor) -> torch.Tensor:
+    """The 15 distribution statistics the rank head reads (float32, no gradient)."""
+    logp = torch.log_softmax(logits.detach().float(), dim=-1)
+    top = logp.topk(10, dim=-1).values
+    gaps = torch.stack([top[..., 0] - top[..., 1], top[..., 1] - top[..., 2], top[..., 0] - top[..., 9]], -1)
+    entropy = -(logp.exp() * logp).sum(-1, keepdim=True)
+    return torch.cat([top, gaps, top[..., :1].exp(), entropy], dim=-1)
+
+
+class SpecBlockNet(nn.Module):
+    def __init__(self, cfg: SpecBlockConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, h)
+        self.fuse_taps = nn.Linear(len(cfg.tap_layers) * h, h, bias=False)
+        self.fuse_in = nn.Linear(2 * h, h, bias=False)
+        self.pos_query = nn.Parameter(torch.randn(cfg.K, h) * 0.02)
+        self.layers = nn.ModuleList(
+            DecoderLayer(h, cfg.num_heads, cfg.intermediate_size, cfg.rope_theta, cfg.rms_eps) for _ in range(cfg.num_layers)
+        )
+        self.shifts = nn.ModuleList(nn.Linear(2 * h, h, bias=False) for _ in range(cfg.num_layers - 1))
+        with torch.no_grad():
+            for s in self.shifts:
+                s.weight.zero_()
+                s.weight[:, :h].copy_(torch.eye(h))
+        self.norm = RMSNorm(h, cfg.rms_eps)
+        self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
+        self.rank_head = nn.Sequential(nn.Linear(h + N_STATS, cfg.rank_hidden), nn.SiLU(), nn.Linear(cfg.rank_hidden, 4))
+
+    # ----------------------------------------------------------------- pieces
+    def g_from_target(self, taps: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        return self.fuse_in(torch.cat([self.fuse_taps(taps), self.embed(next_tokens)], dim=-1))
+
+    def g_from_drafter(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.fuse_in(torch.cat([hidden, self.embed(tokens)], dim=-1))
+
+    def queries(self, g: torch.Tensor) -> torch.Tensor:
+        """[G, R, h] prefix summaries -> [G, R, K, h] block queries (prefix broadcast)."""
+        q = self.pos_query.to(g.dtype).expand(*g.shape[:-1], -1, -1)
+        return q + g[..., None, :] if self.cfg.prefix_broadcast else q.contiguous()
+
+    def _shift(self, layer: int, hq: torch.Tensor) -> torch.Tensor:
+        prev = F.pad(hq[..., :-1, :], (0, 0, 1, 0))  # h_{k-1}, zeros before the first position
+        return self.shifts[layer](torch.cat([hq, prev], dim=-1))
+
+    def run(
+        self,
+        xc: torch.Tensor | None,  # context stream [Gc, Rc, Kc, h] (new positions), or None
+        pos_c: torch.Tensor | None,
+        xq: torch.Tensor,  # query stream [G, R, K, h]
+        pos_q: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,  # per layer [G|1, H, C, d]
+        c_mask: torch.Tensor | None = None,  # context stream over the cache [.., Rc, C]
+        q_mask: torch.Tensor | None = None,  # queries over cache + context stream [.., R, C + Rc*Kc]
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Both streams through every layer in lockstep. Returns the queries' top hidden state
+        (pre-norm) and the context stream's per-layer keys/values (for the caller's cache)."""
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            ctx = None if cache is None else cache[i]
+            if xc is not None:
+                xc, kv = layer(xc, pos_c, ctx, c_mask)
+                kc, vc = flat_kv(kv)
+                new_kv.append((kc, vc))
+                if ctx is not None:
+                    g = max(ctx[0].shape[0], kc.shape[0])
+                    kc = torch.cat([ctx[0].expand(g, -1, -1, -1), kc.expand(g, -1, -1, -1)], dim=-2)
+                    vc = torch.cat([ctx[1].expand(g, -1, -1, -1), vc.expand(g, -1, -1, -1)], dim=-2)
+                ctx = (kc, vc)
+            xq, _ = layer(xq, pos_q, ctx, q_mask)
+            if self.cfg.shift and i < len(self.layers) - 1:
+                xq = self._shift(i, xq)
+        return xq, new_kv
+
+    def heads(self, hq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits and rank-bucket logits; the rank head sees no backbone gradient."""
+        logits = self.lm_head(self.norm(hq))
+        rank = self.rank_head(torch.cat([hq.detach(), rank_stats(logits).to(hq.dtype)], dim=-1))
+        return logits, rank
+
+    # ----------------------------------------------------------------- files
+    def save(self, path: str | Path) -> None:
+        """Config plus safetensors, written to a temporary name first so nothing half-written stays."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items() if k not in FROZEN_FROM_TARGET}
+        tmp = path / "model.safetensors.tmp"
+        save_file(state, str(tmp), metadata={"format": "pt", "kind": "specblock-drafter"})
+        tmp.replace(path / "model.safetensors")
+        (path / "config.json.tmp").write_text(json.dumps({"kind": "specblock", **self.cfg.model_dump()}, indent=1))
+        (path / "config.json.tmp").replace(path / "config.json")
+
+    @classmethod
+    def load(cls, path: str | Path, target_embed: torch.Tensor, target_lm_head: torch.Tensor) -> "SpecBlockNet":
+        path = Path(path)
+        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+            raise SpecBlockError(f"no SpecBlock drafter at {path} (need config.json and model.safetensors)")
+        raw = json.loads((path / "config.json").read_text())
+        if raw.pop("kind", None) != "specblock":
+            raise SpecBlockError(f"{path} is not a SpecBlock drafter")
+        cfg = SpecBlockConfig(**raw)
+        if cfg.vocab_size != target_embed.shape[0] or cfg.hidden_size != target_embed.shape[1]:
+            raise SpecBlockError(
+                f"drafter at {path} was trained for vocab {cfg.vocab_size} / hidden {cfg.hidden_size}, "
+                f"the target has {target_embed.shape[0]} / {target_embed.shape[1]}; train a drafter for this target"
+            )
+        net = cls(cfg)
+        state = load_file(str(path / "model.safetensors"))
+        state.update({"embed.weight": target_embed.detach().float(), "lm_head.weight": target_lm_head.detach().float()})
+        net.load_state_dict(state)
+        return net.eval()
+
+    def tie_to_target(self, target_model) -> None:
+        """Copy (not share) the target's embedding and LM head, frozen: training never moves them."""
+        with torch.no_grad():
+            self.embed.weight.copy_(target_model.get_input_embeddings().weight)
+            self.lm_head.weight.copy_(target_model.get_output_embeddings().weight)
+        self.embed.weight.requires_grad_(False)
+        self.lm_head.weight.requires_grad_(False)
