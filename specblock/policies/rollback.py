@@ -1,8 +1,8 @@
 """Three-window sliding rollback (paper: serving-time adaptation's safety net).
 
 The caller feeds one acceptance figure per closed window (tau, or accepted tokens per target
-forward) and tells the policy when an update was swapped in. The window closed just before the
-swap is the *baseline*. During the next ``n_windows`` windows (probation), after each one:
+forward) and tells the policy when an update was swapped in. The mean of the ``n_windows`` windows
+closed before the swap is the *baseline* (one window alone is too noisy to judge against). During the next ``n_windows`` windows (probation), after each one:
 
 * if the mean over the probation windows so far is below ``baseline * (1 - tolerance)``, answer
   ``"rollback"``: restore the last good drafter. A clearly bad update is caught after one window,
@@ -47,7 +47,8 @@ class ThreeWindowRollback:
         """
         if not self.in_probation:
             self.good_version = previous
-            self.baseline = self.history[-1] if self.history else None
+            recent = list(self.history)[-self.n_windows:]
+            self.baseline = float(np.mean(recent)) if recent else None
         self.probation = []
 
     def observe(self, value: float) -> str:

@@ -2,8 +2,8 @@
 
 Every ``window`` decoding iterations the adapter closes a window (tau, tokens/s) and:
 
-1. gives the bandit the gain of the arm played before: relative tokens/s change from the window
-   before the arm to the first whole window after its update landed; its cost: the update's GPU
+1. gives the bandit the gain of the arm played before: relative tokens/s change from the mean of
+   the three windows before the arm to the first whole window after its update landed; its cost: the update's GPU
    time as a fraction of that window's wall time (same unit, so the bandit can subtract them);
 2. asks the rollback policy about the window's tau; "rollback" restores the drafter state from
    before the update on probation;
@@ -55,6 +55,7 @@ class Adapter:
         self.played = {a: 0 for a in ("skip", "heads", "full")}
         self.update_ms = 0.0
         self.window_tau: list[float] = []
+        self.window_tps: list[float] = []
 
     @property
     def domain(self) -> str:
@@ -72,6 +73,8 @@ class Adapter:
         tau = self._w_tau / self._w_iters
         tps = 1000.0 * self._w_tokens / max(self.sim.env.now - self._w_start(), 1e-9)
         self.window_tau.append(tau)
+        self.window_tps.append(tps)
+        ref = float(np.mean(self.window_tps[-3:]))
         p = self.pending
         if p is not None and p.applied_at is not None and p.applied_at < self.win:
             cost = p.cost_ms / max(self._w_time, 1e-9)
@@ -83,10 +86,10 @@ class Adapter:
             arm = self.bandit.select()
             self.played[arm] += 1
             if arm == "skip":
-                self.pending = _Pending(arm, tps, 0.0, applied_at=self.win)
+                self.pending = _Pending(arm, ref, 0.0, applied_at=self.win)
             else:
                 ms = self.cfg.heads_ms if arm == "heads" else self.cfg.full_ms
-                self.pending = _Pending(arm, tps, ms, applied_at=None)
+                self.pending = _Pending(arm, ref, ms, applied_at=None)
                 self.sim.env.process(self._update(arm, ms))
         self.win += 1
         self._w_iters = self._w_tau = self._w_tokens = 0

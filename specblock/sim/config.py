@@ -123,7 +123,7 @@ class AdaptCfg(_Strict):
     """
 
     enabled: bool = False
-    window: int = Field(64, ge=4)  # decoding iterations per window
+    window: int = Field(256, ge=4)  # decoding iterations per window (smaller: noisier gains)
     headroom: float = Field(0.3, ge=0, le=1)
     heads_ms: float = Field(40.0, ge=0)  # GPU time of one heads-only update
     full_ms: float = Field(600.0, ge=0)  # ... of one full-backbone update (> 10x heads, digest)
@@ -138,12 +138,27 @@ class AdaptCfg(_Strict):
     no_heads_arm: bool = False
     ewma: float = Field(0.3, gt=0, le=1)
     explore: float = Field(0.5, ge=0)
-    rollback_tolerance: float = Field(0.03, ge=0)
+    rollback_tolerance: float = Field(0.06, ge=0)
+    pool: int = Field(256, ge=0)  # trees pooled per drafter state (states change with every update)
+
+
+class TableCfg(_Strict):
+    """Hand-set latencies for ``preset: table`` (what-if studies, the closed-form check); see
+    ``latency.TableLatency``."""
+
+    t1_ms: float = Field(gt=0)
+    verify_ms: float = Field(gt=0)
+    draft_ms_per_forward: dict[str, float] = Field(default_factory=dict)
+    overhead_ms: float = Field(0.0, ge=0)
+    n_ref: int = Field(1, ge=1)
+    slope_ms_per_token: float = Field(0.0, ge=0)
+    draft_ms_per_query: float = Field(0.0, ge=0)
 
 
 class SimConfig(_Strict):
     preset: str = "paper"
     latency_file: str | None = None
+    table: TableCfg | None = None  # required by preset "table"
     target: str | None = None  # acceptance target key; default: the preset's model
     method: MethodCfg = Field(default_factory=MethodCfg)
     acceptance: AcceptanceCfg = Field(default_factory=AcceptanceCfg)
@@ -154,8 +169,20 @@ class SimConfig(_Strict):
     # Trees per domain drafted up front and then resampled per iteration (a bootstrap of the tree
     # distribution: draft + acceptance depend on the rank model only, not on context). Why: the
     # shared tree code costs ~1 ms per tree, too slow for sweeps. 0 = draft a fresh tree every
-    # iteration (exact). Ignored while adaptation changes the rank model.
+    # iteration (exact). With adaptation, pools are per drafter state, of size min(this, adapt.pool).
     tree_pool: int = Field(2048, ge=0)
+
+
+def latency_for(cfg: "SimConfig"):
+    """(latency model, target key) for a config."""
+    from specblock.sim.latency import TableLatency
+    from specblock.sim.presets import latency_preset
+
+    if cfg.preset == "table":
+        if cfg.table is None:
+            raise ValueError("preset 'table' needs a `table:` section (t1_ms, verify_ms, ...)")
+        return TableLatency(**cfg.table.model_dump()), cfg.target or "llama3.1-8b"
+    return latency_preset(cfg.preset, cfg.latency_file)
 
 
 def config_hash(cfg: SimConfig) -> str:

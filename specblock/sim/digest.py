@@ -81,26 +81,30 @@ def simulated_tau(target: str, method: str, a1: float, iterations: int, seed: in
     return 1.0 + acc / iterations
 
 
-def fit_digest(iterations: int = 1500, steps: int = 14, out: Path = FIT_PATH) -> dict:
-    """Bisection on a1 for every (target, sim method, benchmark) the digest reports."""
-    result = {}
-    for target, methods in DIGEST.items():
-        for method in SIM_METHODS:
-            for bench in BENCHMARKS:
-                row = digest_row(target, method, bench)
-                if row is None:
-                    continue
-                lo, hi = 0.0, 1.0
-                for _ in range(steps):
-                    mid = 0.5 * (lo + hi)
-                    if simulated_tau(target, method, mid, iterations) < row[1]:
-                        lo = mid
-                    else:
-                        hi = mid
-                a1 = 0.5 * (lo + hi)
-                tau = simulated_tau(target, method, a1, iterations)
-                result[f"{target}/{method}/{bench}"] = {"a1": round(a1, 5), "tau_digest": row[1],
-                                                        "tau_sim": round(tau, 4), "iterations": iterations}
+def _fit_one(job: tuple[str, str, str, float, int, int]) -> tuple[str, dict]:
+    target, method, bench, tau_goal, iterations, steps = job
+    lo, hi = 0.0, 1.0
+    for _ in range(steps):
+        mid = 0.5 * (lo + hi)
+        if simulated_tau(target, method, mid, iterations) < tau_goal:
+            lo = mid
+        else:
+            hi = mid
+    a1 = 0.5 * (lo + hi)
+    tau = simulated_tau(target, method, a1, iterations, seed=1)  # held-out seed
+    return f"{target}/{method}/{bench}", {"a1": round(a1, 5), "tau_digest": tau_goal,
+                                          "tau_sim_heldout": round(tau, 4), "iterations": iterations}
+
+
+def fit_digest(iterations: int = 800, steps: int = 11, out: Path = FIT_PATH, workers: int = 2) -> dict:
+    """Bisection on a1 for every (target, sim method, benchmark) the digest reports, one process
+    per fit. Common random numbers (a fixed seed) keep simulated tau monotone in a1."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [(t, m, b, row[1], iterations, steps) for t in DIGEST for m in SIM_METHODS for b in BENCHMARKS
+            if (row := digest_row(t, m, b)) is not None]
+    with ProcessPoolExecutor(max_workers=workers) as ex:
+        result = dict(ex.map(_fit_one, jobs))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     return result

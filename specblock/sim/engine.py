@@ -16,14 +16,12 @@ from __future__ import annotations
 import json
 from collections import deque
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import numpy as np
 import simpy
 
 from specblock.sim.acceptance import RankModel, iid_rank_model, METHOD_SHAPES
-from specblock.sim.config import SimConfig, build_method
-from specblock.sim.presets import latency_preset
+from specblock.sim.config import SimConfig, build_method, latency_for
 
 
 @dataclass
@@ -101,7 +99,7 @@ class Simulation:
         acc_ss, arr_ss, ad_ss = np.random.SeedSequence(seed).spawn(3)
         self.rng_acc = np.random.default_rng(acc_ss)
         self.rng_arr = np.random.default_rng(arr_ss)
-        self.lat, target = latency_preset(cfg.preset, cfg.latency_file)
+        self.lat, target = latency_for(cfg)
         self.source = AcceptanceSource(cfg, target)
         self.method = build_method(cfg.method)
         self.env = simpy.Environment()
@@ -164,12 +162,14 @@ class Simulation:
         return t, drafts
 
     def _draft(self, domain: str):
-        if self.adapter is not None or self.cfg.tree_pool == 0:
-            return self.method.draft(self.rng_acc, self.source.model(domain, self.skill.get(domain, 0.0)))
-        pool = self.pools.get(domain)
+        skill = round(self.skill.get(domain, 0.0), 4)
+        size = self.cfg.tree_pool if self.adapter is None else min(self.cfg.tree_pool, self.cfg.adapt.pool)
+        rm = self.source.model(domain, skill)
+        if size == 0:
+            return self.method.draft(self.rng_acc, rm)
+        pool = self.pools.get((domain, skill))
         if pool is None:
-            rm = self.source.model(domain, 0.0)
-            pool = self.pools[domain] = [self.method.draft(self.rng_acc, rm) for _ in range(self.cfg.tree_pool)]
+            pool = self.pools[(domain, skill)] = [self.method.draft(self.rng_acc, rm) for _ in range(size)]
         return pool[int(self.rng_acc.integers(len(pool)))]
 
     def server(self):
@@ -190,6 +190,9 @@ class Simulation:
                 with self.gpu.request(priority=0) as req:
                     yield req
                     yield self.env.timeout(t)
+                # Let the release land before the next request: a queued low-priority chunk then
+                # takes the GPU between two iterations, as a background stream's kernels would.
+                yield self.env.timeout(0)
             else:
                 yield self.env.timeout(t)
             win_tokens = 0
@@ -229,7 +232,7 @@ class Simulation:
         c, w = self.c, self.cfg.workload
         tau = c.tau_sum / c.forwards
         tpot = float(np.mean([(r.finish - r.start) / r.generated for r in self.done]))
-        ar = ar_tpot_ms(self.cfg.preset, self.cfg.latency_file, w.prompt_len, w.tokens)
+        ar = ar_tpot_ms(self.lat, w.prompt_len, w.tokens)
         hist = c.accepted_hist[: max(int(np.nonzero(c.accepted_hist)[0].max()) + 1, 1)]
         reach = hist[::-1].cumsum()[::-1]  # forwards that accepted >= d tokens
         per_depth = [float(reach[d] / reach[d - 1]) for d in range(1, len(reach))]
@@ -264,13 +267,14 @@ class Simulation:
                    "nodes": {"parent": tr.parent.tolist(), "depth": tr.depth.tolist(), "rank": tr.rank.tolist(),
                              "bucket": tr.bucket.tolist(), "block": tr.block.tolist(),
                              "correct": d.correct.astype(int).tolist()}}
+            if d.cuts:
+                rec["cuts"] = {"parent": [c[0] for c in d.cuts], "bucket": [c[1] for c in d.cuts],
+                               "block": [c[2] for c in d.cuts]}
             self.trace.write(json.dumps(rec) + "\n")
 
 
-@lru_cache(maxsize=64)
-def ar_tpot_ms(preset: str, latency_file: str | None, prompt_len: int, tokens: int) -> float:
+def ar_tpot_ms(lat, prompt_len: int, tokens: int) -> float:
     """Plain autoregressive decoding's time per output token at batch 1 over the same contexts."""
-    lat, _ = latency_preset(preset, latency_file)
     return float(np.mean([lat.target_ms(1, prompt_len + t, 1) + lat.overhead_ms for t in range(tokens)]))
 
 

@@ -39,6 +39,7 @@ class Drafted:
     correct: np.ndarray
     acceptance: Acceptance
     forwards: list[int]  # query count of each drafter forward, in order
+    cuts: list[tuple[int, int, int]] | None = None  # (parent, predicted bucket, block) given width 0
 
 
 class _RankBook:
@@ -121,9 +122,12 @@ class DepthwiseDrafter(MethodModel):
         frontier = np.zeros(1, dtype=np.int64)
         forwards: list[int] = []
         k = min(self.n_cand, R)
+        f = self.max_frontier
+        pos = np.repeat(np.arange(self.depth), f)
+        all_rank, all_logp, _ = rm.sample(rng, 0, pos, k, pos.size)  # every position it may need
         for d in range(self.depth):
             p = frontier.size
-            rank, logp, _ = rm.sample(rng, 0, d, k, p)
+            rank, logp = all_rank[d * f: d * f + p], all_logp[d * f: d * f + p]
             book.set(frontier, rank)
             if self.forward_per_depth:
                 forwards.append(p)
@@ -163,27 +167,40 @@ class SpecBlockDrafter(MethodModel):
         book = _RankBook()
         seeds = np.zeros(1, dtype=np.int64)
         forwards: list[int] = []
+        cuts: list[tuple[int, int, int]] = []
         k = min(max(_max_width(self.policy), 1), R)
+        ms = self.max_seeds
+        blk = np.repeat(np.arange(self.M), ms * self.K)
+        pos = np.tile(np.arange(self.K), self.M * ms)
+        all_rank, all_logp, all_pred = rm.sample(rng, blk, pos, k, blk.size)  # one call per tree
+        all_rank, all_pred = all_rank.reshape(self.M, ms, self.K), all_pred.reshape(self.M, ms, self.K)
+        all_logp = all_logp.reshape(self.M, ms, self.K, k)
         for m in range(self.M):
             s = seeds.size
-            rank, logp, pred = rm.sample(rng, m, np.tile(np.arange(self.K), s), k, s * self.K)
-            rank, pred = rank.reshape(s, self.K), pred.reshape(s, self.K)
+            rank, pred, logp = all_rank[m, :s], all_pred[m, :s], all_logp[m, :s]
             forwards.append(s * self.K)
             tokens = np.broadcast_to(np.arange(k), (s, self.K, k))
             bucket = pred if self.use_rank_head else None
-            spine = grow_block(tree, seeds, tokens, logp.reshape(s, self.K, k), bucket, self.policy,
+            spine = grow_block(tree, seeds, tokens, logp, bucket, self.policy,
                                self.budget, block=m)
             parents = np.concatenate([seeds[:, None], spine[:, :-1]], axis=1)
             ok = parents >= 0
             book.set(parents[ok], rank[ok])
+            gone = ok & (spine < 0)
+            if gone.any():  # positions the policy itself gave width 0 (not the budget): for traces
+                lp = logp[gone]
+                raw = np.asarray(self.policy.raw_widths(np.zeros(lp.shape[0]), lp, pred[gone] if bucket is not None else None))
+                cuts.extend((int(p), int(b), m) for p, b, w in zip(parents[gone], pred[gone], raw) if w == 0)
             if m + 1 == self.M or tree.size - 1 >= self.budget:
                 break
             cand = tree.meta["block_nodes"]
             cand = cand[tree.is_leaf[cand]]
-            seeds = np.asarray(self.seeds.select(tree, cand, self.max_seeds), dtype=np.int64)
+            seeds = np.asarray(self.seeds.select(tree, cand, ms), dtype=np.int64)[:ms]
             if seeds.size == 0:
                 break
-        return _finish(tree, book, forwards, None, None)
+        d = _finish(tree, book, forwards, None, None)
+        d.cuts = cuts
+        return d
 
 
 def _rank_policy() -> TreePolicy:

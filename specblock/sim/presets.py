@@ -173,4 +173,4 @@ def latency_preset(name: str, latency_file: str | None = None) -> tuple[LatencyM
 
 
 def preset_names() -> list[str]:
-    return ["paper", "cpu-calibrated"] + [f"{g}-{m}" for g in GPUS for m in MODELS]
+    return ["paper", "cpu-calibrated", "table"] + [f"{g}-{m}" for g in GPUS for m in MODELS]
