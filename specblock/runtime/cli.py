@@ -56,7 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-depth", type=int, default=8, help="lookup: tokens proposed per match")
     p.add_argument("--branches", type=int, default=1, help="lookup: distinct continuations merged into a tree")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up decode")
+    p.add_argument("--drafter", type=Path, help="trained drafter directory (default: the shipped one for --method)")
+    p.add_argument("--M", type=int, default=2, help="specblock: block iterations per step")
+    p.add_argument("--max-seeds", type=int, default=2, help="specblock: seeds that start each later block")
+    p.add_argument("--widths", type=_widths, default=(2, 4, 10, 0), help="specblock: siblings per bucket b0,b1,b2,b3")
     return p
+
+
+def _widths(text: str) -> tuple[int, int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError("--widths takes four non-negative integers, e.g. 2,4,10,0")
+    return tuple(int(p) for p in parts)
 
 
 @dataclass

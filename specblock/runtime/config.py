@@ -13,6 +13,7 @@ from specblock.errors import SpecBlockError
 #: The shipped default target (issue: the small lab model).
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 DEFAULT_TARGET = ASSETS / "target"
+DEFAULT_DRAFTERS = ASSETS / "drafters"
 
 
 class RunConfig(BaseModel):
@@ -38,6 +39,10 @@ class RunConfig(BaseModel):
     lookup_depth: int = Field(8, ge=1)
     branches: int = Field(1, ge=1)
     warmup: bool = True
+    drafter: Path | None = None
+    M: int = Field(2, ge=1, le=8)
+    max_seeds: int = Field(2, ge=1, le=16)
+    widths: tuple[int, int, int, int] = (2, 4, 10, 0)
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> "RunConfig":
@@ -56,7 +61,10 @@ class RunConfig(BaseModel):
         return DEFAULT_TARGET
 
     def drafter_options(self) -> dict:
-        return {"ngram": self.ngram, "lookup_depth": self.lookup_depth, "branches": self.branches, "seed": self.seed}
+        return {
+            "ngram": self.ngram, "lookup_depth": self.lookup_depth, "branches": self.branches, "seed": self.seed,
+            "drafter": self.drafter, "M": self.M, "max_seeds": self.max_seeds, "widths": self.widths,
+        }
 
 
 def validate(values: dict) -> RunConfig:

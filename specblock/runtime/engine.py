@@ -41,7 +41,6 @@ class Engine:
     on_iteration: list[Callable[[DraftTree, Verdict], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.target.want_features = self.drafter.needs_features
         self._cuda = self.target.device.type == "cuda"
 
     def _now(self) -> float:
@@ -68,6 +67,7 @@ class Engine:
             )
         self.verifier.reset(seed)
         self.drafter.reset()
+        self.target.want_features = self.drafter.needs_features  # engines may share one target
         stats = DecodeStats()
         t0 = self._now()
         feats = self.target.prefill(prompt[:-1])

@@ -18,7 +18,20 @@ METHODS: dict[str, Callable] = {
         max_ngram=opt.get("ngram", 3), depth=opt.get("lookup_depth", 8), branches=opt.get("branches", 1)
     ),
     "random": lambda target, opt: RandomDrafter(target.vocab_size, seed=opt.get("seed", 0)),
+    "specblock": lambda target, opt: _specblock(target, opt),
 }
+
+
+def _specblock(target, opt: dict) -> Drafter:
+    from specblock.policies.branching import RankBucketBranching
+    from specblock.runtime.config import DEFAULT_DRAFTERS
+    from specblock.runtime.drafters.specblock import SpecBlockDrafter
+
+    path = opt.get("drafter") or DEFAULT_DRAFTERS / "specblock"
+    return SpecBlockDrafter.load(
+        path, target, M=opt.get("M", 2), max_seeds=opt.get("max_seeds", 2),
+        policy=RankBucketBranching(tuple(opt.get("widths", (2, 4, 10, 0)))),
+    )
 
 
 def register(name: str, factory: Callable) -> None:

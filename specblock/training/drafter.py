@@ -1,0 +1,206 @@
+"""``python -m specblock.training drafter``: train a SpecBlock drafter for an HF target.
+
+Resumable (atomic checkpoints every ``--ckpt-every`` steps and on SIGTERM/SIGINT), a progress bar
+with loss and tokens/s, held-out per-position acceptance logged to ``metrics.jsonl``, and
+multi-process data parallel under ``torchrun`` (DDP; gloo on CPU, nccl on GPUs).
+
+Data: windows of the lab corpus (the target's token cache, see ``training/target.py``) or any
+JSONL file of ``{"text": ...}`` lines tokenized with the target's tokenizer. Soft targets and
+features come from the target on the fly (a cache of V-sized distributions would dwarf it).
+Teacher forcing runs on corpus text, not on the target's own generations: cheaper by far on a
+CPU; ``eval`` measures acceptance on held-out text and the runtime benchmark measures the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
+from specblock.runtime.target import default_taps, load_causal_lm
+from specblock.training.specblock_step import specblock_step, target_pass
+from specblock.training.windows import WindowSource
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m specblock.training drafter", description=__doc__.splitlines()[0])
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--run-dir", type=Path, required=True, help="checkpoints and logs (resumed when present)")
+    ap.add_argument("--out", type=Path, help="export the drafter (safetensors + config) here when done")
+    ap.add_argument("--data", default="lab", help="'lab' (the shipped corpus) or a JSONL file with a 'text' field")
+    ap.add_argument("--window", type=int, default=257)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--max-steps", type=int, default=2000)
+    ap.add_argument("--max-minutes", type=float, default=60.0)
+    ap.add_argument("--rank-freeze", type=float, default=0.1, help="share of the run with the rank head frozen (paper: 2,000 steps)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--K", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=1024)
+    ap.add_argument("--no-shift", dest="shift", action="store_false")
+    ap.add_argument("--no-prefix-broadcast", dest="prefix_broadcast", action="store_false")
+    ap.add_argument("--no-valid-prefix", dest="valid_prefix", action="store_false")
+    ap.add_argument("--no-cross-block", dest="cross_block", action="store_false")
+    ap.add_argument("--ckpt-every", type=int, default=50)
+    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+class StepModule(torch.nn.Module):
+    """Wraps the step as a module call so DistributedDataParallel's gradient hooks see it."""
+
+    def __init__(self, net: SpecBlockNet) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, tp, gen, rank_weight, valid_prefix, cross_block):
+        return specblock_step(self.net, tp, gen, rank_weight, valid_prefix, cross_block)
+
+
+def lr_at(step: int, progress: float, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def _save(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def evaluate(net: SpecBlockNet, target, windows: torch.Tensor, tap_layers) -> dict:
+    """Held-out acceptance per in-block position (chain acceptance under the valid-prefix rule)
+    and rank-head accuracy, for block 1 and block 2."""
+    net.eval()
+    gen = torch.Generator().manual_seed(0)
+    masks, ranks = [[], []], [[], []]
+    for chunk in windows.split(4):
+        res = specblock_step(net, target_pass(target, chunk, tap_layers), gen, 1.0)
+        for i, bl in enumerate(res.blocks):
+            # Acceptance at k = block reaches k and is right there: m_{k+1} in the paper's notation.
+            acc = bl.mask * bl.top1.float()
+            masks[i].append(acc.flatten(0, -2).sum(0) / bl.mask[..., 0].sum().clamp_min(1))
+            ranks[i].append((bl.rank_correct.float() * bl.mask).sum() / bl.mask.sum().clamp_min(1))
+    net.train()
+    out = {}
+    for i in range(len(res.blocks)):
+        out[f"block{i + 1}_acc"] = [round(float(x), 4) for x in torch.stack(masks[i]).mean(0)]
+        out[f"block{i + 1}_rank_acc"] = round(float(torch.stack(ranks[i]).mean()), 4)
+    return out
+
+
+def train(args) -> None:
+    ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if ddp:
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    rank = dist.get_rank() if ddp else 0
+    main_proc = rank == 0
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    target = load_causal_lm(args.target, "bfloat16", "cpu", "sdpa", False).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tcfg = target.config
+    taps = default_taps(tcfg.num_hidden_layers)
+    cfg = SpecBlockConfig(
+        vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size, num_layers=args.layers,
+        num_heads=tcfg.num_attention_heads, intermediate_size=args.intermediate, K=args.K, tap_layers=taps,
+        rope_theta=float(getattr(tcfg, "rope_theta", 10000.0) or 10000.0), shift=args.shift,
+        prefix_broadcast=args.prefix_broadcast,
+    )
+    net = SpecBlockNet(cfg)
+    net.tie_to_target(target)
+    model = StepModule(net)
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = args.run_dir / "ckpt.pt"
+    step, train_s = 0, 0.0
+    if ckpt_path.is_file():
+        st = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        net.load_state_dict(st["net"])
+        opt.load_state_dict(st["opt"])
+        step, train_s = st["step"], st["train_s"]
+        if main_proc:
+            print(f"resumed from step {step}", flush=True)
+    source = WindowSource(args.data, args.target, args.window, seed=args.seed + 1000 * rank + step)
+    heldout = source.heldout(8)
+    gen = torch.Generator().manual_seed(args.seed + rank + step)
+    stop = {"flag": False}
+
+    def on_signal(signum, _frame):
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    def state() -> dict:
+        return {"net": net.state_dict(), "opt": opt.state_dict(), "step": step, "train_s": train_s, "args": vars(args)}
+
+    progress = lambda: max(step / args.max_steps, train_s / (60 * args.max_minutes))
+    bar = tqdm(total=args.max_steps, initial=step, disable=not main_proc, dynamic_ncols=True)
+    log = (args.run_dir / "metrics.jsonl").open("a") if main_proc else None
+    net.train()
+    while progress() < 1.0 and not stop["flag"]:
+        t0 = time.perf_counter()
+        lr = lr_at(step, progress(), args)
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        tp = target_pass(target, source.batch(args.batch), taps)
+        rank_w = 0.0 if progress() < args.rank_freeze else 1.0  # rank head frozen early (paper: 2,000 steps)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            res = model(tp, gen, rank_w, args.valid_prefix, args.cross_block)
+        opt.zero_grad(set_to_none=True)
+        res.loss.backward()  # under DDP, gradients are averaged across processes here
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        dt = time.perf_counter() - t0
+        train_s += dt
+        if main_proc:
+            acc1 = float((res.blocks[0].mask * res.blocks[0].top1).sum() / res.blocks[0].mask[..., 0].sum())
+            bar.set_postfix(loss=f"{res.loss.item():.3f}", acc_len=f"{acc1:.2f}", lr=f"{lr:.1e}",
+                            tok_s=f"{tp.tokens.numel() / dt:.0f}")
+            bar.update(1)
+            if step % args.ckpt_every == 0:
+                _save(ckpt_path, state())
+            if step % args.eval_every == 0:
+                rec = {"step": step, "train_s": round(train_s, 1), "loss": round(res.loss.item(), 4),
+                       **evaluate(net, target, heldout, taps)}
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+                tqdm.write(json.dumps(rec))
+    bar.close()
+    if main_proc:
+        _save(ckpt_path, state())
+        rec = {"step": step, "train_s": round(train_s, 1), "final": True, **evaluate(net, target, heldout, taps)}
+        log.write(json.dumps(rec) + "\n")
+        log.close()
+        print(json.dumps(rec), flush=True)
+        if args.out and not stop["flag"]:
+            net.save(args.out)
+            print(f"drafter written to {args.out}", flush=True)
+    if ddp:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    train(build_parser().parse_args(argv))
+    return 0

@@ -1,0 +1,69 @@
+"""SpecBlock's training losses: soft draft cross-entropy under the valid-prefix mask, rank buckets.
+
+    m_{t,1} = 1,   m_{t,k+1} = m_{t,k} * 1[argmax p_{t,k} = y*_{t,k}]
+    L = sum_k L_k^draft + L^rank,  L_k^draft = -(1/N_k) sum_t m_{t,k} sum_v p*_{t,k}(v) log p_{t,k}(v)
+
+Positions that sit on a wrong in-block prefix are never verified at inference, so they are not
+supervised. ``valid`` marks positions that exist at all (the window's end cuts late blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specblock.policies.tree import BUCKET_UPPER
+
+
+def valid_prefix_mask(correct: torch.Tensor, valid: torch.Tensor, enabled: bool = True) -> torch.Tensor:
+    """[..., K] float mask. ``correct[..., k]``: the drafter's argmax at position k is the target's."""
+    if not enabled:
+        return valid.float()
+    prev_ok = torch.cat([torch.ones_like(correct[..., :1]), correct[..., :-1]], dim=-1)
+    return (valid & prev_ok).float().cumprod(dim=-1)
+
+
+def rank_of(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    """0-based rank of each target token in the draft distribution (ties count in its favour)."""
+    tgt = logits.gather(-1, target_ids[..., None])
+    return (logits > tgt).sum(-1)
+
+
+def bucket_of(rank: torch.Tensor) -> torch.Tensor:
+    """Ranks (0-based) to buckets b0..b3: the same thresholds as policies.tree.rank_to_bucket."""
+    edges = torch.tensor(BUCKET_UPPER, device=rank.device)
+    return torch.bucketize(rank + 1, edges, right=False)
+
+
+@dataclass
+class BlockLoss:
+    draft: torch.Tensor  # sum over k of the masked mean soft CE
+    rank: torch.Tensor  # masked mean CE of the rank head
+    mask: torch.Tensor  # [..., K] the valid-prefix mask used
+    top1: torch.Tensor  # [..., K] drafter argmax == target argmax
+    rank_correct: torch.Tensor  # [..., K] rank head's bucket == true bucket
+
+
+def block_loss(
+    logits: torch.Tensor,  # [..., K, V]
+    rank_logits: torch.Tensor,  # [..., K, 4]
+    p_star: torch.Tensor,  # [..., K, V] target distribution (float)
+    valid: torch.Tensor,  # [..., K] bool
+    start: torch.Tensor | None = None,  # [...] float: block reachable at all (cross-block seeds)
+    use_valid_prefix: bool = True,
+) -> BlockLoss:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    y_star = p_star.argmax(-1)
+    top1 = logits.argmax(-1) == y_star
+    mask = valid_prefix_mask(top1, valid, use_valid_prefix)
+    if start is not None:
+        mask = mask * start[..., None]
+    ce = -(p_star * logp).sum(-1)  # [..., K]
+    n_k = mask.flatten(0, -2).sum(0).clamp_min(1.0)  # valid positions per in-block index k
+    draft = ((ce * mask).flatten(0, -2).sum(0) / n_k).sum()
+    buckets = bucket_of(rank_of(logits.detach(), y_star))
+    rce = F.cross_entropy(rank_logits.float().flatten(0, -2), buckets.flatten(), reduction="none").view_as(mask)
+    rank = (rce * mask).sum() / mask.sum().clamp_min(1.0)
+    return BlockLoss(draft, rank, mask, top1, rank_logits.argmax(-1) == buckets)

@@ -1,0 +1,105 @@
+"""One SpecBlock training step on a window of tokens: target pass, two blocks, losses.
+
+Every position p of a window starts a block (teacher forcing over the context, K queries per
+block attending to context <= p). The second block starts at a split point j drawn uniformly
+from 1..K inside each first block, from the drafter's own hidden state there and the target's
+token at that depth (cross-block training, so training sees what inference feeds block 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specblock.runtime.drafters.specblock_net import SpecBlockNet
+from specblock.training.losses import BlockLoss, block_loss
+
+
+@dataclass
+class TargetPass:
+    tokens: torch.Tensor  # [B, W]
+    taps: torch.Tensor  # [B, W, n_taps*h]
+    p_star: torch.Tensor  # [B, W, V] float32: the target's next-token distribution at each position
+
+
+@torch.no_grad()
+def target_pass(model, tokens: torch.Tensor, tap_layers: tuple[int, ...]) -> TargetPass:
+    """Features and soft targets in the target's own dtype (the one it serves in), so the
+    drafter trains on the features it will see at inference."""
+    out = model(input_ids=tokens, output_hidden_states=True)
+    taps = torch.cat([out.hidden_states[i] for i in tap_layers], dim=-1).float()
+    return TargetPass(tokens, taps, torch.softmax(out.logits.float(), dim=-1))
+
+
+def _gather_positions(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B, W, ...] at idx [R, K] (clamped) -> [B, R, K, ...]."""
+    w = x.shape[1]
+    return x[:, idx.clamp(max=w - 1)]
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    blocks: list[BlockLoss]
+
+
+def first_block(net: SpecBlockNet, taps: torch.Tensor, tokens: torch.Tensor):
+    """Block 1 at every position p = 0..W-2 of the window: the top hidden states ``[B, R, K, h]``
+    and the context stream's per-layer keys/values (the cache later blocks attend to)."""
+    b, w = tokens.shape
+    r, dev = w - 1, tokens.device
+    p = torch.arange(r, device=dev)
+    g = net.g_from_target(taps[:, :r], tokens[:, 1:])  # [B, R, h] at positions p
+    pos_q = (p[:, None] + torch.arange(1, net.cfg.K + 1, device=dev))[None].expand(b, r, -1)
+    causal = torch.ones(r, r, dtype=torch.bool, device=dev).tril()[None]
+    return net.run(g[:, None], p[None, None].expand(b, 1, r), net.queries(g), pos_q, None, None, causal)
+
+
+def seed_block(net: SpecBlockNet, ctx_kv, h_seed: torch.Tensor, seed_tok: torch.Tensor, seed_pos: torch.Tensor):
+    """Block 2 from one seed per first block (row r may see context <= r and its own seed)."""
+    r, dev = h_seed.shape[1], h_seed.device
+    g2 = net.g_from_drafter(h_seed, seed_tok)  # [B, R, h] at seed_pos
+    pos_q = seed_pos[:, :, None] + torch.arange(1, net.cfg.K + 1, device=dev)
+    causal = torch.ones(r, r, dtype=torch.bool, device=dev).tril()[None]
+    q_mask = torch.cat([causal[0], torch.eye(r, dtype=torch.bool, device=dev)], -1)[None]
+    hq, _ = net.run(g2[:, :, None], seed_pos[:, :, None], net.queries(g2), pos_q, ctx_kv, causal, q_mask)
+    return hq
+
+
+def specblock_step(
+    net: SpecBlockNet,
+    tp: TargetPass,
+    gen: torch.Generator,
+    rank_weight: float,
+    use_valid_prefix: bool = True,
+    cross_block: bool = True,
+) -> StepResult:
+    b, w = tp.tokens.shape
+    kk, dev = net.cfg.K, tp.tokens.device
+    r = w - 1
+    p = torch.arange(r, device=dev)
+    ks = torch.arange(1, kk + 1, device=dev)
+    hq, ctx_kv = first_block(net, tp.taps, tp.tokens)
+    logits, rank_logits = net.heads(hq)
+    idx1 = p[:, None] + ks  # the target distribution for depth k sits at position p+k
+    valid1 = (idx1 <= w - 1)[None].expand(b, r, kk)
+    first = block_loss(logits, rank_logits, _gather_positions(tp.p_star, idx1), valid1, None, use_valid_prefix)
+    blocks = [first]
+
+    if cross_block and kk > 1:
+        j = torch.randint(1, kk + 1, (b, r), generator=gen, device=dev)  # split depth per block
+        h_seed = hq.gather(2, (j - 1)[..., None, None].expand(b, r, 1, hq.shape[-1]))[:, :, 0]
+        y_star = tp.p_star.argmax(-1)  # [B, W]
+        seed_pos = p[None] + j
+        seed_tok = y_star.gather(1, seed_pos.clamp(max=w - 1))  # the target's token at depth j
+        hq2 = seed_block(net, ctx_kv, h_seed, seed_tok, seed_pos)
+        logits2, rank2 = net.heads(hq2)
+        idx2 = seed_pos[:, :, None] + ks  # [B, R, K]
+        p_star2 = tp.p_star[torch.arange(b, device=dev)[:, None, None], idx2.clamp(max=w - 1)]
+        # Block 2 is reachable only if block 1 was right up to the seed's parent (m_{t,j}).
+        start = first.mask.gather(-1, (j - 1)[..., None])[..., 0]
+        blocks.append(block_loss(logits2, rank2, p_star2, idx2 <= w - 1, start, use_valid_prefix))
+
+    loss = sum(bl.draft + rank_weight * bl.rank for bl in blocks)
+    return StepResult(loss, blocks)

@@ -1,0 +1,167 @@
+"""The SpecBlock drafter: lossless with any weights, training and serving see the same blocks,
+losses follow the paper's definitions, save/load round trips, errors are clear."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from specblock.errors import SpecBlockError
+from specblock.policies.branching import RankBucketBranching
+from specblock.policies.tree import rank_to_bucket
+from specblock.runtime.drafters.base import DraftRequest
+from specblock.runtime.drafters.specblock import SpecBlockDrafter
+from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
+from specblock.runtime.engine import Engine
+from specblock.runtime.target import TargetModel
+from specblock.training.losses import bucket_of, rank_of, valid_prefix_mask
+from specblock.training.specblock_step import first_block, seed_block, specblock_step, target_pass
+from tiny import FAMILIES, tiny_model
+
+V = 16
+
+
+def make(family="llama", seed=0, **cfg_kw):
+    model = tiny_model(family, vocab=V, seed=seed, layers=3)
+    target = TargetModel(model)
+    cfg = SpecBlockConfig(vocab_size=V, hidden_size=32, num_heads=4, intermediate_size=64,
+                          tap_layers=target.tap_layers, **cfg_kw)
+    torch.manual_seed(seed)
+    net = SpecBlockNet(cfg)
+    net.tie_to_target(model)
+    with torch.no_grad():  # a non-trivial shift, so the tests see it act
+        for s in net.shifts:
+            s.weight.add_(torch.randn_like(s.weight) * 0.1)
+    return model, target, net.eval()
+
+
+def reference(model, prompt, n):
+    out = model.generate(torch.tensor(prompt)[None], max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("M", [1, 2, 3])
+def test_lossless_greedy(family, M):
+    model, target, net = make(family)
+    rng = np.random.default_rng(M)
+    for length in (1, 4, 15):
+        prompt = rng.integers(2, V, length)
+        # (2, 4, 6, 4): the paper's setting without a zero width, so an untrained rank head
+        # still grows trees.
+        drafter = SpecBlockDrafter(net, M=M, max_seeds=2, policy=RankBucketBranching((2, 4, 6, 4)))
+        res = Engine(target, drafter, budget=int(rng.integers(4, 30))).generate(prompt, 30)
+        assert res.token_ids == reference(model, prompt, 30)
+        assert max(res.stats.tree_size) > 1
+
+
+@pytest.mark.parametrize("shift,broadcast", [(False, True), (True, False)])
+def test_ablations_stay_lossless(shift, broadcast):
+    model, target, net = make(shift=shift, prefix_broadcast=broadcast)
+    prompt = np.arange(2, 12)
+    drafter = SpecBlockDrafter(net, policy=RankBucketBranching((2, 4, 6, 4)))
+    res = Engine(target, drafter, budget=20).generate(prompt, 25)
+    assert res.token_ids == reference(model, prompt, 25)
+
+
+def test_serving_blocks_equal_training_blocks():
+    """Block 1 at the root, and block 2 from a seed, computed by the runtime drafter, equal the
+    training step's blocks at the same positions: training teaches exactly what serving runs."""
+    model, target, net = make("qwen2", seed=2)
+    tokens = torch.as_tensor(np.random.default_rng(0).integers(2, V, 14))[None]
+    with torch.no_grad():
+        tp = target_pass(model, tokens, target.tap_layers)
+        hq_train, ctx_kv = first_block(net, tp.taps.to(torch.float32), tokens)
+    target.want_features = True
+    for root_pos in (1, 6, 12):
+        prompt = tokens[0, : root_pos + 1].numpy()
+        drafter = SpecBlockDrafter(net)
+        drafter.prefill(prompt, target.prefill(prompt[:-1]))
+        drafter._root_pos = root_pos
+        with torch.no_grad():
+            hq_serve, _ = drafter._first_block(int(prompt[-1]))
+            torch.testing.assert_close(hq_serve[0, 0], hq_train[0, root_pos - 1], atol=2e-4, rtol=2e-4)
+            # Block 2 from the spine node at depth j of every first block, seeded with the
+            # sequence's token there; compare the row of this root.
+            j, p = 2, root_pos - 1
+            rows = torch.arange(hq_train.shape[1])
+            seed_pos = (rows + j)[None]
+            seed_tok = tokens[:, seed_pos[0].clamp(max=tokens.shape[1] - 1)]
+            hq2_train = seed_block(net, ctx_kv, hq_train[:, :, j - 1], seed_tok, seed_pos)
+            g = net.g_from_drafter(hq_train[0, p, j - 1][None], seed_tok[0, p][None])
+            hq2_serve = drafter._seed_block(g, seed_pos[0, p][None])
+            torch.testing.assert_close(hq2_serve[0, 0], hq2_train[0, p], atol=2e-4, rtol=2e-4)
+
+
+def test_valid_prefix_mask_follows_the_paper():
+    correct = torch.tensor([[True, False, True, True], [True, True, True, False]])
+    valid = torch.ones_like(correct)
+    assert valid_prefix_mask(correct, valid).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert valid_prefix_mask(correct, valid, enabled=False).tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    valid[1, 2:] = False
+    assert valid_prefix_mask(correct, valid).tolist()[1] == [1, 1, 0, 0]
+
+
+@given(st.lists(st.floats(-5, 5), min_size=12, max_size=12, unique=True), st.integers(0, 11))
+def test_rank_buckets_agree_between_training_and_policies(logits, tgt):
+    x = torch.tensor(logits)
+    r = int(rank_of(x, torch.tensor(tgt)))
+    assert r == int((x > x[tgt]).sum())
+    assert int(bucket_of(torch.tensor(r))) == int(rank_to_bucket(r))
+
+
+def test_training_learns_a_fixed_batch():
+    model, target, net = make("llama", seed=4)
+    net.train()
+    tokens = torch.as_tensor(np.random.default_rng(1).integers(2, V, (2, 33)))
+    tp = target_pass(model, tokens, target.tap_layers)
+    opt = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+
+    def top1_at_depth1():
+        with torch.no_grad():
+            return float(specblock_step(net, tp, gen, 1.0).blocks[0].top1[..., 0].float().mean())
+
+    before = top1_at_depth1()
+    for _ in range(150):
+        res = specblock_step(net, tp, gen, rank_weight=1.0)
+        opt.zero_grad()
+        res.loss.backward()
+        opt.step()
+    after = top1_at_depth1()
+    assert after > before + 0.2 and after > 0.35
+
+
+def test_save_load_round_trip_and_vocab_mismatch(tmp_path):
+    model, target, net = make()
+    net.save(tmp_path / "d")
+    d = SpecBlockDrafter.load(tmp_path / "d", target)
+    loaded = d.net.state_dict()
+    for name, a in net.state_dict().items():  # saved in bf16; embedding and LM head come from the target
+        want = a if name in ("embed.weight", "lm_head.weight") else a.to(torch.bfloat16).float()
+        torch.testing.assert_close(want, loaded[name].float())
+    other = TargetModel(tiny_model("llama", vocab=V + 4, layers=3))
+    with pytest.raises(SpecBlockError, match="trained for vocab"):
+        SpecBlockDrafter.load(tmp_path / "d", other)
+    with pytest.raises(SpecBlockError, match="no SpecBlock drafter"):
+        SpecBlockDrafter.load(tmp_path / "missing", target)
+
+
+def test_cli_specblock_with_compare(tmp_path, capsys):
+    """Through the CLI, sharing one target with the plain-decoding baseline."""
+    import json
+
+    from specblock.runtime.cli import main
+    from tiny import save_tiny
+
+    save_tiny(tmp_path / "t", "llama", vocab=96, ctx=128, layers=3)
+    target = TargetModel.load(tmp_path / "t", "float32", "cpu")
+    cfg = SpecBlockConfig(vocab_size=96, hidden_size=32, num_heads=4, intermediate_size=64, tap_layers=target.tap_layers)
+    net = SpecBlockNet(cfg)
+    net.tie_to_target(target.model)
+    net.save(tmp_path / "d")
+    code = main(["--target", str(tmp_path / "t"), "--method", "specblock", "--drafter", str(tmp_path / "d"),
+                 "--widths", "2,4,6,4", "--prompt", "abc abc", "--max-new-tokens", "16", "--dtype", "float32",
+                 "--compare", "ar", "--json"])
+    rec = json.loads(capsys.readouterr().out)
+    assert code == 0 and rec["identical_to_ar"] is True and rec["mean_tree_size"] > 1
