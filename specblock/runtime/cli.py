@@ -23,8 +23,20 @@ from specblock.runtime.verify import GreedyVerifier, SamplingVerifier
 
 DEMO_PROMPT = "def fibonacci(n):\n    "
 
-#: Subcommands other modules add (``bench``, ``calibrate``): name -> main(argv) -> exit status.
-SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {}
+def _bench(argv: list[str]) -> int:
+    from specblock.runtime.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+def _calibrate(argv: list[str]) -> int:
+    from specblock.runtime.calibrate import main as calibrate_main
+
+    return calibrate_main(argv)
+
+
+#: Subcommands: name -> main(argv) -> exit status (imported lazily: decoding needs neither).
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"bench": _bench, "calibrate": _calibrate}
 
 
 class _Parser(argparse.ArgumentParser):

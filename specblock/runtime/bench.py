@@ -1,0 +1,224 @@
+"""``python -m specblock.runtime bench``: methods x domains, same target, prompts and run.
+
+Every method decodes every prompt once per run, in an order that rotates between runs, and plain
+decoding (``ar``) is always among them, so each Spd divides by AR measured minutes apart on the
+same machine. Per (method, domain) we report medians over runs of Spd (tokens/s ratio to AR in
+that run), tokens/s, tau and T_D%, plus the match rate against AR's tokens. bf16 serving can
+differ from plain decoding at near-ties (the shapes of the computation differ); every such
+divergence is reported with the target's top-2 logit gap at the diverging position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from specblock.errors import SpecBlockError
+from specblock.runtime import drafters
+from specblock.runtime.config import RunConfig, validate
+from specblock.runtime.engine import Engine
+from specblock.runtime.metrics import DecodeStats
+from specblock.runtime.target import TargetModel, read_generation_eos
+from specblock.runtime.verify import GreedyVerifier
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m specblock.runtime bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--target", type=Path)
+    ap.add_argument("--methods", default="ar,lookup,specblock")
+    ap.add_argument("--domains", default="code,math,chat,qa,mtbench")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per domain (the first N of each set)")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--budget", type=int, default=24)
+    ap.add_argument("--drafter-dir", type=Path, help="directory of trained drafters (default: the shipped assets)")
+    ap.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE",
+                    help="per-method option, e.g. specblock:M=3 or specblock:drafter=DIR")
+    ap.add_argument("--trace-dir", type=Path, help="write per-iteration JSONL traces per method and domain (run 1)")
+    ap.add_argument("--out", type=Path, default=Path("experiments/results/bench"))
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    return ap
+
+
+@dataclass
+class Cell:
+    """One (method, domain): per-run aggregates and per-prompt tokens from run 1."""
+
+    runs: list[DecodeStats] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+
+
+def _options(method: str, args) -> dict:
+    base = RunConfig(method=method).drafter_options()
+    if args.drafter_dir is not None:
+        base["drafter"] = args.drafter_dir / method
+    for item in args.set:
+        m, _, kv = item.partition(":")
+        k, _, v = kv.partition("=")
+        if m == method and k:
+            base[k] = tuple(int(x) for x in v.split(",")) if k == "widths" else (int(v) if v.lstrip("-").isdigit() else v)
+    return base
+
+
+def divergence(target: TargetModel, prompt: list[int], ar: list[int], other: list[int]) -> dict | None:
+    """First position where ``other`` leaves ``ar``, with the target's top-2 gap there."""
+    n = min(len(ar), len(other))
+    diff = next((i for i in range(n) if ar[i] != other[i]), None)
+    if diff is None:
+        return None if len(ar) == len(other) else {"position": n, "gap": None}
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt + ar[:diff]], device=target.device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return {"position": diff, "gap": round(float(top[0] - top[1]), 5)}
+
+
+def run_bench(args) -> dict:
+    from specblock.prompts import load_prompts
+    from specblock.runtime.cli import load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = validate({"target": args.target, "dtype": args.dtype})
+    path = cfg.target_dir
+    target = TargetModel.load(path, args.dtype, "auto")
+    tok = load_tokenizer(path, False)
+    eos = frozenset(read_generation_eos(path))
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if "ar" not in methods:
+        methods.insert(0, "ar")
+    engines = {m: Engine(target, drafters.build(m, target, _options(m, args)), GreedyVerifier(), args.budget, eos)
+               for m in methods}
+    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+    prompts = {d: [tok(p.text)["input_ids"] for p in load_prompts(d, args.prompts)] for d in domains}
+    for d, ps in prompts.items():
+        for ids in ps:
+            if len(ids) + args.max_new_tokens > target.max_context:
+                raise SpecBlockError(f"a {d} prompt has {len(ids)} tokens: too long for {args.max_new_tokens} new ones")
+    for eng in engines.values():  # untimed warm-up
+        eng.generate(prompts[domains[0]][0][-16:], 8)
+
+    cells = {(m, d): Cell() for m in methods for d in domains}
+    total = args.runs * sum(len(p) for p in prompts.values()) * len(methods)
+    bar = tqdm(total=total, desc="bench", dynamic_ncols=True)
+    for r in range(args.runs):
+        order = methods[r % len(methods):] + methods[: r % len(methods)]  # rotate who goes first
+        per_run = {k: DecodeStats() for k in cells}
+        for d in domains:
+            for i, ids in enumerate(prompts[d]):
+                for m in order:
+                    eng = engines[m]
+                    trace = None
+                    if args.trace_dir is not None and r == 0:
+                        args.trace_dir.mkdir(parents=True, exist_ok=True)
+                        trace = (args.trace_dir / f"{m}.{d}.jsonl").open("a")
+                    eng.trace = trace
+                    res = eng.generate(ids, args.max_new_tokens)
+                    if trace is not None:
+                        trace.close()
+                        eng.trace = None
+                    per_run[m, d] = per_run[m, d].merge(res.stats)
+                    if r == 0:
+                        cells[m, d].tokens.append(res.token_ids)
+                    bar.update(1)
+        for k, st in per_run.items():
+            cells[k].runs.append(st)
+    bar.close()
+    return summarize(cells, methods, domains, prompts, target, args)
+
+
+def summarize(cells, methods, domains, prompts, target, args) -> dict:
+    rows = []
+    for m in methods:
+        for d in domains:
+            c, ar = cells[m, d], cells["ar", d]
+            spd = [s.tokens_per_s / a.tokens_per_s for s, a in zip(c.runs, ar.runs)]
+            divs = [dv for ids, a, o in zip(prompts[d], ar.tokens, c.tokens) if (dv := divergence(target, ids, a, o))]
+            rows.append({
+                "method": m, "domain": d,
+                "speedup": round(statistics.median(spd), 4),
+                "tokens_per_s": round(statistics.median(s.tokens_per_s for s in c.runs), 3),
+                "tau": round(statistics.median(s.tau for s in c.runs), 4),
+                "draft_share": round(statistics.median(s.draft_share for s in c.runs), 4),
+                "mean_tree_size": round(float(np.mean(c.runs[0].tree_size)), 2),
+                "per_depth_acceptance": [round(x, 4) for x in c.runs[0].per_depth_acceptance()],
+                "match_rate": round(1 - len(divs) / len(c.tokens), 4),
+                "divergences": divs,
+                "new_tokens": c.runs[0].new_tokens,
+            })
+    return {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "device": str(target.device), "threads": torch.get_num_threads(), "rows": rows}
+
+
+def write_outputs(result: dict, out: Path) -> list[Path]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = result["rows"]
+    files = [out.with_suffix(".json"), out.with_suffix(".csv"), out.with_suffix(".md"), out.with_suffix(".png")]
+    files[0].write_text(json.dumps(result, indent=1))
+    with files[1].open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k not in ("divergences", "per_depth_acceptance")])
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: v for k, v in r.items() if k in w.fieldnames})
+    files[2].write_text(markdown_table(rows))
+    plot(rows, files[3])
+    return files
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The paper's layout: "Spd / tau" per domain, the mean, and T_D%."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    domains = list(dict.fromkeys(r["domain"] for r in rows))
+    get = {(r["method"], r["domain"]): r for r in rows}
+    lines = ["| method | " + " | ".join(domains) + " | Mean | T_D% | match |",
+             "|---" * (len(domains) + 4) + "|"]
+    for m in methods:
+        cells = [f"{get[m, d]['speedup']:.2f}x / {get[m, d]['tau']:.2f}" for d in domains]
+        spd = np.mean([get[m, d]["speedup"] for d in domains])
+        tau = np.mean([get[m, d]["tau"] for d in domains])
+        td = np.mean([get[m, d]["draft_share"] for d in domains])
+        match = np.mean([get[m, d]["match_rate"] for d in domains])
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {spd:.2f}x / {tau:.2f} | {100 * td:.0f}% | {100 * match:.0f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    domains = list(dict.fromkeys(r["domain"] for r in rows))
+    get = {(r["method"], r["domain"]): r["speedup"] for r in rows}
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(domains), 3.6))
+    w = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        xs = np.arange(len(domains)) + (i - (len(methods) - 1) / 2) * w
+        ax.bar(xs, [get[m, d] for d in domains], w, label=m)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(np.arange(len(domains)), domains)
+    ax.set_ylabel("speedup over AR (median)")
+    ax.legend(fontsize=8, ncols=min(4, len(methods)))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.runs < 1 or args.prompts < 1 or args.max_new_tokens < 1:
+        raise SpecBlockError("--runs, --prompts and --max-new-tokens must be at least 1")
+    result = run_bench(args)
+    files = write_outputs(result, args.out)
+    print(markdown_table(result["rows"]), end="")
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 0

@@ -1,0 +1,132 @@
+"""``python -m specblock.runtime calibrate``: the latency JSON the simulator's calibrated model reads.
+
+Measures, on this machine and in the serving dtype: one target forward of n = 1..64 tree tokens
+at several contexts (KV cache already holding ``ctx`` tokens, a random tree each time), each
+shipped drafter's forward at several query counts, and the per-iteration glue (tree masks,
+greedy verification, KV pruning). Medians of repeated runs. Format: ``specblock.sim.latency``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from specblock.policies.tree import DraftTree
+from specblock.runtime.config import DEFAULT_DRAFTERS, validate
+from specblock.runtime.drafters.base import DraftRequest
+from specblock.runtime.target import TargetModel
+from specblock.runtime.verify import GreedyVerifier
+
+N_GRID = [1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 64]
+CTX_GRID = [64, 256, 512]
+
+
+def _sync(target: TargetModel) -> None:
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+
+
+def _random_tree(rng: np.random.Generator, n: int, vocab: int) -> DraftTree:
+    parent = np.concatenate([[-1], (rng.random(n - 1) * np.arange(1, n)).astype(np.int64)])
+    return DraftTree.from_parents(rng.integers(0, vocab, n), parent)
+
+
+def time_target(target: TargetModel, ctx: int, n: int, reps: int, rng) -> tuple[float, float]:
+    """Median ms of one tree forward of n tokens at context ctx; also the glue (mask + verify + commit)."""
+    target.prefill(rng.integers(0, target.vocab_size, ctx))
+    verifier = GreedyVerifier()
+    fwd, glue = [], []
+    for _ in range(reps):
+        tree = _random_tree(rng, n, target.vocab_size)
+        _sync(target)
+        t0 = time.perf_counter()
+        out = target.tree_forward(tree)
+        _sync(target)
+        t1 = time.perf_counter()
+        verdict = verifier.verify(tree, out.logits)
+        target.commit(verdict.path[:1])  # keep the root only: the context stays at ctx + 1
+        _sync(target)
+        t2 = time.perf_counter()
+        for layer in target.cache.layers:  # back to exactly ctx cached tokens
+            layer.keys, layer.values = layer.keys[..., :ctx, :], layer.values[..., :ctx, :]
+        target.past_len = ctx
+        fwd.append(t1 - t0)
+        glue.append(t2 - t1)
+    return 1e3 * statistics.median(fwd), 1e3 * statistics.median(glue)
+
+
+def time_specblock(target: TargetModel, path: Path, reps: int, rng) -> dict:
+    """SpecBlock block forwards at 1..4 seeds (K queries each), cache at ~256 context."""
+    from specblock.runtime.drafters.specblock import SpecBlockDrafter
+
+    d = SpecBlockDrafter.load(path, target)
+    target.want_features = True
+    prompt = rng.integers(0, target.vocab_size, 256)
+    d.prefill(prompt, target.prefill(prompt[:-1]))
+    d.propose(DraftRequest(tokens=prompt, budget=4, max_depth=64))  # fills the cache
+    k, h = d.net.cfg.K, d.net.cfg.hidden_size
+    n_query, ms = [], []
+    for s in (1, 2, 3, 4):
+        g = torch.randn(s, h, device=target.device, dtype=d.dtype)
+        pos = torch.full((s,), 256, device=target.device)
+        times = []
+        with torch.no_grad():
+            for _ in range(reps):
+                _sync(target)
+                t0 = time.perf_counter()
+                hq = d._seed_block(g, pos)
+                d._candidates(hq)
+                _sync(target)
+                times.append(time.perf_counter() - t0)
+        n_query.append(s * k)
+        ms.append(round(1e3 * statistics.median(times), 4))
+    return {"ms_per_forward": ms[0], "n_query": n_query, "ms": ms}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specblock.runtime calibrate", description=__doc__.splitlines()[0])
+    ap.add_argument("--target", type=Path)
+    ap.add_argument("--out", type=Path, default=Path("specblock/sim/data/latency_cpu.json"))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--ctx", default=",".join(map(str, CTX_GRID)))
+    ap.add_argument("--drafter-dir", type=Path, default=DEFAULT_DRAFTERS)
+    args = ap.parse_args(argv)
+    cfg = validate({"target": args.target, "dtype": args.dtype})
+    target = TargetModel.load(cfg.target_dir, args.dtype, "auto")
+    rng = np.random.default_rng(0)
+    ctxs = [c for c in (int(x) for x in args.ctx.split(",")) if c + 64 < target.max_context]
+    ms, glue = [], []
+    time_target(target, ctxs[0], 8, 3, rng)  # warm-up
+    with tqdm(total=len(ctxs) * len(N_GRID), desc="target") as bar:
+        for ctx in ctxs:
+            row = []
+            for n in N_GRID:
+                f, g = time_target(target, ctx, n, args.reps, rng)
+                row.append(round(f, 4))
+                glue.append(g)
+                bar.update(1)
+            ms.append(row)
+    drafters = {}
+    if (args.drafter_dir / "specblock" / "config.json").is_file():
+        drafters["specblock"] = time_specblock(target, args.drafter_dir / "specblock", args.reps, rng)
+    device = f"{target.device.type}: {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
+    result = {"version": 1, "device": device, "dtype": args.dtype,
+              "target": {"ctx": ctxs, "n": N_GRID, "ms": ms}, "drafters": drafters,
+              "overhead_ms": round(statistics.median(glue), 4)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(args.out)
+    print(json.dumps({"ctx": ctxs, "n": N_GRID, "ms_at_first_ctx": ms[0], "drafters": drafters,
+                      "overhead_ms": result["overhead_ms"]}))
+    print(f"wrote {args.out}")
+    return 0
