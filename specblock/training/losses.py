@@ -49,21 +49,25 @@ class BlockLoss:
 def block_loss(
     logits: torch.Tensor,  # [..., K, V]
     rank_logits: torch.Tensor,  # [..., K, 4]
-    p_star: torch.Tensor,  # [..., K, V] target distribution (float)
+    normed: torch.Tensor,  # [..., K, h] the hidden state the LM head reads
+    lse: torch.Tensor,  # [..., K] logsumexp of the draft logits
+    e_target: torch.Tensor,  # [..., K, h] E_{v ~ p*}[W_v]: the LM head's rows under the target distribution
+    y_star: torch.Tensor,  # [..., K] the target's argmax token
     valid: torch.Tensor,  # [..., K] bool
     start: torch.Tensor | None = None,  # [...] float: block reachable at all (cross-block seeds)
     use_valid_prefix: bool = True,
 ) -> BlockLoss:
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    y_star = p_star.argmax(-1)
-    top1 = logits.argmax(-1) == y_star
+    """Soft CE without V-sized targets: with a bias-free LM head W and sum(p*) = 1,
+    ``-sum_v p*(v) log p(v) = lse - <h, sum_v p*(v) W_v>`` exactly."""
+    rank = rank_of(logits.detach(), y_star)
+    top1 = rank == 0
     mask = valid_prefix_mask(top1, valid, use_valid_prefix)
     if start is not None:
         mask = mask * start[..., None]
-    ce = -(p_star * logp).sum(-1)  # [..., K]
+    ce = lse - (normed.float() * e_target).sum(-1)  # [..., K]
     n_k = mask.flatten(0, -2).sum(0).clamp_min(1.0)  # valid positions per in-block index k
     draft = ((ce * mask).flatten(0, -2).sum(0) / n_k).sum()
-    buckets = bucket_of(rank_of(logits.detach(), y_star))
+    buckets = bucket_of(rank)
     rce = F.cross_entropy(rank_logits.float().flatten(0, -2), buckets.flatten(), reduction="none").view_as(mask)
-    rank = (rce * mask).sum() / mask.sum().clamp_min(1.0)
-    return BlockLoss(draft, rank, mask, top1, rank_logits.argmax(-1) == buckets)
+    rank_loss = (rce * mask).sum() / mask.sum().clamp_min(1.0)
+    return BlockLoss(draft, rank_loss, mask, top1, rank_logits.argmax(-1) == buckets)

@@ -20,16 +20,20 @@ from specblock.training.losses import BlockLoss, block_loss
 class TargetPass:
     tokens: torch.Tensor  # [B, W]
     taps: torch.Tensor  # [B, W, n_taps*h]
-    p_star: torch.Tensor  # [B, W, V] float32: the target's next-token distribution at each position
+    e_target: torch.Tensor  # [B, W, h] float: E_{v ~ p*}[W_v], p* the target's next-token distribution
+    y_star: torch.Tensor  # [B, W] the target's argmax next token
 
 
 @torch.no_grad()
 def target_pass(model, tokens: torch.Tensor, tap_layers: tuple[int, ...]) -> TargetPass:
     """Features and soft targets in the target's own dtype (the one it serves in), so the
-    drafter trains on the features it will see at inference."""
+    drafter trains on the features it will see at inference. The V-sized distribution is
+    reduced at once to its expectation over the (shared, frozen) LM head rows."""
     out = model(input_ids=tokens, output_hidden_states=True)
     taps = torch.cat([out.hidden_states[i] for i in tap_layers], dim=-1).float()
-    return TargetPass(tokens, taps, torch.softmax(out.logits.float(), dim=-1))
+    p_star = torch.softmax(out.logits.float(), dim=-1)
+    e_target = p_star @ model.get_output_embeddings().weight.float()
+    return TargetPass(tokens, taps, e_target, out.logits.argmax(-1))
 
 
 def _gather_positions(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -81,25 +85,24 @@ def specblock_step(
     p = torch.arange(r, device=dev)
     ks = torch.arange(1, kk + 1, device=dev)
     hq, ctx_kv = first_block(net, tp.taps, tp.tokens)
-    logits, rank_logits = net.heads(hq)
     idx1 = p[:, None] + ks  # the target distribution for depth k sits at position p+k
     valid1 = (idx1 <= w - 1)[None].expand(b, r, kk)
-    first = block_loss(logits, rank_logits, _gather_positions(tp.p_star, idx1), valid1, None, use_valid_prefix)
+    first = block_loss(*net.heads(hq, with_lse=True), _gather_positions(tp.e_target, idx1),
+                       _gather_positions(tp.y_star, idx1), valid1, None, use_valid_prefix)
     blocks = [first]
 
     if cross_block and kk > 1:
         j = torch.randint(1, kk + 1, (b, r), generator=gen, device=dev)  # split depth per block
         h_seed = hq.gather(2, (j - 1)[..., None, None].expand(b, r, 1, hq.shape[-1]))[:, :, 0]
-        y_star = tp.p_star.argmax(-1)  # [B, W]
         seed_pos = p[None] + j
-        seed_tok = y_star.gather(1, seed_pos.clamp(max=w - 1))  # the target's token at depth j
+        seed_tok = tp.y_star.gather(1, seed_pos.clamp(max=w - 1))  # the target's token at depth j
         hq2 = seed_block(net, ctx_kv, h_seed, seed_tok, seed_pos)
-        logits2, rank2 = net.heads(hq2)
-        idx2 = seed_pos[:, :, None] + ks  # [B, R, K]
-        p_star2 = tp.p_star[torch.arange(b, device=dev)[:, None, None], idx2.clamp(max=w - 1)]
+        idx2 = (seed_pos[:, :, None] + ks).clamp(max=w - 1)  # [B, R, K]
+        rows = torch.arange(b, device=dev)[:, None, None]
         # Block 2 is reachable only if block 1 was right up to the seed's parent (m_{t,j}).
         start = first.mask.gather(-1, (j - 1)[..., None])[..., 0]
-        blocks.append(block_loss(logits2, rank2, p_star2, idx2 <= w - 1, start, use_valid_prefix))
+        blocks.append(block_loss(*net.heads(hq2, with_lse=True), tp.e_target[rows, idx2], tp.y_star[rows, idx2],
+                                 seed_pos[:, :, None] + ks <= w - 1, start, use_valid_prefix))
 
     loss = sum(bl.draft + rank_weight * bl.rank for bl in blocks)
     return StepResult(loss, blocks)

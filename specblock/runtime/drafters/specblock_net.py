@@ -53,13 +53,18 @@ class SpecBlockConfig(BaseModel):
     top_k: int = 10  # candidates per position handed to the tree policy
 
 
-def rank_stats(logits: torch.Tensor) -> torch.Tensor:
-    """The 15 distribution statistics the rank head reads (float32, no gradient)."""
-    logp = torch.log_softmax(logits.detach().float(), dim=-1)
-    top = logp.topk(10, dim=-1).values
+def rank_stats(logits: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """The 15 distribution statistics the rank head reads (float32, no gradient).
+
+    Vocabulary-wide passes are the cost here (training runs K x M positions per token), so the
+    float logits and the log-normaliser are shared with the loss when the caller has them.
+    """
+    lf = logits.detach().float()
+    lse = torch.logsumexp(lf, dim=-1) if lse is None else lse.detach()
+    top = lf.topk(10, dim=-1).values - lse[..., None]  # top-10 log-probs
     gaps = torch.stack([top[..., 0] - top[..., 1], top[..., 1] - top[..., 2], top[..., 0] - top[..., 9]], -1)
-    entropy = -(logp.exp() * logp).sum(-1, keepdim=True)
-    return torch.cat([top, gaps, top[..., :1].exp(), entropy], dim=-1)
+    entropy = lse - (torch.exp(lf - lse[..., None]) * lf).sum(-1)
+    return torch.cat([top, gaps, top[..., :1].exp(), entropy[..., None]], dim=-1)
 
 
 class SpecBlockNet(nn.Module):
@@ -128,10 +133,18 @@ class SpecBlockNet(nn.Module):
                 xq = self._shift(i, xq)
         return xq, new_kv
 
-    def heads(self, hq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft logits and rank-bucket logits; the rank head sees no backbone gradient."""
-        logits = self.lm_head(self.norm(hq))
-        rank = self.rank_head(torch.cat([hq.detach(), rank_stats(logits).to(hq.dtype)], dim=-1))
+    def heads(self, hq: torch.Tensor, with_lse: bool = False):
+        """Draft logits and rank-bucket logits; the rank head sees no backbone gradient.
+
+        ``with_lse`` (training) also returns the normed hidden state and the log-normaliser, from
+        which the soft cross-entropy is computed without touching V-sized target tensors.
+        """
+        normed = self.norm(hq)
+        logits = self.lm_head(normed).float()
+        lse = torch.logsumexp(logits, dim=-1) if with_lse else None
+        rank = self.rank_head(torch.cat([hq.detach(), rank_stats(logits, lse).to(hq.dtype)], dim=-1))
+        if with_lse:
+            return logits, rank, normed, lse
         return logits, rank
 
     # ----------------------------------------------------------------- files
