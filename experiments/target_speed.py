@@ -1,0 +1,71 @@
+"""The target's forward time for n = 1..64 tree tokens: fp32 vs bf16, sdpa vs eager, a few contexts.
+
+The runtime's default dtype and tree budget follow from this: T(n)/T(1) says how much a bigger
+tree costs to verify. Medians of ``--reps`` forwards with the KV cache holding ``ctx`` tokens.
+
+    python experiments/target_speed.py [--target DIR] [--reps 15] [--threads 2]
+
+Writes experiments/results/target_speed.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specblock.runtime.calibrate import N_GRID, time_target
+from specblock.runtime.config import validate
+from specblock.runtime.target import TargetModel
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", type=Path)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--ctx", default="128,512")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("experiments/results/target_speed"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = validate({"target": args.target}).target_dir
+    ctxs = [int(c) for c in args.ctx.split(",")]
+    rng = np.random.default_rng(0)
+    rows = []
+    for dtype in ("bfloat16", "float32"):
+        for attn in ("sdpa", "eager"):
+            target = TargetModel.load(path, dtype, "cpu", attn)
+            time_target(target, ctxs[0], 8, 3, rng)  # warm-up
+            for ctx in ctxs:
+                ms = [time_target(target, ctx, n, args.reps, rng)[0] for n in N_GRID]
+                rows.append({"dtype": dtype, "attn": attn, "ctx": ctx, "n": N_GRID, "ms": [round(x, 3) for x in ms],
+                             "ratio": [round(x / ms[0], 3) for x in ms]})
+                print(json.dumps(rows[-1]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
+    head = "| dtype | attn | ctx | T(1) ms | " + " | ".join(f"T({n})/T(1)" for n in N_GRID[1:]) + " |"
+    lines = [head, "|---" * (4 + len(N_GRID) - 1) + "|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['attn']} | {r['ctx']} | {r['ms'][0]:.2f} | " + " | ".join(f"{x:.2f}" for x in r["ratio"][1:]) + " |")
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for r in rows:
+        ax.plot(r["n"], r["ms"], marker="o", ms=3, label=f"{r['dtype']} {r['attn']} ctx {r['ctx']}")
+    ax.set_xlabel("tree tokens per forward (n)")
+    ax.set_ylabel("target forward (ms, median)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.out.with_suffix(".png"), dpi=120)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
