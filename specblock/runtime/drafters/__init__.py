@@ -19,6 +19,7 @@ METHODS: dict[str, Callable] = {
     ),
     "random": lambda target, opt: RandomDrafter(target.vocab_size, seed=opt.get("seed", 0)),
     "specblock": lambda target, opt: _specblock(target, opt),
+    "eagle3": lambda target, opt: _eagle3(target, opt),
 }
 
 
@@ -32,6 +33,14 @@ def _specblock(target, opt: dict) -> Drafter:
         path, target, M=opt.get("M", 2), max_seeds=opt.get("max_seeds", 2),
         policy=RankBucketBranching(tuple(opt.get("widths", (2, 4, 10, 0)))),
     )
+
+
+def _eagle3(target, opt: dict) -> Drafter:
+    from specblock.runtime.config import DEFAULT_DRAFTERS
+    from specblock.runtime.drafters.eagle3 import Eagle3Drafter
+
+    path = opt.get("drafter") or DEFAULT_DRAFTERS / "eagle3"
+    return Eagle3Drafter.load(path, target, depth=opt.get("depth"), top_k=opt.get("top_k"))
 
 
 def register(name: str, factory: Callable) -> None:

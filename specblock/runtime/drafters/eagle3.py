@@ -1,0 +1,203 @@
+"""EAGLE-3-style drafter (Li et al. 2025): fused target taps, one decoder layer, EAGLE-2 tree.
+
+Network. The target's low/mid/top hidden states at committed position p are fused by one
+``Linear(3h -> h)``; with the embedding of the token that follows (x_{p+1}) it makes the layer's
+input ``g_p = fc([norm(feature_p) ; norm(e(x_{p+1}))])``, one decoder layer runs over the g's
+(causal, its own KV cache of committed positions), and the output state ``s_p`` predicts
+x_{p+2} through the target's (frozen) LM head. For a drafted token there are no target
+features: the layer's own output state takes the feature's place (EAGLE-3 feeds its hidden
+state back), so depth d+1 reads ``g = fc([norm(s_parent) ; norm(e(token))])``.
+
+Tree. EAGLE-2 dynamic expansion: the root's state offers its top ``top_k`` tokens; at every
+depth the ``top_k`` new nodes with the highest cumulative draft log-prob (``TopScoreSeeds``) are
+expanded in one batched forward (tree attention over the committed cache plus each node's drafted
+ancestors), each offering its own top ``top_k``; after ``depth`` steps the tree is reranked to the
+node budget by cumulative log-prob (``DynamicBranching.prune``).
+
+Choices the papers leave open or that we simplify ("-style"): the draft vocabulary is the target's
+full vocabulary and the LM head is the target's, frozen and not saved (EAGLE-3 trains its own head
+over a reduced, frequency-selected vocabulary); the fed-back state is the layer output before the
+final norm; feature and embedding are RMS-normed separately and mixed by one ``Linear(2h -> h)``
+into the residual stream of a standard pre-norm layer (EAGLE-3 keeps the feature as residual and
+widens q/k/v to 2h); RoPE positions continue the sequence's (g_p at position p); the first token
+of a one-token prompt gets no draft (no target features exist yet).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from specblock.policies.branching import DynamicBranching, TreePolicy, add_candidates
+from specblock.policies.seeds import SeedPolicy, TopScoreSeeds
+from specblock.policies.tree import DraftTree
+from specblock.runtime.drafters.base import DraftRequest, Drafter
+from specblock.runtime.drafters.layers import DecoderLayer, RMSNorm, flat_kv
+from specblock.runtime.drafters.netio import load_net, save_net, tie_frozen
+from specblock.runtime.target import TargetModel, TargetOutput
+from specblock.runtime.verify import Verdict
+
+FROZEN = ("embed.weight", "lm_head.weight")
+
+
+class Eagle3Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_heads: int = Field(4, ge=1)
+    intermediate_size: int = Field(1024, gt=0)
+    tap_layers: tuple[int, ...] = (1, 3, 5)
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    depth: int = Field(6, ge=1)  # serving defaults, overridable per run
+    top_k: int = Field(8, ge=1)
+
+
+class Eagle3Net(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, h)
+        self.fuse_taps = nn.Linear(len(cfg.tap_layers) * h, h, bias=False)
+        self.feat_norm, self.emb_norm = RMSNorm(h, cfg.rms_eps), RMSNorm(h, cfg.rms_eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(h, cfg.num_heads, cfg.intermediate_size, cfg.rope_theta, cfg.rms_eps)
+        self.norm = RMSNorm(h, cfg.rms_eps)
+        self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
+
+    def g(self, feature: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Layer input from a feature (fused taps or the layer's own state) and the next token."""
+        return self.fc(torch.cat([self.feat_norm(feature), self.emb_norm(self.embed(tokens))], dim=-1))
+
+    def g_from_taps(self, taps: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.g(self.fuse_taps(taps), tokens)
+
+    def normed(self, s: torch.Tensor) -> torch.Tensor:
+        return self.norm(s)
+
+    def logits(self, s: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(s)).float()
+
+    # ----------------------------------------------------------------- files
+    def save(self, path: str | Path) -> None:
+        save_net(self, self.cfg, "eagle3", path, FROZEN)
+
+    @classmethod
+    def load(cls, path: str | Path, target_model) -> "Eagle3Net":
+        return load_net(cls, Eagle3Config, path, "eagle3", "EAGLE-3", target_model, FROZEN)
+
+    def tie_to_target(self, target_model) -> None:
+        tie_frozen(self, target_model, FROZEN)
+
+
+class Eagle3Drafter(Drafter):
+    name = "eagle3"
+    needs_features = True
+
+    def __init__(
+        self,
+        net: Eagle3Net,
+        depth: int | None = None,
+        top_k: int | None = None,
+        policy: TreePolicy | None = None,
+        seeds: SeedPolicy | None = None,
+    ) -> None:
+        self.net = net.eval()
+        self.depth = depth or net.cfg.depth
+        self.top_k = top_k or net.cfg.top_k
+        self.policy = policy or DynamicBranching(top_k=self.top_k)
+        self.seed_policy = seeds or TopScoreSeeds()
+        p = next(net.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.reset()
+
+    @classmethod
+    def load(cls, path: str | Path, target: TargetModel, **kw) -> "Eagle3Drafter":
+        net = Eagle3Net.load(path, target.model)
+        target.tap_layers = tuple(net.cfg.tap_layers)  # the drafter decides which layers it reads
+        return cls(net.to(device=target.device, dtype=target.dtype), **kw)
+
+    def reset(self) -> None:
+        self.cache: tuple[torch.Tensor, torch.Tensor] | None = None  # [1, H, C, d] committed positions
+        self.pending: torch.Tensor | None = None  # g's of committed positions not yet cached [n, h]
+        self.pending_pos: torch.Tensor | None = None
+
+    # ---------------------------------------------------------------- committed state
+    def _add_pending(self, taps: torch.Tensor, next_tokens: np.ndarray, first_pos: int) -> None:
+        nt = torch.as_tensor(next_tokens, device=self.device)
+        with torch.no_grad():
+            g = self.net.g_from_taps(taps.to(self.dtype), nt)
+        pos = first_pos + torch.arange(len(next_tokens), device=self.device)
+        if self.pending is not None:  # never drop committed positions, whatever the caller skipped
+            g, pos = torch.cat([self.pending, g]), torch.cat([self.pending_pos, pos])
+        self.pending, self.pending_pos = g, pos
+
+    def prefill(self, prompt: np.ndarray, features: TargetOutput | None) -> None:
+        self.reset()
+        if features is not None and features.taps is not None and len(prompt) > 1:
+            self._add_pending(features.taps, prompt[1:], 0)
+
+    def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
+        nxt = np.append(tree.tokens[verdict.path[1:]], verdict.bonus)
+        self._add_pending(features.taps, nxt, self._root_pos)
+
+    def _flush(self) -> torch.Tensor | None:
+        """Run the pending committed positions through the layer (one causal block over the
+        cache), append their keys/values; returns the last one's state (it predicts depth 1)."""
+        if self.pending is None:
+            return None
+        out, kv = self.net.layer(self.pending[None, None], self.pending_pos[None, None], self.cache)
+        k, v = flat_kv(kv)
+        self.cache = (k, v) if self.cache is None else (torch.cat([self.cache[0], k], -2), torch.cat([self.cache[1], v], -2))
+        self.pending = self.pending_pos = None
+        return out[0, 0, -1:]
+
+    # ---------------------------------------------------------------- drafting
+    def _top(self, states: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        top = torch.log_softmax(self.net.logits(states), -1).topk(self.top_k, dim=-1)
+        return top.indices.cpu().numpy(), top.values.cpu().numpy()
+
+    @torch.no_grad()
+    def propose(self, req: DraftRequest) -> DraftTree:
+        root = int(req.tokens[-1])
+        self._root_pos = len(req.tokens) - 1
+        tree = DraftTree.root_only(root)
+        states = self._flush()  # [S=1, h]: the state behind the root's children
+        depth = min(self.depth, req.max_depth)
+        if states is None or depth < 1 or req.budget < 1:
+            return tree
+        net, dev = self.net, self.device
+        parents = np.zeros(1, dtype=np.int64)
+        expanded = np.zeros(0, dtype=np.int64)  # nodes whose keys/values sit in the draft cache, in order
+        dk = dv = None
+        n_ctx = self.cache[0].shape[-2]
+        for d in range(1, depth + 1):
+            ids, lps = self._top(states)
+            w = self.policy.widths(tree.cum_logprob[parents], lps, None, max(req.budget - (tree.size - 1), 0))
+            new = add_candidates(tree, parents, ids, lps, w, block=d - 1)
+            if d == depth:
+                break
+            rows, _ = np.nonzero(new >= 0)
+            nodes = new[new >= 0]  # ascending: one extend appends row-major
+            frontier = np.sort(self.seed_policy.select(tree, nodes, self.top_k))
+            if frontier.size == 0:
+                break
+            src = torch.as_tensor(rows[np.searchsorted(nodes, frontier)], device=dev)
+            x = net.g(states[src], torch.as_tensor(tree.tokens[frontier], device=dev))[None, :, None]
+            s = frontier.size
+            pos = torch.full((1, s, 1), self._root_pos - 1 + d, device=dev)  # depth d+1 sits at R-2+(d+1)
+            anc = tree.ancestor_mask[np.ix_(frontier, expanded)]  # drafted ancestors (strict: self not yet cached)
+            mask = torch.cat([torch.ones(s, n_ctx, dtype=torch.bool, device=dev), torch.as_tensor(anc, device=dev)], -1)
+            ctx = self.cache if dk is None else (torch.cat([self.cache[0], dk], -2), torch.cat([self.cache[1], dv], -2))
+            out, kv = net.layer(x, pos, ctx, mask[None])
+            k, v = flat_kv(kv)  # [1, H, S, d]
+            dk, dv = (k, v) if dk is None else (torch.cat([dk, k], -2), torch.cat([dv, v], -2))
+            expanded = np.concatenate([expanded, frontier])
+            states, parents = out[0, :, 0], frontier
+        return self.policy.prune(tree, req.budget)

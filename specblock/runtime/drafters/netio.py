@@ -1,0 +1,75 @@
+"""Saving and loading small drafter networks: config.json + model.safetensors, nothing pickled.
+
+Shared by the baseline drafters (EAGLE-3-style, Medusa-1). Weights copied from the target
+(embedding, LM head) are frozen, never saved, and copied back from the target at load time, so a
+drafter directory holds only what training moved. A drafter trained for another vocabulary or
+hidden size is refused with a message that says so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from specblock.errors import SpecBlockError
+
+#: Module attribute -> how to get the tensor from the target model.
+TARGET_TENSORS = {
+    "embed.weight": lambda m: m.get_input_embeddings().weight,
+    "lm_head.weight": lambda m: m.get_output_embeddings().weight,
+}
+
+
+def tie_frozen(net: nn.Module, target_model, names: tuple[str, ...]) -> None:
+    """Copy (not share) the named target tensors into ``net`` and freeze them."""
+    params = dict(net.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            params[name].copy_(TARGET_TENSORS[name](target_model))
+            params[name].requires_grad_(False)
+
+
+def save_net(net: nn.Module, cfg: BaseModel, kind: str, path: str | Path, frozen: tuple[str, ...]) -> None:
+    """Atomic writes (temporary name, then rename), weights in bfloat16 like the SpecBlock drafter."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in net.state_dict().items() if k not in frozen}
+    tmp = path / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt", "kind": f"{kind}-drafter"})
+    tmp.replace(path / "model.safetensors")
+    (path / "config.json.tmp").write_text(json.dumps({"kind": kind, **cfg.model_dump()}, indent=1))
+    (path / "config.json.tmp").replace(path / "config.json")
+
+
+def read_config(path: str | Path, kind: str, cfg_cls: type[BaseModel], label: str) -> BaseModel:
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise SpecBlockError(f"no {label} drafter at {path} (need config.json and model.safetensors)")
+    raw = json.loads((path / "config.json").read_text())
+    if raw.pop("kind", None) != kind:
+        raise SpecBlockError(f"{path} is not a {label} drafter")
+    return cfg_cls(**raw)
+
+
+def load_net(net_cls, cfg_cls, path: str | Path, kind: str, label: str, target_model, frozen: tuple[str, ...]):
+    """Build ``net_cls(cfg)`` from ``path`` and fill the frozen tensors from ``target_model``."""
+    cfg = read_config(path, kind, cfg_cls, label)
+    emb = target_model.get_input_embeddings().weight
+    if cfg.vocab_size != emb.shape[0] or cfg.hidden_size != emb.shape[1]:
+        raise SpecBlockError(
+            f"{label} drafter at {path} was trained for vocab {cfg.vocab_size} / hidden {cfg.hidden_size}, "
+            f"the target has {emb.shape[0]} / {emb.shape[1]}; train a drafter for this target"
+        )
+    net = net_cls(cfg)
+    state = load_file(str(Path(path) / "model.safetensors"))
+    state.update({name: TARGET_TENSORS[name](target_model).detach().float() for name in frozen})
+    net.load_state_dict(state)
+    for name, p in net.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
+    return net.eval()
