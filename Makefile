@@ -1,5 +1,6 @@
 # The README's two commands: `make run` (decode live with the shipped model) and `make test`.
 PY ?= python3
+ARGS ?= --compare ar
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed

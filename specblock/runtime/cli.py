@@ -48,7 +48,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m specblock.runtime", description="Lossless speculative decoding with an HF causal LM.")
     p.add_argument("--target", type=Path, help="HF model directory (default: the shipped small model)")
-    p.add_argument("--method", default="lookup", help=f"drafting method: {', '.join(sorted(drafters.METHODS))}")
+    p.add_argument("--method", default="auto",
+                   help=f"drafting method: {', '.join(sorted(drafters.METHODS))}, or auto (the best shipped drafter)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="JSONL with a 'prompt' field per line")

@@ -20,7 +20,7 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     target: Path | None = None
-    method: str = "lookup"
+    method: str = "auto"  # the best shipped drafter: specblock once trained, lookup until then
     prompt: str | None = None
     prompt_file: Path | None = None
     max_new_tokens: int = Field(128, ge=1)
@@ -50,6 +50,13 @@ class RunConfig(BaseModel):
             raise ValueError("give either --prompt or --prompt-file, not both")
         if self.prompt is not None and not self.prompt.strip():
             raise ValueError("the prompt is empty; give some text with --prompt")
+        return self
+
+    @model_validator(mode="after")
+    def _resolve_method(self) -> "RunConfig":
+        if self.method == "auto":
+            shipped = (DEFAULT_DRAFTERS / "specblock" / "config.json").is_file()
+            self.method = "specblock" if shipped and self.target is None else "lookup"
         return self
 
     @property
