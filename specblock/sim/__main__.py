@@ -57,7 +57,7 @@ def _parse(argv):
     s.add_argument("--no-progress", action="store_true")
     sub.add_parser("presets", help="list latency presets")
     f = sub.add_parser("fit-digest", help="refit the digest acceptance presets")
-    f.add_argument("--iterations", type=int, default=800)
+    f.add_argument("--iterations", type=int, default=2000)
     t = sub.add_parser("fit-traces", help="fit an acceptance model from runtime JSONL traces")
     t.add_argument("traces", nargs="+")
     return p.parse_args(argv)

@@ -3,8 +3,8 @@
 For each (target, method, benchmark) the preset keeps the method's parametric shape
 (``acceptance.METHOD_SHAPES``, our assumptions) and fits one number, the top-1 acceptance ``a1``
 of the first drafted position, so that the simulated tau of the method's default tree equals the
-digest's tau. Fitting is bisection on a seeded simulation (common random numbers make tau
-monotone in a1); ``python -m specblock.sim fit-digest`` rewrites ``data/digest_fit.json``.
+digest's tau. The fit inverts a simulated tau(a1) curve per method (see :func:`fit_digest`);
+``python -m specblock.sim fit-digest`` rewrites ``data/digest_fit.json``.
 """
 
 from __future__ import annotations
@@ -81,30 +81,38 @@ def simulated_tau(target: str, method: str, a1: float, iterations: int, seed: in
     return 1.0 + acc / iterations
 
 
-def _fit_one(job: tuple[str, str, str, float, int, int]) -> tuple[str, dict]:
-    target, method, bench, tau_goal, iterations, steps = job
-    lo, hi = 0.0, 1.0
-    for _ in range(steps):
-        mid = 0.5 * (lo + hi)
-        if simulated_tau(target, method, mid, iterations) < tau_goal:
-            lo = mid
-        else:
-            hi = mid
-    a1 = 0.5 * (lo + hi)
-    tau = simulated_tau(target, method, a1, iterations, seed=1)  # held-out seed
-    return f"{target}/{method}/{bench}", {"a1": round(a1, 5), "tau_digest": tau_goal,
-                                          "tau_sim_heldout": round(tau, 4), "iterations": iterations}
+def _tau_at(job: tuple[str, float, int]) -> float:
+    method, a1, iterations = job
+    return simulated_tau("", method, a1, iterations)
 
 
-def fit_digest(iterations: int = 800, steps: int = 11, out: Path = FIT_PATH, workers: int = 2) -> dict:
-    """Bisection on a1 for every (target, sim method, benchmark) the digest reports, one process
-    per fit. Common random numbers (a fixed seed) keep simulated tau monotone in a1."""
+def fit_digest(iterations: int = 2000, grid: int = 30, out: Path = FIT_PATH, workers: int = 2) -> dict:
+    """Invert tau(a1) for every (target, sim method, benchmark) the digest reports.
+
+    The shape is per method, so tau(a1) is one curve per method: simulate it on a grid of a1
+    (one process per point, a fixed seed for common random numbers), make it monotone, and
+    interpolate the digest's tau on it. Cheaper and smoother than a bisection per table cell.
+    """
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = [(t, m, b, row[1], iterations, steps) for t in DIGEST for m in SIM_METHODS for b in BENCHMARKS
-            if (row := digest_row(t, m, b)) is not None]
+    a1s = np.linspace(0.05, 0.99, grid)
+    jobs = [(m, float(a), iterations) for m in SIM_METHODS for a in a1s]
     with ProcessPoolExecutor(max_workers=workers) as ex:
-        result = dict(ex.map(_fit_one, jobs))
+        taus = list(ex.map(_tau_at, jobs))
+    curves = {m: np.maximum.accumulate(np.array(taus[i * grid:(i + 1) * grid])) for i, m in enumerate(SIM_METHODS)}
+    result: dict = {"_curves": {m: {"a1": np.round(a1s, 4).tolist(), "tau": np.round(c, 4).tolist(),
+                                    "iterations": iterations} for m, c in curves.items()}}
+    for t in DIGEST:
+        for m in SIM_METHODS:
+            for b in BENCHMARKS:
+                row = digest_row(t, m, b)
+                if row is None:
+                    continue
+                c = curves[m]
+                if not c[0] <= row[1] <= c[-1]:
+                    raise ValueError(f"digest tau {row[1]} for {t}/{m}/{b} outside the reachable {c[0]:.2f}..{c[-1]:.2f}")
+                a1 = float(np.interp(row[1], c, a1s))
+                result[f"{t}/{m}/{b}"] = {"a1": round(a1, 5), "tau_digest": row[1]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     return result

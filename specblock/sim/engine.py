@@ -46,6 +46,7 @@ class Counters:
     t_draft: float = 0.0
     t_verify: float = 0.0
     tokens: int = 0
+    tree_nodes: int = 0  # nodes verified, roots included, summed over target forwards
 
 
 class AcceptanceSource:
@@ -199,6 +200,7 @@ class Simulation:
             for r, d in zip(active, drafts):
                 acc = d.acceptance.accepted
                 self.c.forwards += 1
+                self.c.tree_nodes += d.tree.size
                 self.c.tau_sum += acc + 1
                 self.c.accepted_hist[min(acc, 63)] += 1
                 got = min(acc + 1, r.tokens_left)
@@ -244,6 +246,7 @@ class Simulation:
             "tokens_per_s": 1000.0 * c.tokens / self.env.now,
             "tpot_ms": tpot,
             "ar_tpot_ms": ar,
+            "tree_size": c.tree_nodes / c.forwards,
             "t_iter_ms": c.t_iter / c.iterations,
             "t_draft_ms": c.t_draft / c.iterations,
             "t_verify_ms": c.t_verify / c.iterations,

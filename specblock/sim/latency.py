@@ -224,7 +224,8 @@ class TableLatency:
     def target_ms(self, n: int, ctx: float, batch: int = 1) -> float:
         if n <= 1:
             return self.t1_ms
-        return self.verify_ms + self.slope_ms_per_token * (n - self.n_ref)
+        # never below a one-token forward: a tree forward reads the same weights
+        return max(self.verify_ms + self.slope_ms_per_token * (n - self.n_ref), self.t1_ms)
 
     def draft_ms(self, drafter: str, n_query: int, ctx: float, batch: int = 1) -> float:
         try:

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specblock.sim.config import SimConfig, config_hash
 
-SCALARS = ("speedup", "speedup_iter", "tau", "draft_share", "tokens_per_s", "tpot_ms", "t_iter_ms",
+SCALARS = ("speedup", "speedup_iter", "tau", "draft_share", "tokens_per_s", "tpot_ms", "tree_size", "t_iter_ms",
            "t_draft_ms", "t_verify_ms")
 
 
