@@ -1,4 +1,8 @@
-"""``python -m specblock.training drafter``: train a SpecBlock drafter for an HF target.
+"""``python -m specblock.training drafter``: train a drafter (SpecBlock or a baseline) for an HF target.
+
+``--method`` picks the recipe (``training/recipes.py``): specblock (the default), eagle3, ... Each
+recipe builds its network from the target's config and brings its own step and evaluation; the
+loop below is shared.
 
 Resumable (atomic checkpoints every ``--ckpt-every`` steps and on SIGTERM/SIGINT), a progress bar
 with loss and tokens/s, held-out per-position acceptance logged to ``metrics.jsonl``, and
@@ -26,14 +30,15 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
-from specblock.runtime.target import default_taps, load_causal_lm
-from specblock.training.specblock_step import specblock_step, target_pass
+from specblock.errors import SpecBlockError
+from specblock.runtime.target import load_causal_lm
+from specblock.training import recipes
 from specblock.training.windows import WindowSource
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m specblock.training drafter", description=__doc__.splitlines()[0])
+    ap.add_argument("--method", default="specblock", choices=sorted(recipes.RECIPES), help="what to train")
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--run-dir", type=Path, required=True, help="checkpoints and logs (resumed when present)")
     ap.add_argument("--out", type=Path, help="export the drafter (safetensors + config) here when done")
@@ -52,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-prefix-broadcast", dest="prefix_broadcast", action="store_false")
     ap.add_argument("--no-valid-prefix", dest="valid_prefix", action="store_false")
     ap.add_argument("--no-cross-block", dest="cross_block", action="store_false")
+    ap.add_argument("--ttt-steps", type=int, default=6, help="eagle3: training-time-test depths")
+    ap.add_argument("--heads", type=int, default=4, help="medusa: number of heads")
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
@@ -60,14 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class StepModule(torch.nn.Module):
-    """Wraps the step as a module call so DistributedDataParallel's gradient hooks see it."""
+    """Wraps the recipe's step as a module call so DistributedDataParallel's gradient hooks see it."""
 
-    def __init__(self, net: SpecBlockNet) -> None:
+    def __init__(self, net: torch.nn.Module, recipe: recipes.Recipe, args) -> None:
         super().__init__()
-        self.net = net
+        self.net, self.recipe, self.args = net, recipe, args
 
-    def forward(self, tp, gen, rank_weight, valid_prefix, cross_block):
-        return specblock_step(self.net, tp, gen, rank_weight, valid_prefix, cross_block)
+    def forward(self, batch, gen, progress: float) -> recipes.StepOut:
+        return self.recipe.step(self.net, batch, gen, self.args, progress)
 
 
 def lr_at(step: int, progress: float, args) -> float:
@@ -82,28 +89,6 @@ def _save(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
-@torch.no_grad()
-def evaluate(net: SpecBlockNet, target, windows: torch.Tensor, tap_layers) -> dict:
-    """Held-out acceptance per in-block position (chain acceptance under the valid-prefix rule)
-    and rank-head accuracy, for block 1 and block 2."""
-    net.eval()
-    gen = torch.Generator().manual_seed(0)
-    masks, ranks = [[], []], [[], []]
-    for chunk in windows.split(4):
-        res = specblock_step(net, target_pass(target, chunk, tap_layers), gen, 1.0)
-        for i, bl in enumerate(res.blocks):
-            # Acceptance at k = block reaches k and is right there: m_{k+1} in the paper's notation.
-            acc = bl.mask * bl.top1.float()
-            masks[i].append(acc.flatten(0, -2).sum(0) / bl.mask[..., 0].sum().clamp_min(1))
-            ranks[i].append((bl.rank_correct.float() * bl.mask).sum() / bl.mask.sum().clamp_min(1))
-    net.train()
-    out = {}
-    for i in range(len(res.blocks)):
-        out[f"block{i + 1}_acc"] = [round(float(x), 4) for x in torch.stack(masks[i]).mean(0)]
-        out[f"block{i + 1}_rank_acc"] = round(float(torch.stack(ranks[i]).mean()), 4)
-    return out
-
-
 def train(args) -> None:
     ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if ddp:
@@ -112,20 +97,12 @@ def train(args) -> None:
     main_proc = rank == 0
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    recipe = recipes.get(args.method)
     target = load_causal_lm(args.target, "bfloat16", "cpu", "sdpa", False).eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    tcfg = target.config
-    taps = default_taps(tcfg.num_hidden_layers)
-    cfg = SpecBlockConfig(
-        vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size, num_layers=args.layers,
-        num_heads=tcfg.num_attention_heads, intermediate_size=args.intermediate, K=args.K, tap_layers=taps,
-        rope_theta=float(getattr(tcfg, "rope_theta", 10000.0) or 10000.0), shift=args.shift,
-        prefix_broadcast=args.prefix_broadcast,
-    )
-    net = SpecBlockNet(cfg)
-    net.tie_to_target(target)
-    model = StepModule(net)
+    net = recipe.build(target, args)
+    model = StepModule(net, recipe, args)
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model)
     params = [p for p in net.parameters() if p.requires_grad]
@@ -135,6 +112,8 @@ def train(args) -> None:
     step, train_s = 0, 0.0
     if ckpt_path.is_file():
         st = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        if st.get("method", "specblock") != args.method:
+            raise SpecBlockError(f"{args.run_dir} holds a {st.get('method', 'specblock')} run; use another --run-dir")
         net.load_state_dict(st["net"])
         opt.load_state_dict(st["opt"])
         step, train_s = st["step"], st["train_s"]
@@ -152,7 +131,8 @@ def train(args) -> None:
     signal.signal(signal.SIGINT, on_signal)
 
     def state() -> dict:
-        return {"net": net.state_dict(), "opt": opt.state_dict(), "step": step, "train_s": train_s, "args": vars(args)}
+        return {"net": net.state_dict(), "opt": opt.state_dict(), "step": step, "train_s": train_s,
+                "method": args.method, "args": vars(args)}
 
     progress = lambda: max(step / args.max_steps, train_s / (60 * args.max_minutes))
     bar = tqdm(total=args.max_steps, initial=step, disable=not main_proc, dynamic_ncols=True)
@@ -163,10 +143,11 @@ def train(args) -> None:
         lr = lr_at(step, progress(), args)
         for grp in opt.param_groups:
             grp["lr"] = lr
-        tp = target_pass(target, source.batch(args.batch), taps)
-        rank_w = 0.0 if progress() < args.rank_freeze else 1.0  # rank head frozen early (paper: 2,000 steps)
+        tokens = source.batch(args.batch)
+        with torch.no_grad():
+            batch = recipe.prepare(target, tokens, net, args)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            res = model(tp, gen, rank_w, args.valid_prefix, args.cross_block)
+            res = model(batch, gen, progress())
         opt.zero_grad(set_to_none=True)
         res.loss.backward()  # under DDP, gradients are averaged across processes here
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -175,22 +156,21 @@ def train(args) -> None:
         dt = time.perf_counter() - t0
         train_s += dt
         if main_proc:
-            acc1 = float((res.blocks[0].mask * res.blocks[0].top1).sum() / res.blocks[0].mask[..., 0].sum())
-            bar.set_postfix(loss=f"{res.loss.item():.3f}", acc_len=f"{acc1:.2f}", lr=f"{lr:.1e}",
-                            tok_s=f"{tp.tokens.numel() / dt:.0f}")
+            bar.set_postfix(loss=f"{res.loss.item():.3f}", **res.postfix, lr=f"{lr:.1e}",
+                            tok_s=f"{tokens.numel() / dt:.0f}")
             bar.update(1)
             if step % args.ckpt_every == 0:
                 _save(ckpt_path, state())
             if step % args.eval_every == 0:
                 rec = {"step": step, "train_s": round(train_s, 1), "loss": round(res.loss.item(), 4),
-                       **evaluate(net, target, heldout, taps)}
+                       **recipe.evaluate(net, target, heldout, args)}
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
                 tqdm.write(json.dumps(rec))
     bar.close()
     if main_proc:
         _save(ckpt_path, state())
-        rec = {"step": step, "train_s": round(train_s, 1), "final": True, **evaluate(net, target, heldout, taps)}
+        rec = {"step": step, "train_s": round(train_s, 1), "final": True, **recipe.evaluate(net, target, heldout, args)}
         log.write(json.dumps(rec) + "\n")
         log.close()
         print(json.dumps(rec), flush=True)

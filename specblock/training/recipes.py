@@ -1,0 +1,151 @@
+"""Training recipes: what ``python -m specblock.training drafter --method NAME`` trains.
+
+A recipe says how to build a method's network from the target (and the CLI's arguments), how to
+turn a batch of token windows into the step's inputs with the frozen target (no gradient), one
+training step (loss plus progress-bar fields), and a held-out evaluation. The trainer in
+``drafter.py`` owns everything shared: data, optimiser, schedule, checkpoints, DDP, logging.
+Add a method with :func:`register`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from specblock.errors import SpecBlockError
+from specblock.runtime.target import default_taps
+
+
+@dataclass
+class StepOut:
+    loss: torch.Tensor
+    postfix: dict[str, str] = field(default_factory=dict)  # shown after the loss in the progress bar
+
+
+@dataclass
+class Recipe:
+    name: str
+    build: Callable[[Any, argparse.Namespace], torch.nn.Module]  # (target model, args) -> net with .save(path)
+    prepare: Callable[[Any, torch.Tensor, torch.nn.Module, argparse.Namespace], Any]  # no grad
+    step: Callable[[torch.nn.Module, Any, torch.Generator, argparse.Namespace, float], StepOut]
+    evaluate: Callable[[torch.nn.Module, Any, torch.Tensor, argparse.Namespace], dict]
+
+
+RECIPES: dict[str, Recipe] = {}
+
+
+def register(recipe: Recipe) -> None:
+    RECIPES[recipe.name] = recipe
+
+
+def get(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise SpecBlockError(f"unknown training method {name!r}; choose one of {', '.join(sorted(RECIPES))}")
+    return RECIPES[name]
+
+
+def _rope_theta(tcfg) -> float:
+    return float(getattr(tcfg, "rope_theta", 10000.0) or 10000.0)
+
+
+# --------------------------------------------------------------------------- specblock
+def _specblock_build(target, args):
+    from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
+
+    tcfg = target.config
+    cfg = SpecBlockConfig(
+        vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size, num_layers=args.layers,
+        num_heads=tcfg.num_attention_heads, intermediate_size=args.intermediate, K=args.K,
+        tap_layers=default_taps(tcfg.num_hidden_layers), rope_theta=_rope_theta(tcfg), shift=args.shift,
+        prefix_broadcast=args.prefix_broadcast,
+    )
+    net = SpecBlockNet(cfg)
+    net.tie_to_target(target)
+    return net
+
+
+def _taps_pass(target, tokens, net, args):
+    from specblock.training.specblock_step import target_pass
+
+    return target_pass(target, tokens, tuple(net.cfg.tap_layers))
+
+
+def _specblock_step(net, tp, gen, args, progress):
+    from specblock.training.specblock_step import specblock_step
+
+    rank_w = 0.0 if progress < args.rank_freeze else 1.0  # rank head frozen early (paper: 2,000 steps)
+    res = specblock_step(net, tp, gen, rank_w, args.valid_prefix, args.cross_block)
+    b0 = res.blocks[0]
+    acc1 = float((b0.mask * b0.top1).sum() / b0.mask[..., 0].sum())
+    return StepOut(res.loss, {"acc_len": f"{acc1:.2f}"})
+
+
+@torch.no_grad()
+def _specblock_evaluate(net, target, windows, args) -> dict:
+    """Held-out acceptance per in-block position (chain acceptance under the valid-prefix rule)
+    and rank-head accuracy, for block 1 and block 2."""
+    from specblock.training.specblock_step import specblock_step, target_pass
+
+    net.eval()
+    gen = torch.Generator().manual_seed(0)
+    masks, ranks = [[], []], [[], []]
+    for chunk in windows.split(4):
+        res = specblock_step(net, target_pass(target, chunk, tuple(net.cfg.tap_layers)), gen, 1.0)
+        for i, bl in enumerate(res.blocks):
+            # Acceptance at k = block reaches k and is right there: m_{k+1} in the paper's notation.
+            acc = bl.mask * bl.top1.float()
+            masks[i].append(acc.flatten(0, -2).sum(0) / bl.mask[..., 0].sum().clamp_min(1))
+            ranks[i].append((bl.rank_correct.float() * bl.mask).sum() / bl.mask.sum().clamp_min(1))
+    net.train()
+    out = {}
+    for i in range(len(res.blocks)):
+        out[f"block{i + 1}_acc"] = [round(float(x), 4) for x in torch.stack(masks[i]).mean(0)]
+        out[f"block{i + 1}_rank_acc"] = round(float(torch.stack(ranks[i]).mean()), 4)
+    return out
+
+
+register(Recipe("specblock", _specblock_build, _taps_pass, _specblock_step, _specblock_evaluate))
+
+
+# --------------------------------------------------------------------------- eagle3
+def _eagle3_build(target, args):
+    from specblock.runtime.drafters.eagle3 import Eagle3Config, Eagle3Net
+
+    tcfg = target.config
+    cfg = Eagle3Config(
+        vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size, num_heads=tcfg.num_attention_heads,
+        intermediate_size=args.intermediate, tap_layers=default_taps(tcfg.num_hidden_layers),
+        rope_theta=_rope_theta(tcfg),
+    )
+    net = Eagle3Net(cfg)
+    net.tie_to_target(target)
+    return net
+
+
+def _eagle3_step(net, tp, gen, args, progress):
+    from specblock.training.eagle3_step import eagle3_step
+
+    res = eagle3_step(net, tp, args.ttt_steps)
+    d1 = float(res.top1[0].float().mean())
+    return StepOut(res.loss, {"top1_d1": f"{d1:.2f}"})
+
+
+@torch.no_grad()
+def _eagle3_evaluate(net, target, windows, args) -> dict:
+    """Held-out chain acceptance per depth (top-1 right at every depth up to d)."""
+    from specblock.training.eagle3_step import chain_acceptance, eagle3_step
+    from specblock.training.specblock_step import target_pass
+
+    net.eval()
+    accs = []
+    for chunk in windows.split(4):
+        res = eagle3_step(net, target_pass(target, chunk, tuple(net.cfg.tap_layers)), args.ttt_steps)
+        accs.append(chain_acceptance(res))
+    net.train()
+    return {"chain_acc": [round(float(x), 4) for x in torch.tensor(accs).mean(0)]}
+
+
+register(Recipe("eagle3", _eagle3_build, _taps_pass, _eagle3_step, _eagle3_evaluate))
