@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-cross-block", dest="cross_block", action="store_false")
     ap.add_argument("--ttt-steps", type=int, default=6, help="eagle3: training-time-test depths")
     ap.add_argument("--heads", type=int, default=4, help="medusa: number of heads")
+    ap.add_argument("--hard-labels", action="store_true", help="medusa: CE on the window's tokens, not the target's distribution")
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)

@@ -149,3 +149,46 @@ def _eagle3_evaluate(net, target, windows, args) -> dict:
 
 
 register(Recipe("eagle3", _eagle3_build, _taps_pass, _eagle3_step, _eagle3_evaluate))
+
+
+# --------------------------------------------------------------------------- medusa
+def _medusa_build(target, args):
+    from specblock.runtime.drafters.medusa import MedusaConfig, MedusaNet
+
+    tcfg = target.config
+    net = MedusaNet(MedusaConfig(vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size, heads=args.heads))
+    net.tie_to_target(target)
+    return net
+
+
+def _medusa_prepare(target, tokens, net, args):
+    from specblock.training.medusa_step import medusa_pass
+
+    return medusa_pass(target, tokens)
+
+
+def _medusa_step(net, mp, gen, args, progress):
+    from specblock.training.medusa_step import medusa_step
+
+    res = medusa_step(net, mp, args.hard_labels)
+    h0 = float(res.top1[..., 0][:, res.valid[:, 0]].float().mean())
+    return StepOut(res.loss, {"top1_h0": f"{h0:.2f}"})
+
+
+@torch.no_grad()
+def _medusa_evaluate(net, target, windows, args) -> dict:
+    """Per-head top-1 on held-out text, and the per-(head, rank) accuracy table that calibrates
+    the static tree: written into the network's config, so the exported drafter carries it."""
+    from specblock.training.medusa_step import medusa_pass, medusa_step, rank_accuracy
+
+    net.eval()
+    tables = []
+    for chunk in windows.split(4):
+        tables.append(rank_accuracy(medusa_step(net, medusa_pass(target, chunk), args.hard_labels), net.cfg.top_k))
+    net.train()
+    acc = torch.stack(tables).mean(0)
+    net.cfg.rank_acc = [[round(float(x), 5) for x in row] for row in acc]
+    return {"head_top1": [round(float(x), 4) for x in acc[:, 0]], "head_top5": [round(float(x), 4) for x in acc[:, :5].sum(1)]}
+
+
+register(Recipe("medusa", _medusa_build, _medusa_prepare, _medusa_step, _medusa_evaluate))

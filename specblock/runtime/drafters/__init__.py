@@ -20,6 +20,7 @@ METHODS: dict[str, Callable] = {
     "random": lambda target, opt: RandomDrafter(target.vocab_size, seed=opt.get("seed", 0)),
     "specblock": lambda target, opt: _specblock(target, opt),
     "eagle3": lambda target, opt: _eagle3(target, opt),
+    "medusa": lambda target, opt: _medusa(target, opt),
 }
 
 
@@ -41,6 +42,13 @@ def _eagle3(target, opt: dict) -> Drafter:
 
     path = opt.get("drafter") or DEFAULT_DRAFTERS / "eagle3"
     return Eagle3Drafter.load(path, target, depth=opt.get("depth"), top_k=opt.get("top_k"))
+
+
+def _medusa(target, opt: dict) -> Drafter:
+    from specblock.runtime.config import DEFAULT_DRAFTERS
+    from specblock.runtime.drafters.medusa import MedusaDrafter
+
+    return MedusaDrafter.load(opt.get("drafter") or DEFAULT_DRAFTERS / "medusa", target)
 
 
 def register(name: str, factory: Callable) -> None:
