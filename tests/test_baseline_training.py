@@ -14,7 +14,7 @@ from specblock.runtime.target import TargetModel
 from specblock.training.drafter import main as train_main
 from tiny import save_tiny
 
-METHODS = ["specblock", "eagle3", "medusa"]
+METHODS = ["specblock", "eagle3", "medusa", "sps"]
 
 
 @pytest.mark.parametrize("method", METHODS)

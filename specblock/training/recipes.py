@@ -192,3 +192,37 @@ def _medusa_evaluate(net, target, windows, args) -> dict:
 
 
 register(Recipe("medusa", _medusa_build, _medusa_prepare, _medusa_step, _medusa_evaluate))
+
+
+# --------------------------------------------------------------------------- sps
+def _sps_build(target, args):
+    from specblock.training.sps_step import build_draft
+
+    return build_draft(target, args.layers, args.intermediate, args.draft_hidden)
+
+
+def _sps_prepare(target, tokens, net, args):
+    from specblock.training.sps_step import sps_pass
+
+    return sps_pass(target, tokens)
+
+
+def _sps_step(net, sp, gen, args, progress):
+    from specblock.training.sps_step import sps_step
+
+    res = sps_step(net, sp)
+    return StepOut(res.loss, {"top1": f"{float(res.top1.float().mean()):.2f}"})
+
+
+@torch.no_grad()
+def _sps_evaluate(net, target, windows, args) -> dict:
+    """Held-out top-1 agreement with the target (alpha, the chain acceptance rate per token)."""
+    from specblock.training.sps_step import sps_pass, sps_step
+
+    net.eval()
+    agree = [float(sps_step(net, sps_pass(target, chunk)).top1.float().mean()) for chunk in windows.split(4)]
+    net.train()
+    return {"alpha": round(sum(agree) / len(agree), 4)}
+
+
+register(Recipe("sps", _sps_build, _sps_prepare, _sps_step, _sps_evaluate))

@@ -21,6 +21,7 @@ METHODS: dict[str, Callable] = {
     "specblock": lambda target, opt: _specblock(target, opt),
     "eagle3": lambda target, opt: _eagle3(target, opt),
     "medusa": lambda target, opt: _medusa(target, opt),
+    "sps": lambda target, opt: _sps(target, opt),
 }
 
 
@@ -49,6 +50,14 @@ def _medusa(target, opt: dict) -> Drafter:
     from specblock.runtime.drafters.medusa import MedusaDrafter
 
     return MedusaDrafter.load(opt.get("drafter") or DEFAULT_DRAFTERS / "medusa", target)
+
+
+def _sps(target, opt: dict) -> Drafter:
+    from specblock.runtime.config import DEFAULT_DRAFTERS
+    from specblock.runtime.drafters.sps import SpsDrafter
+
+    path = opt.get("drafter") or DEFAULT_DRAFTERS / "sps"
+    return SpsDrafter.load(path, target, gamma=opt.get("gamma") or 4, top_k=opt.get("top_k") or 1)
 
 
 def register(name: str, factory: Callable) -> None:

@@ -1,0 +1,77 @@
+"""SpS draft model: build it from the target's config, and one distillation step.
+
+The draft model is a small ``LlamaForCausalLM`` over the target's vocabulary: ``layers`` decoder
+layers (default 2), the target's hidden size and head count unless told otherwise, the target's
+RoPE base and context length. When the hidden sizes match, its embedding and LM head start as
+copies of the target's (trainable: a separate model, unlike the heads-on-target drafters).
+
+Loss: soft cross-entropy to the target's next-token distribution at every position of the window
+(distillation, as DistillSpec recommends for speculative drafts; the corpus's own tokens are not
+what the target would emit). Choices: no valid-prefix mask (a chain drafter is judged position by
+position); the target's logits are computed once per batch and shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class SpsNet(torch.nn.Module):
+    """Holds the HF draft model; ``save`` writes an ordinary HF directory (safetensors)."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.model = model
+
+    def save(self, path: str | Path) -> None:
+        self.model.save_pretrained(path, safe_serialization=True)
+
+
+def build_draft(target, layers: int = 2, intermediate: int = 1024, hidden: int | None = None) -> SpsNet:
+    tcfg = target.config
+    h = hidden or int(tcfg.hidden_size)
+    heads = int(tcfg.num_attention_heads) if h == int(tcfg.hidden_size) else max(1, h // 64)
+    cfg = LlamaConfig(
+        vocab_size=int(tcfg.vocab_size), hidden_size=h, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 2048)),
+        rope_theta=float(getattr(tcfg, "rope_theta", 10000.0) or 10000.0),
+        rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)), tie_word_embeddings=False,
+        bos_token_id=getattr(tcfg, "bos_token_id", None), eos_token_id=getattr(tcfg, "eos_token_id", None),
+        pad_token_id=getattr(tcfg, "pad_token_id", None), architectures=["LlamaForCausalLM"],
+    )
+    model = LlamaForCausalLM(cfg)
+    if h == int(tcfg.hidden_size):
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight)
+            model.get_output_embeddings().weight.copy_(target.get_output_embeddings().weight)
+    return SpsNet(model.float())
+
+
+@dataclass
+class SpsPass:
+    tokens: torch.Tensor  # [B, W]
+    p_star: torch.Tensor  # [B, W, V] the target's next-token distribution, float
+    y_star: torch.Tensor  # [B, W]
+
+
+@torch.no_grad()
+def sps_pass(model, tokens: torch.Tensor) -> SpsPass:
+    logits = model(input_ids=tokens).logits.float()
+    return SpsPass(tokens, torch.softmax(logits, -1), logits.argmax(-1))
+
+
+@dataclass
+class SpsResult:
+    loss: torch.Tensor
+    top1: torch.Tensor  # [B, W] draft argmax == target argmax
+
+
+def sps_step(net: SpsNet, sp: SpsPass) -> SpsResult:
+    logits = net.model(input_ids=sp.tokens).logits.float()
+    ce = -(sp.p_star * torch.log_softmax(logits, -1)).sum(-1)
+    return SpsResult(ce.mean(), logits.detach().argmax(-1) == sp.y_star)
