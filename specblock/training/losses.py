@@ -44,6 +44,8 @@ class BlockLoss:
     mask: torch.Tensor  # [..., K] the valid-prefix mask used
     top1: torch.Tensor  # [..., K] drafter argmax == target argmax
     rank_correct: torch.Tensor  # [..., K] rank head's bucket == true bucket
+    true_bucket: torch.Tensor  # [..., K] bucket of the target token's rank in the draft distribution
+    pred_bucket: torch.Tensor  # [..., K] the rank head's predicted bucket
 
 
 def block_loss(
@@ -70,4 +72,5 @@ def block_loss(
     buckets = bucket_of(rank)
     rce = F.cross_entropy(rank_logits.float().flatten(0, -2), buckets.flatten(), reduction="none").view_as(mask)
     rank_loss = (rce * mask).sum() / mask.sum().clamp_min(1.0)
-    return BlockLoss(draft, rank_loss, mask, top1, rank_logits.argmax(-1) == buckets)
+    pred = rank_logits.argmax(-1)
+    return BlockLoss(draft, rank_loss, mask, top1, pred == buckets, buckets, pred)

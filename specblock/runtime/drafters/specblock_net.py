@@ -179,6 +179,34 @@ class SpecBlockNet(nn.Module):
         net.load_state_dict(state)
         return net.eval()
 
+    def init_from_target(self, target_model) -> None:
+        """Start the backbone from the target's top layers (our choice, for short CPU budgets).
+
+        Drafter layer i copies target layer ``L - n + i`` (Llama-family layout: q/k/v/o, gate/up/
+        down, two RMSNorms; shapes must match), the final norm copies the target's, ``fuse_taps``
+        starts by passing the top tap through and ``fuse_in`` by adding the token embedding to it.
+        So block 1 starts out reading what the target's last layers read, and training only has to
+        learn the shift to later positions.
+        """
+        layers = target_model.model.layers
+        n, h = len(self.layers), self.cfg.hidden_size
+        src = layers[len(layers) - n :]
+        with torch.no_grad():
+            for mine, theirs in zip(self.layers, src):
+                a, m = theirs.self_attn, theirs.mlp
+                if a.q_proj.weight.shape != (h, h) or m.gate_proj.weight.shape[0] != self.cfg.intermediate_size:
+                    raise ValueError("init_from_target needs the drafter's hidden/heads/intermediate to match the target's")
+                mine.qkv.weight.copy_(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+                mine.o.weight.copy_(a.o_proj.weight)
+                mine.gate_up.weight.copy_(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+                mine.down.weight.copy_(m.down_proj.weight)
+                mine.attn_norm.weight.copy_(theirs.input_layernorm.weight)
+                mine.mlp_norm.weight.copy_(theirs.post_attention_layernorm.weight)
+            self.norm.weight.copy_(target_model.model.norm.weight)
+            self.fuse_taps.weight.zero_()
+            self.fuse_taps.weight[:, -h:].copy_(torch.eye(h))
+            self.fuse_in.weight.copy_(torch.cat([torch.eye(h), torch.eye(h)], dim=1))
+
     def tie_to_target(self, target_model) -> None:
         """Copy (not share) the target's embedding and LM head, frozen: training never moves them."""
         with torch.no_grad():
