@@ -111,7 +111,8 @@ class Simulation:
         self.done: list[Request] = []
         self.skill: dict[str, float] = {}
         self.adapter = None
-        self.pools: dict[str, list] = {}
+        self.pools: dict[tuple, list] = {}
+        self._picks: list[float] = []
         self.trace = open(trace_out, "w") if trace_out else None
         if cfg.adapt.enabled:
             from specblock.sim.adaptation import Adapter
@@ -143,7 +144,7 @@ class Simulation:
         """Draft and verify one iteration for ``active``; returns (ms, drafts)."""
         drafts = [self._draft(r.domain) for r in active]
         b = len(active)
-        ctx = float(np.mean([r.ctx for r in active]))
+        ctx = sum(r.ctx for r in active) / b
         draft = 0.0
         n_fw = max(len(d.forwards) for d in drafts)
         for i in range(n_fw):
@@ -171,7 +172,9 @@ class Simulation:
         pool = self.pools.get((domain, skill))
         if pool is None:
             pool = self.pools[(domain, skill)] = [self.method.draft(self.rng_acc, rm) for _ in range(size)]
-        return pool[int(self.rng_acc.integers(len(pool)))]
+        if not self._picks:  # pool indices drawn in batches: one rng call per 4096 iterations
+            self._picks = self.rng_acc.random(4096).tolist()
+        return pool[int(self._picks.pop() * len(pool))]
 
     def server(self):
         w = self.cfg.workload
