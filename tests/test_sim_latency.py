@@ -72,3 +72,24 @@ def test_bad_latency_json(tmp_path):
         LatencyMeasurements.model_validate(_meas(target={"ctx": [64], "n": [1, 2], "ms": [[1.0]]}))
     with pytest.raises(ValidationError):
         LatencyMeasurements.model_validate(_meas(overhead_ms=-1))
+
+
+def test_cpu_calibrated_preset_runs_from_a_latency_file(tmp_path):
+    from specblock.sim.config import SimConfig
+    from specblock.sim.engine import simulate
+
+    p = tmp_path / "lat.json"
+    p.write_text(json.dumps(_meas()))
+    cfg = SimConfig.model_validate({"preset": "cpu-calibrated", "latency_file": str(p), "tree_pool": 16,
+                                    "acceptance": {"kind": "parametric", "a1": 0.8},
+                                    "workload": {"requests": 2, "tokens": 32, "prompt_len": 64}})
+    res = simulate(cfg)
+    assert res["ar_tpot_ms"] > 10.5 and res["tau"] > 1
+
+
+def test_cpu_calibrated_without_file_says_how_to_make_one(monkeypatch, tmp_path):
+    from specblock.sim import presets
+
+    monkeypatch.setattr(presets, "DEFAULT_CPU_JSON", tmp_path / "latency_cpu.json")
+    with pytest.raises(FileNotFoundError, match="specblock.runtime calibrate"):
+        latency_preset("cpu-calibrated")
