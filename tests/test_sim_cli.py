@@ -90,3 +90,13 @@ def test_sweep_on_local_ray(tmp_path, capsys):
     g = _grid(tmp_path)
     assert main(["sweep", str(g), "--no-progress", "--ray", "local"]) == 0
     assert "4 configs (0 cached)" in capsys.readouterr().out
+
+
+def test_sim_never_imports_torch():
+    code = ("import sys, specblock.sim.__main__, specblock.sim.sweep, specblock.sim.traces\n"
+            "from specblock.sim.config import SimConfig\nfrom specblock.sim.engine import simulate\n"
+            "simulate(SimConfig.model_validate({'adapt': {'enabled': True, 'window': 8}, 'tree_pool': 4,"
+            " 'workload': {'requests': 2, 'tokens': 32}}))\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
