@@ -75,36 +75,34 @@ class SpecBlockDrafter(Drafter):
 
     # ---------------------------------------------------------------- drafting
     def _first_block(self, root: int) -> tuple[torch.Tensor, int]:
-        """Block 1: append the pending context positions to the cache and draft K positions."""
+        """Block 1: the pending context positions and K queries in one causal forward; the
+        pending positions' keys/values join the cache."""
         net = self.net
         if self.pending is None:  # a one-token prompt: no target taps yet, start from the embedding
             zero = torch.zeros(1, net.cfg.hidden_size, device=self.device, dtype=self.dtype)
-            g_prefix, prefix_pos = net.g_from_drafter(zero, torch.tensor([root], device=self.device)), self._root_pos - 1
-            xc = pos_c = None
+            g_prefix = net.g_from_drafter(zero, torch.tensor([root], device=self.device))
+            prefix_pos, n_new = self._root_pos - 1, 0
+            x, pos = net.queries(g_prefix[None]), torch.zeros(1, 1, 0, device=self.device, dtype=torch.long)
         else:
-            g_prefix, prefix_pos = self.pending[-1:], int(self.pending_pos[-1])
-            xc, pos_c = self.pending[None, None], self.pending_pos[None, None]
-        xq = net.queries(g_prefix[None])  # [1, 1, K, h]
+            g_prefix, prefix_pos, n_new = self.pending[-1:], int(self.pending_pos[-1]), self.pending.shape[0]
+            x = torch.cat([self.pending[None, None], net.queries(g_prefix[None])], dim=-2)
+            pos = self.pending_pos[None, None]
         pos_q = prefix_pos + torch.arange(1, net.cfg.K + 1, device=self.device)[None, None]
-        hq, new_kv = net.run(xc, pos_c, xq, pos_q, self.cache)
-        if new_kv:
-            self.cache = new_kv if self.cache is None else [
-                (torch.cat([ck, nk], -2), torch.cat([cv, nv], -2)) for (ck, cv), (nk, nv) in zip(self.cache, new_kv)
+        hq, kvs = net.run_serving(x, torch.cat([pos, pos_q], dim=-1), self.cache)
+        if n_new:
+            new = [(k[:, :, 0, :n_new], v[:, :, 0, :n_new]) for k, v in kvs]
+            self.cache = new if self.cache is None else [
+                (torch.cat([ck, nk], -2), torch.cat([cv, nv], -2)) for (ck, cv), (nk, nv) in zip(self.cache, new)
             ]
         self.pending = self.pending_pos = None
         return hq, prefix_pos
 
     def _seed_block(self, g_seed: torch.Tensor, seed_pos: torch.Tensor) -> torch.Tensor:
-        """Later blocks: one row per seed; each seed is a private context position."""
-        net, s = self.net, g_seed.shape[0]
-        xc, pos_c = g_seed[None, :, None, :], seed_pos[None, :, None]
-        xq = net.queries(g_seed[None])
-        pos_q = seed_pos[None, :, None] + torch.arange(1, net.cfg.K + 1, device=self.device)
-        c = 0 if self.cache is None else self.cache[0][0].shape[-2]
-        q_mask = torch.cat(
-            [torch.ones(s, c, dtype=torch.bool, device=self.device), torch.eye(s, dtype=torch.bool, device=self.device)], -1
-        )[None]
-        hq, _ = net.run(xc, pos_c, xq, pos_q, self.cache, None, q_mask)
+        """Later blocks: one row per seed, [seed position, K queries] causal over the cache."""
+        net = self.net
+        x = torch.cat([g_seed[None, :, None, :], net.queries(g_seed[None])], dim=-2)  # [1, S, 1+K, h]
+        pos = seed_pos[None, :, None] + torch.arange(0, net.cfg.K + 1, device=self.device)
+        hq, _ = net.run_serving(x, pos, self.cache)
         return hq
 
     def _candidates(self, hq: torch.Tensor):

@@ -133,6 +133,30 @@ class SpecBlockNet(nn.Module):
                 xq = self._shift(i, xq)
         return xq, new_kv
 
+    def run_serving(
+        self,
+        x: torch.Tensor,  # [G, R, n, h]: per row, new context positions then the K block queries
+        pos: torch.Tensor,  # [G, R, n]
+        cache: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Serving-time forward: one causal stream per row instead of two streams.
+
+        At serving time a row's context positions and its queries form one causal sequence (the
+        queries see every new context position, the context positions see only earlier ones), so
+        both streams of :meth:`run` fuse into one, halving the layer calls per block. The shift
+        acts on the last K positions only, with zeros before the first query, exactly as in
+        ``run`` (a test holds the two against each other). Returns the queries' top hidden
+        states and every position's per-layer keys/values ``[G, H, R, n, d]``.
+        """
+        k = self.cfg.K
+        kvs = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, pos, None if cache is None else cache[i], None)
+            kvs.append(kv)
+            if self.cfg.shift and i < len(self.layers) - 1:
+                x = torch.cat([x[..., :-k, :], self._shift(i, x[..., -k:, :])], dim=-2)
+        return x[..., -k:, :], kvs
+
     def heads(self, hq: torch.Tensor, with_lse: bool = False):
         """Draft logits and rank-bucket logits; the rank head sees no backbone gradient.
 
