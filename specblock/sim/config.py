@@ -124,12 +124,12 @@ class AdaptCfg(_Strict):
 
     enabled: bool = False
     window: int = Field(256, ge=4)  # decoding iterations per window (smaller: noisier gains)
-    headroom: float = Field(0.3, ge=0, le=1)
+    headroom: float = Field(0.5, ge=0, le=1)
     heads_ms: float = Field(40.0, ge=0)  # GPU time of one heads-only update
     full_ms: float = Field(600.0, ge=0)  # ... of one full-backbone update (> 10x heads, digest)
     chunk_ms: float = Field(5.0, gt=0)  # background work is scheduled in chunks this long
     interference: float = Field(0.05, ge=0)  # decoding slowdown while an update is in flight
-    heads_rate: float = Field(0.25, ge=0, le=1)
+    heads_rate: float = Field(0.4, ge=0, le=1)
     heads_cap: float = Field(0.8, ge=0, le=1)  # heads-only absorbs most of the drift, not all
     full_rate: float = Field(0.4, ge=0, le=1)
     full_bad_prob: float = Field(0.1, ge=0, le=1)  # a full update sometimes hurts
@@ -137,7 +137,7 @@ class AdaptCfg(_Strict):
     always: Literal["heads", "full"] | None = None  # ablations: no bandit
     no_heads_arm: bool = False
     ewma: float = Field(0.3, gt=0, le=1)
-    explore: float = Field(0.5, ge=0)
+    explore: float = Field(1.0, ge=0)
     rollback_tolerance: float = Field(0.06, ge=0)
     pool: int = Field(256, ge=0)  # trees pooled per drafter state (states change with every update)
 
