@@ -113,3 +113,14 @@ def test_adaptation_lifts_tau_with_the_shared_bandit_and_rollback():
                                                                 "pool": 128})))
     assert adapt["tau"] > 1.03 * static["tau"]
     assert adapt["adapt_arms"]["heads"] >= 1 and adapt["adapt_skill"]["mean"] > 0
+
+
+def test_domain_shift_on_schedule_changes_acceptance():
+    def run(bench, shifts=()):
+        return simulate(SimConfig.model_validate({
+            "method": {"name": "eagle3"}, "acceptance": {"kind": "digest", "benchmark": bench}, "tree_pool": 128,
+            "workload": {"requests": 8, "tokens": 128, "shifts": list(shifts)}}))["tau"]
+
+    code, nq = run("humaneval"), run("nq")
+    mixed = run("humaneval", [{"at_request": 4, "benchmark": "nq"}])
+    assert nq < mixed < code
