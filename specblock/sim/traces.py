@@ -27,7 +27,6 @@ draft log-probs in the trace; it keeps its default.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
