@@ -19,7 +19,7 @@ if [[ $step == all || $step == drafter ]]; then
   # resumes from runs/drafter_specblock/ckpt.pt
   $PY -m specblock.training drafter --target specblock/assets/target --run-dir runs/drafter_specblock \
       --out specblock/assets/drafters/specblock --max-minutes "${DRAFTER_MINUTES:-40}" --max-steps 3000 \
-      --lr 2e-3 --eval-every 100
+      --lr 2e-3 --intermediate 512 --eval-every 100
 fi
 if [[ $step == all || $step == measure ]]; then
   $PY -m specblock.runtime calibrate --out specblock/sim/data/latency_cpu.json
