@@ -178,7 +178,7 @@ def plot_sweep(path: Path, rows: list[dict], grid_keys: list[str]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(8.4, 4.6))
     gk = [k for k in grid_keys if all(k in r for r in rows)]
     if gk:
         x, rest = gk[0], gk[1:]
@@ -190,8 +190,8 @@ def plot_sweep(path: Path, rows: list[dict], grid_keys: list[str]) -> None:
             xs = [str(r[x]) for r in rs]
             ax.plot(xs, [r["speedup"] for r in rs], marker="o", label=", ".join(f"{k}={v}" for k, v in zip(rest, g)) or None)
         ax.set_xlabel(x)
-        if len(groups) > 1 and len(groups) <= 12:
-            ax.legend(fontsize=7)
+        if 1 < len(groups) <= 30:
+            ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5), ncol=1 + len(groups) // 16)
     else:
         ax.bar(range(len(rows)), [r["speedup"] for r in rows])
         ax.set_xlabel("configuration")
