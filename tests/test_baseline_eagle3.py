@@ -141,3 +141,15 @@ def test_cli_eagle3_with_compare(tmp_path, capsys):
                  "--prompt", "abc abc", "--max-new-tokens", "16", "--dtype", "float32", "--compare", "ar", "--json"])
     rec = json.loads(capsys.readouterr().out)
     assert code == 0 and rec["identical_to_ar"] is True and rec["mean_tree_size"] > 1
+
+
+def test_engine_sets_the_drafters_taps_on_a_shared_target():
+    """Two engines on one target, drafters reading different layers: each generate uses its own."""
+    model, target, net = make("llama", seed=5, noise=0.2)
+    other = Eagle3Net(net.cfg.model_copy(update={"tap_layers": (0, 1, 2)}))
+    other.tie_to_target(model)
+    prompt = np.arange(2, 10)
+    ref = reference(model, prompt, 12)
+    for d in (Eagle3Drafter(net), Eagle3Drafter(other.eval()), Eagle3Drafter(net)):
+        res = Engine(target, d, budget=8).generate(prompt, 12)
+        assert target.tap_layers == d.tap_layers and res.token_ids == ref

@@ -68,6 +68,9 @@ class Engine:
         self.verifier.reset(seed)
         self.drafter.reset()
         self.target.want_features = self.drafter.needs_features  # engines may share one target
+        taps = getattr(self.drafter, "tap_layers", None)  # ... so each drafter's own taps, per generate
+        if taps is not None:
+            self.target.tap_layers = tuple(taps)
         stats = DecodeStats()
         t0 = self._now()
         feats = self.target.prefill(prompt[:-1])

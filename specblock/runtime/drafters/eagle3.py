@@ -109,6 +109,7 @@ class Eagle3Drafter(Drafter):
         seeds: SeedPolicy | None = None,
     ) -> None:
         self.net = net.eval()
+        self.tap_layers = tuple(net.cfg.tap_layers)  # the engine points the target's taps here per generate
         self.depth = depth or net.cfg.depth
         self.top_k = top_k or net.cfg.top_k
         self.policy = policy or DynamicBranching(top_k=self.top_k)
