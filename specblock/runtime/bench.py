@@ -120,7 +120,7 @@ def run_bench(args) -> dict:
                     if args.trace_dir is not None and r == 0:
                         args.trace_dir.mkdir(parents=True, exist_ok=True)
                         trace = (args.trace_dir / f"{m}.{d}.jsonl").open("a")
-                    eng.trace = trace
+                    eng.trace, eng.trace_domain = trace, d
                     res = eng.generate(ids, args.max_new_tokens)
                     if trace is not None:
                         trace.close()

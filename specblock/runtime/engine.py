@@ -38,6 +38,7 @@ class Engine:
     budget: int = 24  # draft nodes per tree (root excluded)
     eos_ids: frozenset[int] = frozenset()
     trace: TextIO | None = None  # per-iteration JSONL, when set
+    trace_domain: str | None = None  # written into each trace record (the sim fits per domain)
     on_iteration: list[Callable[[DraftTree, Verdict], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -143,7 +144,9 @@ class Engine:
             "draft_s": ds,
             "verify_s": vs,
             "commit_s": cs,
+            "domain": self.trace_domain,
             "nodes": {
+                "parent": tree.parent.tolist(),
                 "depth": tree.depth.tolist(),
                 "rank": tree.rank.tolist(),
                 "bucket": tree.bucket.tolist(),

@@ -174,6 +174,8 @@ def train(args) -> None:
                 log.flush()
                 tqdm.write(json.dumps(rec))
     bar.close()
+    if ddp:
+        dist.barrier()  # every rank leaves the loop before rank 0's final evaluation
     if main_proc:
         _save(ckpt_path, state())
         rec = {"step": step, "train_s": round(train_s, 1), "final": True, **recipe.evaluate(net, target, heldout, args)}
@@ -184,6 +186,9 @@ def train(args) -> None:
             net.save(args.out)
             print(f"drafter written to {args.out}", flush=True)
     if ddp:
+        # Without this barrier, a rank that finished first and exited left rank 0 hanging in
+        # gloo's teardown (seen in tests/test_ddp.py under load).
+        dist.barrier()
         dist.destroy_process_group()
 
 

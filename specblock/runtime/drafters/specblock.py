@@ -37,6 +37,7 @@ class SpecBlockDrafter(Drafter):
         max_seeds: int = 2,
     ) -> None:
         self.net = net.eval()
+        self.tap_layers = tuple(net.cfg.tap_layers)  # the engine points the target's taps here per generate
         self.M, self.max_seeds = M, max_seeds
         self.policy = policy or RankBucketBranching((2, 4, 10, 0))
         self.seed_policy = seeds or DeepestConfidentSeeds()
@@ -48,8 +49,6 @@ class SpecBlockDrafter(Drafter):
     def load(cls, path: str | Path, target: TargetModel, **kw) -> "SpecBlockDrafter":
         m = target.model
         net = SpecBlockNet.load(path, m.get_input_embeddings().weight, m.get_output_embeddings().weight)
-        if tuple(net.cfg.tap_layers) != tuple(target.tap_layers):
-            target.tap_layers = tuple(net.cfg.tap_layers)  # the drafter decides which layers it reads
         return cls(net.to(device=target.device, dtype=target.dtype), **kw)
 
     def reset(self) -> None:
@@ -125,7 +124,8 @@ class SpecBlockDrafter(Drafter):
             if m == self.M - 1 or tree.size - 1 >= req.budget:
                 break
             nodes = tree.meta["block_nodes"]
-            seeds = self.seed_policy.select(tree, nodes, self.max_seeds)
+            # Only leaves may seed: a node with a child in its own block already has a continuation.
+            seeds = self.seed_policy.select(tree, nodes[tree.is_leaf[nodes]], self.max_seeds)
             if seeds.size == 0:
                 break
             where = np.searchsorted(nodes, seeds)  # block_nodes is ascending (nodes are appended)
