@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="auto: cuda:LOCAL_RANK when CUDA is available, else cpu")
     ap.add_argument("--seed", type=int, default=0)
     return ap
 
@@ -103,14 +105,16 @@ def train(args) -> None:
     main_proc = rank == 0
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu")
     recipe = recipes.get(args.method)
-    target = load_causal_lm(args.target, "bfloat16", "cpu", "sdpa", False).eval()
+    target = load_causal_lm(args.target, "bfloat16", str(device.type), "sdpa", False).to(device).eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    net = recipe.build(target, args)
+    net = recipe.build(target, args).to(device)
     model = StepModule(net, recipe, args)
     if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     args.run_dir.mkdir(parents=True, exist_ok=True)
@@ -126,8 +130,8 @@ def train(args) -> None:
         if main_proc:
             print(f"resumed from step {step}", flush=True)
     source = WindowSource(args.data, args.target, args.window, seed=args.seed + 1000 * rank + step)
-    heldout = source.heldout(8)
-    gen = torch.Generator().manual_seed(args.seed + rank + step)
+    heldout = source.heldout(8).to(device)
+    gen = torch.Generator(device=device).manual_seed(args.seed + rank + step)
     stop = {"flag": False}
 
     def on_signal(signum, _frame):
@@ -140,20 +144,27 @@ def train(args) -> None:
         return {"net": net.state_dict(), "opt": opt.state_dict(), "step": step, "train_s": train_s,
                 "method": args.method, "args": vars(args)}
 
-    progress = lambda: max(step / args.max_steps, train_s / (60 * args.max_minutes))
+    def progress() -> float:
+        """Share of the run done; under DDP every rank takes the largest, so all stop together
+        and follow the same LR schedule (each rank times itself)."""
+        p = torch.tensor([max(step / args.max_steps, train_s / (60 * args.max_minutes)), float(stop["flag"])])
+        if ddp:
+            dist.all_reduce(p, op=dist.ReduceOp.MAX)
+        return 1.0 if p[1] > 0 else float(p[0])
+
     bar = tqdm(total=args.max_steps, initial=step, disable=not main_proc, dynamic_ncols=True)
     log = (args.run_dir / "metrics.jsonl").open("a") if main_proc else None
     net.train()
-    while progress() < 1.0 and not stop["flag"]:
+    while (done := progress()) < 1.0:
         t0 = time.perf_counter()
-        lr = lr_at(step, progress(), args)
+        lr = lr_at(step, done, args)
         for grp in opt.param_groups:
             grp["lr"] = lr
-        tokens = source.batch(args.batch)
+        tokens = source.batch(args.batch).to(device)
         with torch.no_grad():
             batch = recipe.prepare(target, tokens, net, args)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            res = model(batch, gen, progress())
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            res = model(batch, gen, done)
         opt.zero_grad(set_to_none=True)
         res.loss.backward()  # under DDP, gradients are averaged across processes here
         torch.nn.utils.clip_grad_norm_(params, 1.0)
