@@ -13,7 +13,7 @@ from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel
 from specblock.training.eagle3_step import chain_acceptance, eagle3_step, ttt_states
 from specblock.training.specblock_step import target_pass
-from tiny import FAMILIES, tiny_model
+from tiny import FAMILIES, tiny_model, hf_greedy, perturb
 
 V = 16
 
@@ -26,16 +26,9 @@ def make(family="llama", seed=0, noise=0.0):
     net = Eagle3Net(cfg)
     net.tie_to_target(model)
     if noise:  # "random weights": every trainable tensor moved far from its init
-        with torch.no_grad():
-            for p in net.parameters():
-                if p.requires_grad:
-                    p.add_(torch.randn_like(p) * noise)
+        perturb(net, noise)
     return model, target, net.eval()
 
-
-def reference(model, prompt, n):
-    out = model.generate(torch.tensor(prompt)[None], max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -47,7 +40,7 @@ def test_lossless_greedy(family, noise):
         prompt = rng.integers(2, V, length)
         drafter = Eagle3Drafter(net, depth=int(rng.integers(2, 7)), top_k=int(rng.integers(1, 5)))
         res = Engine(target, drafter, budget=int(rng.integers(3, 25))).generate(prompt, 30)
-        assert res.token_ids == reference(model, prompt, 30)
+        assert res.token_ids == hf_greedy(model, prompt, 30)
         assert max(res.stats.tree_depth) > 1
 
 
@@ -149,7 +142,7 @@ def test_engine_sets_the_drafters_taps_on_a_shared_target():
     other = Eagle3Net(net.cfg.model_copy(update={"tap_layers": (0, 1, 2)}))
     other.tie_to_target(model)
     prompt = np.arange(2, 10)
-    ref = reference(model, prompt, 12)
+    ref = hf_greedy(model, prompt, 12)
     for d in (Eagle3Drafter(net), Eagle3Drafter(other.eval()), Eagle3Drafter(net)):
         res = Engine(target, d, budget=8).generate(prompt, 12)
         assert target.tap_layers == d.tap_layers and res.token_ids == ref

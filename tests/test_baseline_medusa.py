@@ -11,7 +11,7 @@ from specblock.runtime.drafters.medusa import MedusaConfig, MedusaDrafter, Medus
 from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel
 from specblock.training.medusa_step import medusa_pass, medusa_step, rank_accuracy
-from tiny import FAMILIES, tiny_model
+from tiny import FAMILIES, tiny_model, hf_greedy, perturb
 
 V = 16
 
@@ -22,17 +22,10 @@ def make(family="llama", seed=0, noise=0.0, heads=3, top_k=4):
     torch.manual_seed(seed)
     net = MedusaNet(MedusaConfig(vocab_size=V, hidden_size=32, heads=heads, top_k=top_k))
     net.tie_to_target(model)
-    if noise:
-        with torch.no_grad():
-            for p in net.parameters():
-                if p.requires_grad:
-                    p.add_(torch.randn_like(p) * noise)
+    if noise:  # "random weights": every trainable tensor moved far from its init
+        perturb(net, noise)
     return model, target, net.eval()
 
-
-def reference(model, prompt, n):
-    out = model.generate(torch.tensor(prompt)[None], max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -43,7 +36,7 @@ def test_lossless_greedy(family, noise):
     for length in (1, 5, 14):
         prompt = rng.integers(2, V, length)
         res = Engine(target, MedusaDrafter(net), budget=int(rng.integers(1, 25))).generate(prompt, 30)
-        assert res.token_ids == reference(model, prompt, 30)
+        assert res.token_ids == hf_greedy(model, prompt, 30)
     assert max(res.stats.tree_size) > 1
 
 

@@ -11,7 +11,7 @@ from specblock.runtime.drafters.sps import SpsDrafter
 from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel
 from specblock.training.sps_step import build_draft, sps_pass, sps_step
-from tiny import FAMILIES, tiny_model
+from tiny import FAMILIES, tiny_model, hf_greedy
 
 V = 16
 
@@ -26,10 +26,6 @@ def make(family="llama", seed=0, layers=1, hidden=None, copy=True):
     return model, target, net
 
 
-def reference(model, prompt, n):
-    out = model.generate(torch.tensor(prompt)[None], max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("top_k", [1, 3])
@@ -40,7 +36,7 @@ def test_lossless_greedy(family, top_k):
         prompt = rng.integers(2, V, length)
         drafter = SpsDrafter(net.model.eval(), gamma=int(rng.integers(1, 6)), top_k=top_k)
         res = Engine(target, drafter, budget=int(rng.integers(2, 20))).generate(prompt, 30)
-        assert res.token_ids == reference(model, prompt, 30)
+        assert res.token_ids == hf_greedy(model, prompt, 30)
     assert max(res.stats.tree_size) > 1
 
 

@@ -7,14 +7,10 @@ import torch
 from specblock.runtime.drafters import ARDrafter, LookupDrafter, RandomDrafter
 from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel
-from tiny import FAMILIES, tiny_model
+from tiny import FAMILIES, tiny_model, hf_greedy
 
 VOCAB = 12  # tiny, so random drafts often match and long accepted paths occur
 
-
-def reference(model, prompt, n):
-    out = model.generate(torch.tensor(prompt)[None], max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -26,7 +22,7 @@ def test_greedy_equals_hf_generate(family, attn):
     accepted_any = 0
     for trial in range(4):
         prompt = rng.integers(2, VOCAB, int(rng.integers(1, 20)))
-        ref = reference(model, prompt, 30)
+        ref = hf_greedy(model, prompt, 30)
         for drafter in (ARDrafter(), RandomDrafter(VOCAB, seed=trial), LookupDrafter(branches=3, max_ngram=2)):
             res = Engine(target, drafter, budget=int(rng.integers(1, 20))).generate(prompt, 30)
             assert res.token_ids == ref, (family, attn, drafter.name, trial)
@@ -40,7 +36,7 @@ def test_random_trees_many_seeds_llama():
     rng = np.random.default_rng(7)
     for seed in range(12):
         prompt = rng.integers(2, 6, int(rng.integers(1, 12)))
-        ref = reference(model, prompt, 24)
+        ref = hf_greedy(model, prompt, 24)
         res = Engine(target, RandomDrafter(6, seed=seed), budget=16).generate(prompt, 24)
         assert res.token_ids == ref
 
@@ -49,7 +45,7 @@ def test_stops_at_eos_and_context():
     model = tiny_model("llama", vocab=VOCAB, ctx=40)
     target = TargetModel(model)
     prompt = np.arange(2, 12)
-    ref = reference(model, prompt, 60)  # HF stops at max_position too? we only compare prefixes
+    ref = hf_greedy(model, prompt, 60)  # HF stops at max_position too? we only compare prefixes
     res = Engine(target, LookupDrafter(branches=2), budget=10).generate(prompt, 100)
     assert res.stopped == "context" and len(prompt) + len(res.token_ids) == 40
     assert res.token_ids == ref[: len(res.token_ids)]

@@ -16,7 +16,7 @@ from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel
 from specblock.training.losses import bucket_of, rank_of, valid_prefix_mask
 from specblock.training.specblock_step import first_block, seed_block, specblock_step, target_pass
-from tiny import FAMILIES, tiny_model
+from tiny import FAMILIES, tiny_model, hf_greedy
 
 V = 16
 
@@ -35,10 +35,6 @@ def make(family="llama", seed=0, **cfg_kw):
     return model, target, net.eval()
 
 
-def reference(model, prompt, n):
-    out = model.generate(torch.tensor(prompt)[None], max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("M", [1, 2, 3])
@@ -51,7 +47,7 @@ def test_lossless_greedy(family, M):
         # still grows trees.
         drafter = SpecBlockDrafter(net, M=M, max_seeds=2, policy=RankBucketBranching((2, 4, 6, 4)))
         res = Engine(target, drafter, budget=int(rng.integers(4, 30))).generate(prompt, 30)
-        assert res.token_ids == reference(model, prompt, 30)
+        assert res.token_ids == hf_greedy(model, prompt, 30)
         assert max(res.stats.tree_size) > 1
 
 
@@ -61,7 +57,7 @@ def test_ablations_stay_lossless(shift, broadcast):
     prompt = np.arange(2, 12)
     drafter = SpecBlockDrafter(net, policy=RankBucketBranching((2, 4, 6, 4)))
     res = Engine(target, drafter, budget=20).generate(prompt, 25)
-    assert res.token_ids == reference(model, prompt, 25)
+    assert res.token_ids == hf_greedy(model, prompt, 25)
 
 
 def test_serving_blocks_equal_training_blocks():

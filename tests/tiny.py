@@ -56,3 +56,17 @@ def save_tiny(path, family: str = "llama", vocab: int = 64, **kw):
     model.save_pretrained(path)
     tiny_tokenizer(vocab).save_pretrained(path)
     return path
+
+
+def hf_greedy(model, prompt, n: int) -> list[int]:
+    """The reference every lossless test compares against: HF generate(do_sample=False)."""
+    out = model.generate(torch.tensor(prompt)[None], max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def perturb(net, noise: float) -> None:
+    """Move every trainable tensor far from its init ("random weights" for lossless tests)."""
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * noise)
