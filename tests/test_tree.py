@@ -113,3 +113,15 @@ def test_policies_widths():
     assert TopKBranching(k=3).widths(score, lp, None, 10).tolist() == [3, 3, 3]
     assert RankBucketBranching((2, 4, 10, 0)).widths(score, lp, np.array([0, 1, 3]), 10).tolist() == [2, 4, 0]
     assert TopKBranching(k=4).widths(score, lp, None, 5).sum() == 5
+
+
+@given(trees(max_nodes=20), st.data())
+def test_incremental_caches_equal_a_rebuild(t, data):
+    t.ancestor_mask, t.cum_logprob, t.is_leaf  # computed, so extend must grow them
+    k = data.draw(st.integers(1, 6))
+    parents = np.array(data.draw(st.lists(st.integers(0, t.size - 1), min_size=k, max_size=k)))
+    t.extend(parents, np.zeros(k, dtype=np.int64), logprob=-np.arange(k, dtype=np.float32))
+    grown = (t.ancestor_mask.copy(), t.cum_logprob.copy(), t.is_leaf.copy())
+    t._invalidate()
+    assert (grown[0] == t.ancestor_mask).all() and (grown[2] == t.is_leaf).all()
+    np.testing.assert_allclose(grown[1], t.cum_logprob, rtol=1e-6, atol=1e-5)

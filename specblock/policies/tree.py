@@ -120,7 +120,7 @@ class DraftTree:
         self.rank = np.concatenate([self.rank, col(rank, -1, np.int64)])
         self.bucket = np.concatenate([self.bucket, col(bucket, NO_BUCKET, np.int64)])
         self.block = np.concatenate([self.block, col(block, 0, np.int64)])
-        self._invalidate()
+        self._grow_caches(start, parents)
         return np.arange(start, start + n_new, dtype=np.int64)
 
     def subtree(self, keep: np.ndarray) -> tuple["DraftTree", np.ndarray]:
@@ -166,6 +166,26 @@ class DraftTree:
     def _invalidate(self) -> None:
         for name in ("ancestor_mask", "cum_logprob", "is_leaf"):
             self.__dict__.pop(name, None)
+
+    def _grow_caches(self, start: int, parents: np.ndarray) -> None:
+        """Extend already-computed derived arrays for nodes ``start..`` instead of rebuilding
+        them: drafters read cum_logprob after every step, and a rebuild per step made tree
+        building quadratic in depth. New nodes are leaves whose parents existed before."""
+        d = self.__dict__
+        n = self.size
+        if "cum_logprob" in d:
+            d["cum_logprob"] = np.concatenate([d["cum_logprob"], d["cum_logprob"][parents] + self.logprob[start:]])
+        if "ancestor_mask" in d:
+            old = d["ancestor_mask"]
+            mask = np.zeros((n, n), dtype=bool)
+            mask[:start, :start] = old
+            mask[start:, :start] = old[parents]
+            mask[np.arange(start, n), np.arange(start, n)] = True
+            d["ancestor_mask"] = mask
+        if "is_leaf" in d:
+            leaf = np.concatenate([d["is_leaf"], np.ones(n - start, dtype=bool)])
+            leaf[parents] = False
+            d["is_leaf"] = leaf
 
     @cached_property
     def ancestor_mask(self) -> np.ndarray:
