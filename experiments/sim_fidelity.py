@@ -1,0 +1,302 @@
+"""Sim fidelity (issue 7): the simulator, calibrated on this machine, next to the runtime's bench.
+
+The sim is worth only as much as its agreement with real runs, so per (method, domain) of a bench
+JSON (``ar`` excluded: it is every Spd's denominator) this fits the sim's acceptance model from
+that method+domain's run-1 traces, runs the sim with the ``cpu-calibrated`` latency JSON from the
+same machine and the same method model and policy settings the bench's engine used (RunConfig
+defaults, then the bench's ``--set`` items, K from the drafter's config.json, the engine budget),
+and reports measured vs simulated Spd and tau, relative errors (sim / measured - 1), and whether
+the goal (|Spd err| <= 10%, |tau err| <= 5%) is met.
+
+Choices, and why:
+
+* context: the bench JSON has no prompt lengths; the traces' ``ctx`` (context at each iteration)
+  does. The sim's context grows from ``prompt_len`` by the tokens it emits, so we set
+  ``prompt_len = mean ctx - tokens / 2``: the sim then sees the same mean context per iteration;
+* tokens per request: the bench row's ``new_tokens`` (run 1, the traced run) over its prompts;
+* Spd in the bench is wall time (prefill included), the sim's is decode only. Both measured
+  numbers are shown: ``spd_meas`` (the bench's, judged) and ``spd_dec_meas`` (decode loop only,
+  from run-1 traces of the method and of ``ar``), so a gap between them is prefill, not the sim;
+* per-iteration diagnostics (drafting, verification, glue ms; tree size; AR ms per token) sit
+  beside each row, so an error can be traced to the latency fit or to the acceptance model;
+* a method the sim has no model for (``lookup``: n-gram lookup, no drafter forward, and the sim
+  has no trace-replay method) or whose drafter the latency JSON lacks is skipped with the reason;
+* traces are opened in append mode by the bench: files holding more generations than the bench
+  had prompts are stale appends, and only the last ``prompts`` generations are used (warned).
+
+    .venv/bin/python experiments/sim_fidelity.py [--bench B.json] [--traces DIR] [--latency L.json]
+        [--out experiments/results/sim_fidelity] [--requests 40] [--n-seeds 3] [--tree-pool 1024]
+
+Writes OUT.{json,csv,md,png}. Missing or bad inputs: one line on stderr, status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from specblock.runtime.config import DEFAULT_DRAFTERS, RunConfig
+from specblock.sim.config import SimConfig
+from specblock.sim.latency import load_measurements
+from specblock.sim.sweep import run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+#: runtime method -> sim method model name = drafter key in the latency JSON (calibrate writes
+#: "specblock"). Methods absent here have no sim model.
+SIM_METHOD = {"specblock": "specblock", "eagle3": "eagle3", "medusa": "medusa", "sps": "sps"}
+SPD_TOL, TAU_TOL = 0.10, 0.05
+
+
+def bench_sets(cfg: dict, method: str) -> dict:
+    """The bench's ``--set METHOD:KEY=VALUE`` items for ``method``, parsed as ``bench._options`` does."""
+    out = {}
+    for item in cfg.get("set") or []:
+        m, _, kv = item.partition(":")
+        k, _, v = kv.partition("=")
+        if m == method and k:
+            out[k] = tuple(int(x) for x in v.split(",")) if k == "widths" else (int(v) if v.lstrip("-").isdigit() else v)
+    return out
+
+
+def sim_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
+    """The sim's ``method`` section with the settings the runtime engine used, and notes."""
+    name, sets, notes = SIM_METHOD[method], bench_sets(cfg, method), []
+    budget = int(cfg.get("budget", RunConfig.model_fields["budget"].default))
+    if name != "specblock":  # sim defaults unless the bench set them (eagle3 depth/top_k, sps gamma)
+        d = {"name": name, "budget": budget, **{k: v for k, v in sets.items() if k in ("depth", "top_k", "gamma")}}
+        if name == "sps":
+            d.setdefault("gamma", 4)  # the runtime's default
+        return d, notes
+    rc = RunConfig(method="specblock")
+    ddir = sets.get("drafter") or (Path(cfg["drafter_dir"]) / "specblock" if cfg.get("drafter_dir") else DEFAULT_DRAFTERS / "specblock")
+    conf = Path(ddir) / "config.json"
+    k = json.loads(conf.read_text()).get("K", 4) if conf.is_file() else 4
+    if not conf.is_file():
+        notes.append(f"{conf} not found: K=4 assumed")
+    return {"name": "specblock", "K": int(k), "M": int(sets.get("M", rc.M)), "max_seeds": int(sets.get("max_seeds", rc.max_seeds)),
+            "widths": list(sets.get("widths", rc.widths)), "budget": budget, "branching": "rank",
+            "seeds": "deepest-confident", "use_rank_head": True}, notes
+
+
+def read_generations(path: Path, keep: int) -> tuple[list[str], int]:
+    """JSONL lines of the last ``keep`` generations (a generation starts at ``iter`` 0), and how many the file held."""
+    gens: list[list[str]] = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            if not gens or json.loads(line)["iter"] == 0:
+                gens.append([])
+            gens[-1].append(line)
+    return [x for g in gens[-keep:] for x in g], len(gens)
+
+
+def trace_stats(lines: list[str]) -> dict:
+    """Per-iteration means the comparison needs (ms, context, tree size) and the loop's total seconds."""
+    recs = [json.loads(x) for x in lines]
+    col = lambda k: np.array([r[k] for r in recs], dtype=float)
+    it = col("draft_s") + col("verify_s") + col("commit_s")
+    return {"iterations": len(recs), "ctx": float(col("ctx").mean()), "loop_s": float(it.sum()),
+            "draft_ms": 1e3 * float(col("draft_s").mean()), "verify_ms": 1e3 * float(col("verify_s").mean()),
+            "glue_ms": 1e3 * float(col("commit_s").mean()), "tree": float(col("tree_size").mean()),
+            "tau": float((col("accepted") + 1).mean())}
+
+
+def _err(sim: float | None, meas: float | None) -> float | None:
+    return None if sim is None or not meas else round(sim / meas - 1, 4)
+
+
+def compare(bench_path: Path, trace_dir: Path, latency_path: Path, requests: int = 40, n_seeds: int = 3,
+            tree_pool: int = 1024, seed: int = 0) -> dict:
+    """Every (method, domain) of the bench, measured next to simulated."""
+    bench = json.loads(bench_path.read_text())
+    meas_lat = load_measurements(latency_path)
+    cfg, warnings = bench.get("config", {}), []
+    prompts = int(cfg.get("prompts", 1))
+    if cfg.get("dtype") and cfg["dtype"] != meas_lat.dtype:
+        warnings.append(f"bench dtype {cfg['dtype']} != latency JSON dtype {meas_lat.dtype}")
+    if bench.get("threads") and f"{bench['threads']} threads" not in meas_lat.device:
+        warnings.append(f"bench ran with {bench['threads']} threads; latency JSON device: {meas_lat.device!r}")
+    rows_in = {(r["method"], r["domain"]): r for r in bench["rows"]}
+    with tempfile.TemporaryDirectory(prefix="sim_fidelity_") as td:
+        rows, skipped = _compare_rows(rows_in, cfg, trace_dir, latency_path, meas_lat, Path(td), prompts, warnings,
+                                      dict(requests=requests, n_seeds=n_seeds, tree_pool=tree_pool, seed=seed))
+    return {"inputs": {"bench": str(bench_path), "traces": str(trace_dir), "latency": str(latency_path),
+                       "requests": requests, "n_seeds": n_seeds, "tree_pool": tree_pool, "seed": seed},
+            "bench_config": cfg, "latency_device": meas_lat.device, "overhead_ms": meas_lat.overhead_ms,
+            "goal": {"spd_tol": SPD_TOL, "tau_tol": TAU_TOL, "rows": len(rows),
+                     "met": sum(r["goal_met"] for r in rows), "all_met": bool(rows) and all(r["goal_met"] for r in rows)},
+            "rows": rows, "skipped": skipped, "warnings": warnings}
+
+
+def _compare_rows(rows_in: dict, cfg: dict, trace_dir: Path, latency_path: Path, meas_lat, tmp: Path, prompts: int,
+                  warnings: list[str], sim: dict) -> tuple[list[dict], list[dict]]:
+    """Measured vs simulated rows (and skipped ones); the fitted trace subsets go to ``tmp``."""
+    ar: dict[str, dict] = {}
+    rows, skipped = [], []
+    for (method, domain), r in rows_in.items():
+        if method == "ar":
+            continue
+        base = {"method": method, "domain": domain, "spd_meas": r["speedup"], "tau_meas": r["tau"]}
+        sim_name = SIM_METHOD.get(method)
+        why = None
+        if sim_name is None:
+            why = f"the sim has no method model for {method!r} (nor a trace-replay one)"
+        elif sim_name not in meas_lat.drafters:
+            why = f"latency JSON has no drafter {sim_name!r} (has {sorted(meas_lat.drafters)})"
+        path = trace_dir / f"{method}.{domain}.jsonl"
+        if why is None and not path.is_file():
+            why = f"no traces at {path}"
+        if why:
+            skipped.append(dict(base, reason=why))
+            continue
+        lines, n_gen = read_generations(path, prompts)
+        if not lines:
+            skipped.append(dict(base, reason=f"{path} is empty"))
+            continue
+        if n_gen > prompts:
+            warnings.append(f"{path} holds {n_gen} generations for {prompts} prompts: stale appends, last {prompts} used")
+        fitted = tmp / path.name
+        fitted.write_text("\n".join(lines) + "\n")
+        ts = trace_stats(lines)
+        if domain not in ar:
+            ap = trace_dir / f"ar.{domain}.jsonl"
+            ar_lines = read_generations(ap, prompts)[0] if ap.is_file() else []
+            ar[domain] = trace_stats(ar_lines) if ar_lines else {}
+        ta, ar_row = ar[domain], rows_in.get(("ar", domain))
+        tokens = max(int(round(r["new_tokens"] / prompts)), 1)
+        method_cfg, notes = sim_method(method, cfg)
+        sc = SimConfig.model_validate({
+            "preset": "cpu-calibrated", "latency_file": str(latency_path), "method": method_cfg,
+            "acceptance": {"kind": "traces", "traces": [str(fitted)], "benchmark": domain},
+            "workload": {"requests": sim["requests"], "tokens": tokens, "prompt_len": max(int(round(ts["ctx"] - tokens / 2)), 0)},
+            "seed": sim["seed"], "n_seeds": sim["n_seeds"], "tree_pool": sim["tree_pool"]})
+        try:
+            s = run_config(sc)
+        except ValueError as e:  # e.g. traces with no expanded position to fit: keep the other rows
+            skipped.append(dict(base, reason=f"sim failed: {str(e).splitlines()[0]}"))
+            continue
+        spd_dec = None
+        if ta and ar_row and ts["loop_s"] > 0:
+            spd_dec = round((r["new_tokens"] / ts["loop_s"]) / (ar_row["new_tokens"] / ta["loop_s"]), 4)
+        row = dict(base, spd_sim=round(s["speedup"], 4), tau_sim=round(s["tau"], 4))
+        row.update(spd_err=_err(row["spd_sim"], row["spd_meas"]), tau_err=_err(row["tau_sim"], row["tau_meas"]))
+        row["goal_met"] = abs(row["spd_err"]) <= SPD_TOL and abs(row["tau_err"]) <= TAU_TOL
+        row.update({
+            "spd_dec_meas": spd_dec, "spd_ci95": [round(x, 4) for x in s.get("speedup_ci95", [])],
+            "tau_ci95": [round(x, 4) for x in s.get("tau_ci95", [])],
+            "tree_meas": r.get("mean_tree_size", round(ts["tree"], 2)), "tree_sim": round(s["tree_size"], 2),
+            "draft_ms_meas": round(ts["draft_ms"], 3), "draft_ms_sim": round(s["t_draft_ms"], 3),
+            "verify_ms_meas": round(ts["verify_ms"], 3), "verify_ms_sim": round(s["t_verify_ms"], 3),
+            "glue_ms_meas": round(ts["glue_ms"], 3), "glue_ms_sim": round(meas_lat.overhead_ms, 3),
+            "ar_ms_meas": round(1e3 * ta["loop_s"] / ta["iterations"], 3) if ta else None,
+            "ar_ms_sim": round(s["ar_tpot_ms"], 3), "ctx_mean": round(ts["ctx"], 1),
+            "prompt_len": sc.workload.prompt_len, "tokens": tokens, "trace_iterations": ts["iterations"],
+            "sim_iterations": s["iterations"], "sim_method": method_cfg, "notes": notes})
+        rows.append(row)
+    return rows, skipped
+
+
+CSV_COLS = ["method", "domain", "spd_meas", "spd_sim", "spd_err", "tau_meas", "tau_sim", "tau_err", "goal_met",
+            "spd_dec_meas", "tree_meas", "tree_sim", "draft_ms_meas", "draft_ms_sim", "verify_ms_meas",
+            "verify_ms_sim", "glue_ms_meas", "glue_ms_sim", "ar_ms_meas", "ar_ms_sim", "ctx_mean", "prompt_len", "tokens"]
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def markdown(res: dict) -> str:
+    g = res["goal"]
+    lines = [f"Goal: |Spd err| <= {100 * g['spd_tol']:.0f}% and |tau err| <= {100 * g['tau_tol']:.0f}%: "
+             f"met in {g['met']} of {g['rows']} (method, domain) rows.", "",
+             "| method | domain | Spd meas | Spd sim | err | tau meas | tau sim | err | goal | Spd dec. meas "
+             "| draft ms m/s | verify ms m/s | glue ms m/s | AR ms m/s | tree m/s |", "|---" * 15 + "|"]
+    f = lambda a, b: "-" if a is None else f"{a:.2f} / {b:.2f}"
+    for r in res["rows"]:
+        lines.append(f"| {r['method']} | {r['domain']} | {r['spd_meas']:.3f}x | {r['spd_sim']:.3f}x | {_pct(r['spd_err'])} "
+                     f"| {r['tau_meas']:.3f} | {r['tau_sim']:.3f} | {_pct(r['tau_err'])} | {'yes' if r['goal_met'] else 'no'} "
+                     f"| {'-' if r['spd_dec_meas'] is None else format(r['spd_dec_meas'], '.3f') + 'x'} "
+                     f"| {f(r['draft_ms_meas'], r['draft_ms_sim'])} | {f(r['verify_ms_meas'], r['verify_ms_sim'])} "
+                     f"| {f(r['glue_ms_meas'], r['glue_ms_sim'])} | {f(r['ar_ms_meas'], r['ar_ms_sim'])} "
+                     f"| {f(r['tree_meas'], r['tree_sim'])} |")
+    for s in res["skipped"]:
+        lines.append(f"\nSkipped {s['method']}/{s['domain']} (measured {s['spd_meas']:.3f}x / tau {s['tau_meas']:.3f}): {s['reason']}")
+    lines += ["", "Spd meas: the bench's (wall time, prefill included); Spd dec. meas: decode loop only, from run-1 "
+              "traces; the sim's Spd is decode only. m/s: measured per iteration (traces) / simulated; the measured "
+              "verify ms includes greedy verification, which calibrate counts in the glue (overhead_ms)."]
+    lines += [f"\nWarning: {w}" for w in res["warnings"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Simulated against measured Spd and tau, with the goal's tolerance band around y = x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4.2))
+    for ax, k, tol, lab in ((axes[0], "spd", SPD_TOL, "Spd"), (axes[1], "tau", TAU_TOL, "tau")):
+        xs = [r[f"{k}_meas"] for r in rows]
+        ys = [r[f"{k}_sim"] for r in rows]
+        lo, hi = (0.9 * min(xs + ys), 1.1 * max(xs + ys)) if rows else (0.5, 2.0)
+        line = np.linspace(lo, hi, 2)
+        ax.plot(line, line, "k-", lw=0.8)
+        ax.fill_between(line, line * (1 - tol), line * (1 + tol), color="g", alpha=0.15, label=f"±{100 * tol:.0f}%")
+        for r, x, y in zip(rows, xs, ys):
+            ax.scatter(x, y, color="tab:green" if abs(r[f"{k}_err"]) <= tol else "tab:red", zorder=3)
+            ax.annotate(f"{r['method']}/{r['domain']}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set(xlim=(lo, hi), ylim=(lo, hi), xlabel=f"measured {lab}", ylabel=f"simulated {lab}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle("sim fidelity: cpu-calibrated sim vs runtime bench", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(res: dict, out: Path) -> list[Path]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    files = [out.with_suffix(s) for s in (".json", ".csv", ".md", ".png")]
+    files[0].write_text(json.dumps(res, indent=1) + "\n")
+    with files[1].open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(res["rows"])
+    files[2].write_text(markdown(res))
+    plot(res["rows"], files[3])
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bench", type=Path, default=ROOT / "experiments/results/bench_specblock.json")
+    ap.add_argument("--traces", type=Path, default=ROOT / "runs/traces")
+    ap.add_argument("--latency", type=Path, default=ROOT / "specblock/sim/data/latency_cpu.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "experiments/results/sim_fidelity")
+    ap.add_argument("--requests", type=int, default=40, help="simulated requests per seed")
+    ap.add_argument("--n-seeds", type=int, default=3)
+    ap.add_argument("--tree-pool", type=int, default=1024, help="sim trees per domain (0: a fresh tree per iteration)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    try:
+        for p, what in ((a.bench, "bench JSON"), (a.traces, "trace directory")):
+            if not p.exists():
+                raise FileNotFoundError(f"{what} {p} not found")
+        res = compare(a.bench, a.traces, a.latency, a.requests, a.n_seeds, a.tree_pool, a.seed)
+    except (FileNotFoundError, KeyError, ValueError) as e:
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    files = write_outputs(res, a.out)
+    print(markdown(res), end="")
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
