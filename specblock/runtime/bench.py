@@ -33,7 +33,7 @@ from specblock.runtime.verify import GreedyVerifier
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m specblock.runtime bench", description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path)
-    ap.add_argument("--methods", default="ar,lookup,specblock")
+    ap.add_argument("--methods", default="ar,lookup,specblock", help="comma-separated; NAME@VARIANT for a second setting")
     ap.add_argument("--domains", default="code,math,chat,qa,mtbench")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per domain (the first N of each set)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -58,9 +58,9 @@ class Cell:
 
 
 def _options(method: str, args) -> dict:
-    base = RunConfig(method=method).drafter_options()
+    base = RunConfig(method=method.split("@")[0]).drafter_options()
     if args.drafter_dir is not None:
-        base["drafter"] = args.drafter_dir / method
+        base["drafter"] = args.drafter_dir / method.split("@")[0]
     for item in args.set:
         m, _, kv = item.partition(":")
         k, _, v = kv.partition("=")
@@ -95,8 +95,10 @@ def run_bench(args) -> dict:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if "ar" not in methods:
         methods.insert(0, "ar")
-    engines = {m: Engine(target, drafters.build(m, target, _options(m, args)), GreedyVerifier(), args.budget, eos)
-               for m in methods}
+    # "name@variant" runs method "name" with the options given for "name@variant" (e.g.
+    # --methods specblock,specblock@m1 --set specblock@m1:M=1): two settings in one run.
+    engines = {m: Engine(target, drafters.build(m.split("@")[0], target, _options(m, args)), GreedyVerifier(),
+                         args.budget, eos) for m in methods}
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
     prompts = {d: [tok(p.text)["input_ids"] for p in load_prompts(d, args.prompts)] for d in domains}
     for d, ps in prompts.items():
