@@ -22,10 +22,15 @@ if [[ $step == all || $step == drafter ]]; then
       --lr 2e-3 --intermediate 512 --eval-every 100
 fi
 if [[ $step == all || $step == measure ]]; then
+  # On a quiet machine: every figure below is a timing.
+  rm -rf runs/traces
   $PY -m specblock.runtime calibrate --out specblock/sim/data/latency_cpu.json
-  $PY -m specblock.runtime bench --methods ar,lookup,specblock --prompts 4 --runs 3 \
-      --out experiments/results/bench_specblock --trace-dir runs/traces
+  $PY experiments/target_speed.py
+  $PY experiments/engine_overhead.py
+  $PY -m specblock.runtime bench --methods ar,lookup,specblock,specblock@m1 --set specblock@m1:M=1 \
+      --prompts 4 --runs 3 --max-new-tokens 96 --out experiments/results/bench_specblock --trace-dir runs/traces
   $PY experiments/specblock_eval.py --bench experiments/results/bench_specblock.json \
       --latency specblock/sim/data/latency_cpu.json
-  $PY experiments/engine_overhead.py
+  $PY experiments/sim_fidelity.py
+  $PY experiments/target_card.py
 fi
