@@ -66,7 +66,7 @@ def bench_sets(cfg: dict, method: str) -> dict:
 
 def sim_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
     """The sim's ``method`` section with the settings the runtime engine used, and notes."""
-    name, sets, notes = SIM_METHOD[method], bench_sets(cfg, method), []
+    name, sets, notes = SIM_METHOD[method.split("@")[0]], bench_sets(cfg, method), []
     budget = int(cfg.get("budget", RunConfig.model_fields["budget"].default))
     if name != "specblock":  # sim defaults unless the bench set them (eagle3 depth/top_k, sps gamma)
         d = {"name": name, "budget": budget, **{k: v for k, v in sets.items() if k in ("depth", "top_k", "gamma")}}
@@ -142,7 +142,7 @@ def _compare_rows(rows_in: dict, cfg: dict, trace_dir: Path, latency_path: Path,
         if method == "ar":
             continue
         base = {"method": method, "domain": domain, "spd_meas": r["speedup"], "tau_meas": r["tau"]}
-        sim_name = SIM_METHOD.get(method)
+        sim_name = SIM_METHOD.get(method.split("@")[0])  # "specblock@m1": a bench variant of specblock
         why = None
         if sim_name is None:
             why = f"the sim has no method model for {method!r} (nor a trace-replay one)"
