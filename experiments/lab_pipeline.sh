@@ -27,7 +27,8 @@ if [[ $step == all || $step == measure ]]; then
   $PY -m specblock.runtime calibrate --out specblock/sim/data/latency_cpu.json
   $PY experiments/target_speed.py
   $PY experiments/engine_overhead.py
-  $PY -m specblock.runtime bench --methods ar,lookup,specblock,specblock@m1 --set specblock@m1:M=1 \
+  $PY -m specblock.runtime bench --methods ar,lookup,specblock,specblock@m1,specblock@topk2 \
+      --set specblock@m1:M=1 --set specblock@topk2:widths=2,2,2,2 \
       --prompts 4 --runs 3 --max-new-tokens 96 --out experiments/results/bench_specblock --trace-dir runs/traces
   $PY experiments/specblock_eval.py --bench experiments/results/bench_specblock.json \
       --latency specblock/sim/data/latency_cpu.json
