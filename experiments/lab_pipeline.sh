@@ -16,22 +16,29 @@ if [[ $step == all || $step == target ]]; then
   $PY experiments/target_card.py
 fi
 if [[ $step == all || $step == drafter ]]; then
-  # resumes from runs/drafter_specblock/ckpt.pt
+  # As shipped: stage 1 on the lab corpus, stopped by SIGTERM after 138 steps (9.5 min) of a
+  # 26-minute plan; stage 2 resumed the same run on the target's own greedy text (selfgen) with a
+  # 32-minute plan. The LR schedule follows wall time, so a rerun gives a different drafter.
+  timeout -s TERM 11m $PY -m specblock.training drafter --target specblock/assets/target \
+      --run-dir runs/drafter_specblock --max-minutes 26 --max-steps 3000 --lr 1e-3 --intermediate 1024 \
+      --eval-every 100 || true
+  $PY -m specblock.training.selfgen --target specblock/assets/target --out runs/selfgen/lab_greedy.jsonl \
+      --n 768 --batch 32 --threads 1
   $PY -m specblock.training drafter --target specblock/assets/target --run-dir runs/drafter_specblock \
-      --out specblock/assets/drafters/specblock --max-minutes "${DRAFTER_MINUTES:-40}" --max-steps 3000 \
-      --lr 2e-3 --intermediate 512 --eval-every 100
+      --out specblock/assets/drafters/specblock --data runs/selfgen/lab_greedy.jsonl --max-minutes 32 \
+      --max-steps 3000 --lr 1e-3 --intermediate 1024 --eval-every 100
 fi
 if [[ $step == all || $step == measure ]]; then
   # On a quiet machine: every figure below is a timing.
   rm -rf runs/traces
-  $PY -m specblock.runtime calibrate --out specblock/sim/data/latency_cpu.json
-  $PY experiments/target_speed.py
-  $PY experiments/engine_overhead.py
+  $PY -m specblock.runtime calibrate --out specblock/sim/data/latency_cpu.json --reps 9
   $PY -m specblock.runtime bench --methods ar,lookup,specblock,specblock@m1,specblock@topk2 \
       --set specblock@m1:M=1 --set specblock@topk2:widths=2,2,2,2 \
-      --prompts 4 --runs 3 --max-new-tokens 96 --out experiments/results/bench_specblock --trace-dir runs/traces
+      --prompts 3 --runs 3 --max-new-tokens 64 --out experiments/results/bench_specblock --trace-dir runs/traces
+  $PY experiments/engine_overhead.py --reps 100
+  $PY experiments/target_speed.py --reps 7
   $PY experiments/specblock_eval.py --bench experiments/results/bench_specblock.json \
-      --latency specblock/sim/data/latency_cpu.json
+      --latency specblock/sim/data/latency_cpu.json --windows 8
   $PY experiments/sim_fidelity.py
-  $PY experiments/target_card.py
+  $PY experiments/target_card.py --windows 12
 fi
