@@ -1,0 +1,34 @@
+"""The shipped assets load through the plain HF path and cannot change silently."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specblock.runtime.config import DEFAULT_DRAFTERS, DEFAULT_TARGET
+from specblock.runtime.drafters.specblock import SpecBlockDrafter
+from specblock.runtime.engine import Engine
+from specblock.runtime.target import TargetModel
+
+PROMPT = "def add(a, b):\n"
+EXPECTED = Path(__file__).parent / "data" / "assets_expected.json"
+
+
+def test_target_loads_with_auto_classes_and_greedy_tokens_are_pinned():
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_TARGET, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(DEFAULT_TARGET)
+    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out[0, ids.shape[1]:].tolist() == json.loads(EXPECTED.read_text())["target_greedy"]
+
+
+def test_shipped_drafter_is_lossless_on_the_shipped_target():
+    target = TargetModel.load(DEFAULT_TARGET, "float32", "cpu")
+    tok = AutoTokenizer.from_pretrained(DEFAULT_TARGET)
+    ids = np.asarray(tok(PROMPT)["input_ids"])
+    plain = Engine(target, SpecBlockDrafter.load(DEFAULT_DRAFTERS / "specblock", target), budget=0).generate(ids, 24)
+    spec = Engine(target, SpecBlockDrafter.load(DEFAULT_DRAFTERS / "specblock", target), budget=24).generate(ids, 24)
+    assert spec.token_ids == plain.token_ids
+    assert spec.token_ids[:12] == json.loads(EXPECTED.read_text())["target_greedy"]
