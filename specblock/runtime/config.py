@@ -20,7 +20,7 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     target: Path | None = None
-    method: str = "auto"  # the best shipped drafter: specblock once trained, lookup until then
+    method: str = "auto"  # the best shipped drafter by measurement (experiments/results/bench_specblock.md)
     prompt: str | None = None
     prompt_file: Path | None = None
     max_new_tokens: int = Field(128, ge=1)
@@ -55,8 +55,9 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _resolve_method(self) -> "RunConfig":
         if self.method == "auto":
-            shipped = (DEFAULT_DRAFTERS / "specblock" / "config.json").is_file()
-            self.method = "specblock" if shipped and self.target is None else "lookup"
+            # lookup measured 1.54x mean Spd on the lab target, the shipped (undertrained) SpecBlock
+            # drafter 0.55x: auto picks lookup until a trained drafter beats it in that benchmark.
+            self.method = "lookup"
         return self
 
     @property
