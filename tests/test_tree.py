@@ -124,4 +124,4 @@ def test_incremental_caches_equal_a_rebuild(t, data):
     grown = (t.ancestor_mask.copy(), t.cum_logprob.copy(), t.is_leaf.copy())
     t._invalidate()
     assert (grown[0] == t.ancestor_mask).all() and (grown[2] == t.is_leaf).all()
-    np.testing.assert_allclose(grown[1], t.cum_logprob, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(grown[1], t.cum_logprob, rtol=1e-5, atol=1e-4)  # float32 sums, other order
