@@ -180,6 +180,22 @@ def add_candidates(
     return out
 
 
+def expand(
+    tree: DraftTree,
+    parents: np.ndarray,
+    cand_tokens: np.ndarray,
+    cand_logprob: np.ndarray,
+    policy: TreePolicy,
+    budget: int,
+    bucket: np.ndarray | None = None,
+    block: int = 0,
+) -> np.ndarray:
+    """One drafting step for every drafter: the policy's widths for ``parents`` under what is left
+    of the node budget, added with one ``extend``. Returns ``[P, k]`` node ids (-1: not added)."""
+    w = policy.widths(tree.cum_logprob[parents], cand_logprob, bucket, max(budget - (tree.size - 1), 0))
+    return add_candidates(tree, parents, cand_tokens, cand_logprob, w, bucket, block)
+
+
 def grow_block(
     tree: DraftTree,
     seeds: np.ndarray,
@@ -209,10 +225,8 @@ def grow_block(
         budget_left = budget - (tree.size - 1)
         if alive.size == 0 or budget_left <= 0:
             break
-        score = tree.cum_logprob[parents[alive]]
         b = None if bucket is None else bucket[alive, d]
-        w = policy.widths(score, cand_logprob[alive, d], b, budget_left)
-        new = add_candidates(tree, parents[alive], cand_tokens[alive, d], cand_logprob[alive, d], w, b, block)
+        new = expand(tree, parents[alive], cand_tokens[alive, d], cand_logprob[alive, d], policy, budget, b, block)
         r, _ = np.nonzero(new >= 0)
         nodes.append(new[new >= 0])
         rows.append(alive[r])

@@ -32,7 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from specblock.policies.branching import DynamicBranching, TreePolicy, add_candidates
+from specblock.policies.branching import DynamicBranching, TreePolicy, expand
 from specblock.policies.seeds import SeedPolicy, TopScoreSeeds
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
@@ -180,8 +180,7 @@ class Eagle3Drafter(Drafter):
         n_ctx = self.cache[0].shape[-2]
         for d in range(1, depth + 1):
             ids, lps = self._top(states)
-            w = self.policy.widths(tree.cum_logprob[parents], lps, None, max(req.budget - (tree.size - 1), 0))
-            new = add_candidates(tree, parents, ids, lps, w, block=d - 1)
+            new = expand(tree, parents, ids, lps, self.policy, req.budget, block=d - 1)
             if d == depth:
                 break
             rows, _ = np.nonzero(new >= 0)

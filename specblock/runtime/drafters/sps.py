@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specblock.errors import SpecBlockError
-from specblock.policies.branching import DynamicBranching, TreePolicy, add_candidates
+from specblock.policies.branching import DynamicBranching, TreePolicy, expand
 from specblock.policies.seeds import SeedPolicy, TopScoreSeeds
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
@@ -99,8 +99,7 @@ class SpsDrafter(Drafter):
         expanded = np.zeros(0, dtype=np.int64)  # drafted nodes in the cache, in cache order
         for d in range(1, depth + 1):
             ids, lps = self._top(logits)
-            w = self.policy.widths(tree.cum_logprob[parents], lps, None, max(req.budget - (tree.size - 1), 0))
-            new = add_candidates(tree, parents, ids, lps, w, block=d - 1)
+            new = expand(tree, parents, ids, lps, self.policy, req.budget, block=d - 1)
             if d == depth:
                 break
             frontier = np.sort(self.seed_policy.select(tree, new[new >= 0], self.top_k))
