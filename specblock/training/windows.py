@@ -40,7 +40,7 @@ def _tokenize_to(path: Path, texts, target_dir: Path) -> np.memmap:
         if eos is not None:
             ids.append(eos)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # DDP ranks may tokenize at once: no shared tmp name
     np.asarray(ids, dtype=dtype).tofile(tmp)
     os.replace(tmp, path)
     return np.memmap(path, dtype=dtype, mode="r")
