@@ -6,6 +6,11 @@ same machine. Per (method, domain) we report medians over runs of Spd (tokens/s 
 that run), tokens/s, tau and T_D%, plus the match rate against AR's tokens. bf16 serving can
 differ from plain decoding at near-ties (the shapes of the computation differ); every such
 divergence is reported with the target's top-2 logit gap at the diverging position.
+
+External peers (``runtime/peers.py``): ``hf-assisted`` and ``hf-lookup`` run HuggingFace's own
+``generate`` with an assistant model or prompt lookup on the same target, interleaved and timed
+like the others; their tau, T_D% and tree sizes are not observable and are reported as null. A
+peer that cannot run (no SpS draft model) is skipped with a note in the output.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from specblock.errors import SpecBlockError
-from specblock.runtime import drafters
+from specblock.runtime import drafters, peers
 from specblock.runtime.config import RunConfig, validate
 from specblock.runtime.engine import Engine
 from specblock.runtime.metrics import DecodeStats
@@ -33,7 +38,7 @@ from specblock.runtime.verify import GreedyVerifier
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m specblock.runtime bench", description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path)
-    ap.add_argument("--methods", default="ar,lookup,specblock", help="comma-separated; NAME@VARIANT for a second setting")
+    ap.add_argument("--methods", default="ar,lookup,specblock", help="comma-separated; NAME@VARIANT for a second setting; hf-assisted, hf-lookup: HF generate peers")
     ap.add_argument("--domains", default="code,math,chat,qa,mtbench")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per domain (the first N of each set)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -97,8 +102,17 @@ def run_bench(args) -> dict:
         methods.insert(0, "ar")
     # "name@variant" runs method "name" with the options given for "name@variant" (e.g.
     # --methods specblock,specblock@m1 --set specblock@m1:M=1): two settings in one run.
-    engines = {m: Engine(target, drafters.build(m.split("@")[0], target, _options(m, args)), GreedyVerifier(),
-                         args.budget, eos) for m in methods}
+    engines, skipped = {}, {}
+    for m in methods:
+        if peers.is_peer(m):
+            try:
+                engines[m] = peers.build(m, target, _options(m, args), eos)
+            except peers.PeerUnavailable as e:
+                skipped[m] = str(e)
+        else:
+            engines[m] = Engine(target, drafters.build(m.split("@")[0], target, _options(m, args)), GreedyVerifier(),
+                                args.budget, eos)
+    methods = [m for m in methods if m in engines]
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
     prompts = {d: [tok(p.text)["input_ids"] for p in load_prompts(d, args.prompts)] for d in domains}
     for d, ps in prompts.items():
@@ -134,7 +148,7 @@ def run_bench(args) -> dict:
         for k, st in per_run.items():
             cells[k].runs.append(st)
     bar.close()
-    return summarize(cells, methods, domains, prompts, target, args)
+    return {**summarize(cells, methods, domains, prompts, target, args), "skipped": skipped}
 
 
 def summarize(cells, methods, domains, prompts, target, args) -> dict:
@@ -144,14 +158,15 @@ def summarize(cells, methods, domains, prompts, target, args) -> dict:
             c, ar = cells[m, d], cells["ar", d]
             spd = [s.tokens_per_s / a.tokens_per_s for s, a in zip(c.runs, ar.runs)]
             divs = [dv for ids, a, o in zip(prompts[d], ar.tokens, c.tokens) if (dv := divergence(target, ids, a, o))]
+            seen = not peers.is_peer(m)  # HF's generate does not report acceptance or draft time
             rows.append({
                 "method": m, "domain": d,
                 "speedup": round(statistics.median(spd), 4),
                 "tokens_per_s": round(statistics.median(s.tokens_per_s for s in c.runs), 3),
-                "tau": round(statistics.median(s.tau for s in c.runs), 4),
-                "draft_share": round(statistics.median(s.draft_share for s in c.runs), 4),
-                "mean_tree_size": round(float(np.mean(c.runs[0].tree_size)), 2),
-                "per_depth_acceptance": [round(x, 4) for x in c.runs[0].per_depth_acceptance()],
+                "tau": round(statistics.median(s.tau for s in c.runs), 4) if seen else None,
+                "draft_share": round(statistics.median(s.draft_share for s in c.runs), 4) if seen else None,
+                "mean_tree_size": round(float(np.mean(c.runs[0].tree_size)), 2) if seen else None,
+                "per_depth_acceptance": [round(x, 4) for x in c.runs[0].per_depth_acceptance()] if seen else None,
                 "match_rate": round(1 - len(divs) / len(c.tokens), 4),
                 "divergences": divs,
                 "new_tokens": c.runs[0].new_tokens,
@@ -170,25 +185,28 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
         w.writeheader()
         for r in rows:
             w.writerow({k: v for k, v in r.items() if k in w.fieldnames})
-    files[2].write_text(markdown_table(rows))
+    files[2].write_text(markdown_table(rows) + "".join(f"\nNote: {why}\n" for why in result.get("skipped", {}).values()))
     plot(rows, files[3])
     return files
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The paper's layout: "Spd / tau" per domain, the mean, and T_D%."""
+    """The paper's layout: "Spd / tau" per domain, the mean, and T_D% ("-" where not observable)."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
     domains = list(dict.fromkeys(r["domain"] for r in rows))
     get = {(r["method"], r["domain"]): r for r in rows}
     lines = ["| method | " + " | ".join(domains) + " | Mean | T_D% | match |",
              "|---" * (len(domains) + 4) + "|"]
+    fmt = lambda x, f: "-" if x is None else format(x, f)
+    mean = lambda xs: None if any(x is None for x in xs) else float(np.mean(xs))
     for m in methods:
-        cells = [f"{get[m, d]['speedup']:.2f}x / {get[m, d]['tau']:.2f}" for d in domains]
+        cells = [f"{get[m, d]['speedup']:.2f}x / {fmt(get[m, d]['tau'], '.2f')}" for d in domains]
         spd = np.mean([get[m, d]["speedup"] for d in domains])
-        tau = np.mean([get[m, d]["tau"] for d in domains])
-        td = np.mean([get[m, d]["draft_share"] for d in domains])
+        tau = mean([get[m, d]["tau"] for d in domains])
+        td = mean([get[m, d]["draft_share"] for d in domains])
         match = np.mean([get[m, d]["match_rate"] for d in domains])
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | {spd:.2f}x / {tau:.2f} | {100 * td:.0f}% | {100 * match:.0f}% |")
+        td_s = "-" if td is None else f"{100 * td:.0f}%"
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {spd:.2f}x / {fmt(tau, '.2f')} | {td_s} | {100 * match:.0f}% |")
     return "\n".join(lines) + "\n"
 
 
@@ -222,5 +240,7 @@ def main(argv: list[str]) -> int:
     result = run_bench(args)
     files = write_outputs(result, args.out)
     print(markdown_table(result["rows"]), end="")
+    for why in result.get("skipped", {}).values():
+        print(f"note: {why}")
     print("wrote " + ", ".join(str(f) for f in files))
     return 0

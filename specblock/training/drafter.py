@@ -1,6 +1,7 @@
 """``python -m specblock.training drafter``: train a drafter (SpecBlock or a baseline) for an HF target.
 
-``--method`` picks the recipe (``training/recipes.py``): specblock (the default), eagle3, ... Each
+``--method`` picks the recipe (``training/recipes.py``): specblock (the default), eagle3, medusa,
+sps, parallelspec, falcon. Each
 recipe builds its network from the target's config and brings its own step and evaluation; the
 loop below is shared.
 
@@ -50,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-steps", type=int, default=2000)
     ap.add_argument("--max-minutes", type=float, default=60.0)
     ap.add_argument("--rank-freeze", type=float, default=0.1, help="share of the run with the rank head frozen (paper: 2,000 steps)")
-    ap.add_argument("--layers", type=int, default=2, help="specblock: drafter layers; sps: draft model layers")
-    ap.add_argument("--K", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2, help="specblock, parallelspec, falcon: drafter layers; sps: draft model layers")
+    ap.add_argument("--K", type=int, default=4, help="specblock: block size; parallelspec: tokens per forward")
     ap.add_argument("--intermediate", type=int, default=1024)
     ap.add_argument("--no-shift", dest="shift", action="store_false")
     ap.add_argument("--no-prefix-broadcast", dest="prefix_broadcast", action="store_false")
@@ -65,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", type=int, default=4, help="medusa: number of heads")
     ap.add_argument("--hard-labels", action="store_true", help="medusa: CE on the window's tokens, not the target's distribution")
     ap.add_argument("--draft-hidden", type=int, default=None, help="sps: draft model hidden size (default: the target's)")
+    ap.add_argument("--block-size", type=int, default=2, help="falcon: tokens per drafter forward")
+    ap.add_argument("--forwards", type=int, default=3, help="falcon: drafter forwards per tree (depth = block size x forwards)")
+    ap.add_argument("--glance-start", type=float, default=1.0,
+                    help="falcon: chance that a wrong drafted input is replaced by the true token, at the start")
+    ap.add_argument("--glance-end", type=float, default=0.25, help="falcon: ... and at the end (linear in between)")
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)

@@ -226,3 +226,87 @@ def _sps_evaluate(net, target, windows, args) -> dict:
 
 
 register(Recipe("sps", _sps_build, _sps_prepare, _sps_step, _sps_evaluate))
+
+
+# --------------------------------------------------------------------------- parallelspec / falcon
+def _feature_cfg(target, args) -> dict:
+    """What the EAGLE-style front end of ParallelSpec and Falcon takes from the target and the CLI."""
+    tcfg = target.config
+    return dict(vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size, num_heads=tcfg.num_attention_heads,
+                num_layers=args.layers, intermediate_size=args.intermediate,
+                tap_layers=default_taps(tcfg.num_hidden_layers), rope_theta=_rope_theta(tcfg))
+
+
+def _depth_top1(res) -> list[float]:
+    """Per-depth top-1 agreement with the target over valid rows."""
+    v = res.valid.float()[None]
+    acc = (res.top1.float() * v).sum((0, 1)) / (v.sum((0, 1)) * res.top1.shape[0]).clamp_min(1)
+    return [round(float(x), 4) for x in acc]
+
+
+@torch.no_grad()
+def _depth_evaluate(net, target, windows, run) -> dict:
+    """Held-out chain acceptance per depth (top-1 right at every depth up to d, teacher-forced
+    context) and per-depth top-1, averaged over chunks of 4 windows."""
+    from specblock.training.parallelspec_step import chain_acceptance
+    from specblock.training.specblock_step import target_pass
+
+    net.eval()
+    chains, tops = [], []
+    for chunk in windows.split(4):
+        res = run(net, target_pass(target, chunk, tuple(net.cfg.tap_layers)))
+        chains.append(chain_acceptance(res))
+        tops.append(_depth_top1(res))
+    net.train()
+    mean = lambda rows: [round(float(x), 4) for x in torch.tensor(rows).mean(0)]
+    return {"chain_acc": mean(chains), "top1": mean(tops)}
+
+
+def _parallelspec_build(target, args):
+    from specblock.runtime.drafters.parallelspec import ParallelSpecConfig, ParallelSpecNet
+
+    net = ParallelSpecNet(ParallelSpecConfig(**_feature_cfg(target, args), k=max(args.K, 2)))
+    net.tie_to_target(target)
+    return net
+
+
+def _parallelspec_step(net, tp, gen, args, progress):
+    from specblock.training.parallelspec_step import parallelspec_step
+
+    res = parallelspec_step(net, tp)
+    return StepOut(res.loss, {"top1_d1": f"{_depth_top1(res)[0]:.2f}"})
+
+
+def _parallelspec_evaluate(net, target, windows, args) -> dict:
+    from specblock.training.parallelspec_step import parallelspec_step
+
+    return _depth_evaluate(net, target, windows, parallelspec_step)
+
+
+register(Recipe("parallelspec", _parallelspec_build, _taps_pass, _parallelspec_step, _parallelspec_evaluate))
+
+
+def _falcon_build(target, args):
+    from specblock.runtime.drafters.falcon import FalconConfig, FalconNet
+
+    net = FalconNet(FalconConfig(**_feature_cfg(target, args), block_size=args.block_size, forwards=args.forwards))
+    net.tie_to_target(target)
+    return net
+
+
+def _falcon_step(net, tp, gen, args, progress):
+    from specblock.training.falcon_step import falcon_step, glance_at
+
+    glance = glance_at(progress, args.glance_start, args.glance_end)
+    res = falcon_step(net, tp, net.cfg.forwards, glance, gen)
+    return StepOut(res.loss, {"top1_d1": f"{_depth_top1(res)[0]:.2f}", "glance": f"{glance:.2f}"})
+
+
+def _falcon_evaluate(net, target, windows, args) -> dict:
+    """Evaluated as served: blocks >= 2 read the drafter's own predictions (no glancing)."""
+    from specblock.training.falcon_step import falcon_step
+
+    return _depth_evaluate(net, target, windows, lambda n, tp: falcon_step(n, tp, n.cfg.forwards, 0.0))
+
+
+register(Recipe("falcon", _falcon_build, _taps_pass, _falcon_step, _falcon_evaluate))

@@ -22,6 +22,8 @@ METHODS: dict[str, Callable] = {
     "eagle3": lambda target, opt: _eagle3(target, opt),
     "medusa": lambda target, opt: _medusa(target, opt),
     "sps": lambda target, opt: _sps(target, opt),
+    "parallelspec": lambda target, opt: _parallelspec(target, opt),
+    "falcon": lambda target, opt: _falcon(target, opt),
 }
 
 
@@ -58,6 +60,23 @@ def _sps(target, opt: dict) -> Drafter:
 
     path = opt.get("drafter") or DEFAULT_DRAFTERS / "sps"
     return SpsDrafter.load(path, target, gamma=opt.get("gamma") or 4, top_k=opt.get("top_k") or 1)
+
+
+def _parallelspec(target, opt: dict) -> Drafter:
+    from specblock.runtime.config import DEFAULT_DRAFTERS
+    from specblock.runtime.drafters.parallelspec import ParallelSpecDrafter
+
+    path = opt.get("drafter") or DEFAULT_DRAFTERS / "parallelspec"
+    return ParallelSpecDrafter.load(path, target, top_k=opt.get("top_k"))
+
+
+def _falcon(target, opt: dict) -> Drafter:
+    from specblock.runtime.config import DEFAULT_DRAFTERS
+    from specblock.runtime.drafters.falcon import FalconDrafter
+
+    path = opt.get("drafter") or DEFAULT_DRAFTERS / "falcon"
+    return FalconDrafter.load(path, target, forwards=opt.get("forwards"), top_k=opt.get("top_k"),
+                              max_seeds=opt.get("falcon_seeds"))
 
 
 def register(name: str, factory: Callable) -> None:
