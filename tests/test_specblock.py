@@ -161,3 +161,31 @@ def test_cli_specblock_with_compare(tmp_path, capsys):
                  "--compare", "ar", "--json"])
     rec = json.loads(capsys.readouterr().out)
     assert code == 0 and rec["identical_to_ar"] is True and rec["mean_tree_size"] > 1
+
+
+def test_traces_carry_rank_head_cuts_for_the_simulator(tmp_path):
+    """Where the rank head ends a branch (width 0) there is no node; the trace's ``cuts`` say
+    where, and the simulator's trace reader takes them in. Stays lossless."""
+    import io
+
+    from specblock.sim.traces import observations, read_traces
+
+    model, target, net = make()
+    prompt = np.arange(2, 12)
+    for widths in ((0, 0, 0, 0), (1, 1, 1, 0)):
+        buf = io.StringIO()
+        drafter = SpecBlockDrafter(net, M=2, policy=RankBucketBranching(widths))
+        res = Engine(target, drafter, budget=20, trace=buf).generate(prompt, 12)
+        assert res.token_ids == hf_greedy(model, prompt, 12)
+        recs = [__import__("json").loads(line) for line in buf.getvalue().splitlines()]
+        cuts = [r["cuts"] for r in recs]
+        assert all(len(c["parent"]) == len(c["bucket"]) == len(c["block"]) for c in cuts)
+        if widths == (0, 0, 0, 0):  # every first position is cut at the root
+            assert all(r["tree_size"] == 1 and c["parent"] == [0] and c["block"] == [0] for r, c in zip(recs, cuts))
+        for r, c in zip(recs, cuts):  # a cut's parent is a node of the tree, in b3 when widths end there
+            assert all(0 <= p < r["tree_size"] for p in c["parent"])
+            assert all(widths[b] == 0 for b in c["bucket"])
+        path = tmp_path / f"t{widths[0]}.jsonl"
+        path.write_text(buf.getvalue())
+        assert len(read_traces([path])) == len(recs)
+        observations(read_traces([path]))  # the fitter accepts them

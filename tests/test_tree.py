@@ -1,6 +1,7 @@
 """Properties of DraftTree, acceptance and the tree policies (hypothesis)."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from specblock.policies.acceptance import accept_longest, reachable
@@ -125,3 +126,43 @@ def test_incremental_caches_equal_a_rebuild(t, data):
     t._invalidate()
     assert (grown[0] == t.ancestor_mask).all() and (grown[2] == t.is_leaf).all()
     np.testing.assert_allclose(grown[1], t.cum_logprob, rtol=1e-5, atol=1e-4)  # float32 sums, other order
+
+
+@given(st.integers(1, 3), st.integers(1, 5), st.integers(0, 40), st.integers(0, 10**6), st.booleans())
+def test_grow_block_equals_the_depth_by_depth_form(s, kdepth, budget, seed, with_bucket):
+    """The one-extend grow_block builds exactly the tree the per-depth loop builds (same nodes,
+    same order, same spine and meta), for seeds deeper in a tree and any budget."""
+    from specblock.policies.branching import _grow_block_stepwise
+
+    rng = np.random.default_rng(seed)
+    ct = rng.integers(0, 50, (s, kdepth, 10))
+    cl = (-np.sort(rng.random((s, kdepth, 10)) * 5, axis=-1)).astype(np.float32)
+    buckets = rng.integers(0, 4, (s, kdepth)) if with_bucket else None
+    policy = RankBucketBranching((2, 4, 10, 0)) if with_bucket else TopKBranching(k=2)
+    trees, spines = [], []
+    for grow in (grow_block, _grow_block_stepwise):
+        t = DraftTree.root_only(0)
+        t.extend(np.array([0, 0, 1]), np.array([5, 6, 7]), logprob=np.array([-0.5, -1.0, -0.25], dtype=np.float32))
+        seeds = np.array([3, 2, 0, 1][:s])
+        spines.append(grow(t, seeds, ct, cl, buckets, policy, budget + 3, block=1))
+        trees.append(t)
+    a, b = trees
+    for name in ("tokens", "parent", "depth", "logprob", "rank", "bucket", "block"):
+        assert (getattr(a, name) == getattr(b, name)).all(), name
+    assert (spines[0] == spines[1]).all()
+    for key in ("block_nodes", "block_rows", "block_pos"):
+        assert (a.meta[key] == b.meta[key]).all(), key
+    np.testing.assert_array_equal(a.cum_logprob, b.cum_logprob)
+
+
+def test_extend_takes_parents_from_its_own_batch():
+    t = DraftTree.root_only(0)
+    t.cum_logprob, t.is_leaf
+    ids = t.extend(np.array([0, 1, 2, 1]), np.array([1, 2, 3, 4]), logprob=np.full(4, -1.0, dtype=np.float32))
+    assert ids.tolist() == [1, 2, 3, 4] and t.depth.tolist() == [0, 1, 2, 3, 2]
+    assert t.cum_logprob.tolist() == [0, -1, -2, -3, -2] and t.is_leaf.tolist() == [False, False, False, True, True]
+    t.check()
+    with pytest.raises(ValueError):
+        t.extend(np.array([6]), np.array([1]))  # a parent after its child
+    with pytest.raises(ValueError):
+        t.extend(np.array([0, 5]), np.array([1, 2]), levels=[slice(0, 2)])  # wrong levels hint

@@ -38,7 +38,7 @@ class TreePolicy:
     ) -> np.ndarray:
         """Widths that respect ``budget_left``: the best candidates by cumulative log-prob win."""
         k = cand_logprob.shape[1]
-        w = np.clip(np.asarray(self.raw_widths(parent_score, cand_logprob, bucket)), 0, k).astype(np.int64)
+        w = np.minimum(np.maximum(np.asarray(self.raw_widths(parent_score, cand_logprob, bucket)), 0), k).astype(np.int64)
         return fit_budget(w, parent_score, cand_logprob, budget_left)
 
     def prune(self, tree: DraftTree, budget: int) -> DraftTree:
@@ -211,11 +211,94 @@ def grow_block(
     ``cand_*`` are ``[S, K, k]``: for seed s and in-block position d, the top-k candidates. The
     block's forward conditioned position d on the drafter's top-1 belief at d-1, so the top-1
     candidate continues the *spine*; the other kept candidates are siblings, leaves of this block.
-    A width of 0 (bucket b3 under (2, 4, 10, 0)) cuts the spine. Loops over the K depths, never
-    over nodes. Returns the spine ``[S, K]`` (-1 where cut). ``tree.meta`` gets, for every node
-    this block added, ``block_nodes`` (node id), ``block_rows`` (seed row s) and ``block_pos``
-    (in-block position d): a drafter finds the hidden state behind each node from them.
+    A width of 0 (bucket b3 under (2, 4, 10, 0)) cuts the spine. Returns the spine ``[S, K]``
+    (-1 where cut). ``tree.meta`` gets, for every node this block added, ``block_nodes`` (node
+    id), ``block_rows`` (seed row s) and ``block_pos`` (in-block position d): a drafter finds the
+    hidden state behind each node from them; and ``block_cuts`` (parent, bucket, block) for each
+    position the policy itself gave width 0 (not the budget): traces carry them to the simulator.
+
+    The widths of the whole block are decided at once: a spine position lives iff every width
+    above it is >= 1, the budget is spent in depth order (what a per-depth loop would do: the
+    depth where it runs out is trimmed by :func:`fit_budget`, deeper ones get nothing), and the
+    nodes are added with one ``extend``. A policy that overrides :meth:`TreePolicy.widths` (its
+    own budget rule) is driven depth by depth through :func:`expand` instead.
     """
+    if type(policy).widths is not TreePolicy.widths:
+        return _grow_block_stepwise(tree, seeds, cand_tokens, cand_logprob, bucket, policy, budget, block)
+    seeds = np.asarray(seeds, dtype=np.int64)
+    s, kd, k = cand_tokens.shape
+    # Score of each position's parent: the seed's cumulative log-prob plus the spine above it
+    # (float32, summed in the same order extend's incremental cum_logprob uses).
+    score = np.empty((s, kd), dtype=np.float32)
+    score[:, 0] = tree.cum_logprob[seeds]
+    if kd > 1:
+        score[:, 1:] = cand_logprob[:, : kd - 1, 0]
+        score = np.cumsum(score, axis=1, dtype=np.float32)
+    flat_b = None if bucket is None else np.asarray(bucket).reshape(-1)
+    raw = np.asarray(policy.raw_widths(score.reshape(-1), cand_logprob.reshape(s * kd, k), flat_b))
+    raw = np.minimum(np.maximum(raw.reshape(s, kd), 0), k).astype(np.int64)
+    # A position exists iff its seed is real and every width above it is >= 1.
+    alive = np.ones((s, kd), dtype=bool)
+    alive[:, 0] = seeds >= 0
+    if kd > 1:
+        alive[:, 1:] = np.logical_and.accumulate(raw[:, :-1] > 0, axis=1) & alive[:, :1]
+    w = np.where(alive, raw, 0)
+    cut = alive & (raw == 0)
+    left = budget - (tree.size - 1)
+    per_depth = w.sum(axis=0)
+    spent = np.cumsum(per_depth)
+    over = np.nonzero(spent > left)[0]
+    if over.size:  # the budget runs out at depth d*: trim it there, nothing deeper
+        d = int(over[0])
+        room = max(left - (int(spent[d - 1]) if d else 0), 0)
+        live = np.nonzero(alive[:, d])[0]
+        w[live, d] = fit_budget(w[live, d], score[live, d], cand_logprob[live, d], room)
+        w[:, d + 1 :] = 0
+        cut[:, d + 1 :] = False
+    # Nodes in (depth, seed, candidate) order: parents (spine at d-1) come before children.
+    take = np.arange(k)[None, None, :] < w.T[:, :, None]  # [K, S, k]
+    dd, ss, cc = np.nonzero(take)
+    n = dd.size
+    spine = np.full((s, kd), -1, dtype=np.int64)
+    if n:
+        ids = tree.size + np.arange(n, dtype=np.int64)
+        top = cc == 0
+        spine[ss[top], dd[top]] = ids[top]
+        parents = np.where(dd == 0, seeds[ss], spine[ss, np.maximum(dd - 1, 0)])
+        bounds = np.searchsorted(dd, np.arange(kd + 1)).tolist()  # dd is sorted: levels are runs
+        tree.extend(
+            parents=parents,
+            tokens=cand_tokens[ss, dd, cc],
+            logprob=cand_logprob[ss, dd, cc],
+            rank=cc,
+            bucket=None if bucket is None else np.asarray(bucket)[ss, dd],
+            block=block,
+            levels=[slice(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a],
+        )
+    else:
+        ids = np.zeros(0, dtype=np.int64)
+    cs, cd = np.nonzero(cut)
+    cut_parent = np.where(cd == 0, seeds[cs], spine[cs, np.maximum(cd - 1, 0)])
+    tree.meta.update(
+        block_nodes=ids, block_rows=ss, block_pos=dd,
+        block_cuts=(cut_parent, np.full(cs.size, -1) if bucket is None else np.asarray(bucket)[cs, cd], block),
+    )
+    return spine
+
+
+def _grow_block_stepwise(
+    tree: DraftTree,
+    seeds: np.ndarray,
+    cand_tokens: np.ndarray,
+    cand_logprob: np.ndarray,
+    bucket: np.ndarray | None,
+    policy: TreePolicy,
+    budget: int,
+    block: int,
+) -> np.ndarray:
+    """The depth-by-depth form of :func:`grow_block`, for policies with their own ``widths``
+    (budget) rule. ``block_cuts`` stays empty here: fitted widths cannot tell a policy cut from a
+    budget cut."""
     s, kdepth, _ = cand_tokens.shape
     spine = np.full((s, kdepth), -1, dtype=np.int64)
     parents = np.asarray(seeds, dtype=np.int64)
@@ -234,5 +317,6 @@ def grow_block(
         spine[alive, d] = new[:, 0]
         parents = spine[:, d]
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)
-    tree.meta.update(block_nodes=cat(nodes), block_rows=cat(rows), block_pos=cat(pos))
+    none = np.zeros(0, dtype=np.int64)
+    tree.meta.update(block_nodes=cat(nodes), block_rows=cat(rows), block_pos=cat(pos), block_cuts=(none, none, block))
     return spine

@@ -95,32 +95,46 @@ class DraftTree:
         rank: np.ndarray | None = None,
         bucket: np.ndarray | None = None,
         block: int | np.ndarray = 0,
+        levels: list[slice] | None = None,
     ) -> np.ndarray:
-        """Append nodes under existing ``parents``; returns their new indices.
+        """Append nodes; returns their new indices. A parent is an existing node or a node
+        earlier in this same batch (so a whole drafted block goes in with one call).
 
-        One call per drafting step (not per node): the arrays are concatenated once.
+        The arrays are concatenated once per call; depth and the cached derived arrays are filled
+        one batch level at a time (a node's level is its distance from the existing tree), never
+        node by node. ``levels`` lets a caller that knows them (``grow_block`` adds a block depth
+        by depth) skip finding them; a wrong hint fails the depth check below.
         """
         parents = np.asarray(parents, dtype=np.int64).reshape(-1)
         n_new = parents.shape[0]
         start = self.size
         if n_new == 0:
             return np.arange(start, start, dtype=np.int64)
-        if parents.min() < 0 or parents.max() >= start:
-            raise ValueError("extend: every parent must be an existing node")
+        if parents.min() < 0 or (parents >= start + np.arange(n_new)).any():
+            raise ValueError("extend: every parent must be an existing node or come earlier in the batch")
 
         def col(x, default, dtype):
             if x is None:
                 return np.full(n_new, default, dtype=dtype)
-            return np.broadcast_to(np.asarray(x, dtype=dtype), (n_new,))
+            a = np.asarray(x, dtype=dtype)
+            return a if a.shape == (n_new,) else np.broadcast_to(a, (n_new,))  # broadcast_to is slow
 
+        hinted = levels is not None
+        if levels is None:
+            levels = _batch_levels(parents, start)
+        depth = np.concatenate([self.depth, np.full(n_new, -1, dtype=np.int64)])
+        for idx in levels:
+            depth[start:][idx] = depth[parents[idx]] + 1
+        if hinted and (depth[start:] != depth[parents] + 1).any():
+            raise ValueError("extend: the levels hint does not match the parents")
         self.tokens = np.concatenate([self.tokens, col(tokens, 0, np.int64)])
         self.parent = np.concatenate([self.parent, parents])
-        self.depth = np.concatenate([self.depth, self.depth[parents] + 1])
+        self.depth = depth
         self.logprob = np.concatenate([self.logprob, col(logprob, 0.0, np.float32)])
         self.rank = np.concatenate([self.rank, col(rank, -1, np.int64)])
         self.bucket = np.concatenate([self.bucket, col(bucket, NO_BUCKET, np.int64)])
         self.block = np.concatenate([self.block, col(block, 0, np.int64)])
-        self._grow_caches(start, parents)
+        self._grow_caches(start, parents, levels)
         return np.arange(start, start + n_new, dtype=np.int64)
 
     def subtree(self, keep: np.ndarray) -> tuple["DraftTree", np.ndarray]:
@@ -167,23 +181,20 @@ class DraftTree:
         for name in ("ancestor_mask", "cum_logprob", "is_leaf"):
             self.__dict__.pop(name, None)
 
-    def _grow_caches(self, start: int, parents: np.ndarray) -> None:
+    def _grow_caches(self, start: int, parents: np.ndarray, levels: list) -> None:
         """Extend already-computed derived arrays for nodes ``start..`` instead of rebuilding
-        them: drafters read cum_logprob after every step, and a rebuild per step made tree
-        building quadratic in depth. New nodes are leaves whose parents existed before."""
+        them: drafters read cum_logprob after every step. Filled level by level so a parent is
+        always done first. The ancestor mask is dropped, not grown: it is needed once per tree
+        (the verify mask), and one level-wise build then costs less than growing it per call."""
         d = self.__dict__
-        n = self.size
+        d.pop("ancestor_mask", None)
         if "cum_logprob" in d:
-            d["cum_logprob"] = np.concatenate([d["cum_logprob"], d["cum_logprob"][parents] + self.logprob[start:]])
-        if "ancestor_mask" in d:
-            old = d["ancestor_mask"]
-            mask = np.zeros((n, n), dtype=bool)
-            mask[:start, :start] = old
-            mask[start:, :start] = old[parents]
-            mask[np.arange(start, n), np.arange(start, n)] = True
-            d["ancestor_mask"] = mask
+            cum = np.concatenate([d["cum_logprob"], self.logprob[start:]])
+            for idx in levels:
+                cum[start:][idx] += cum[parents[idx]]
+            d["cum_logprob"] = cum
         if "is_leaf" in d:
-            leaf = np.concatenate([d["is_leaf"], np.ones(n - start, dtype=bool)])
+            leaf = np.concatenate([d["is_leaf"], np.ones(self.size - start, dtype=bool)])
             leaf[parents] = False
             d["is_leaf"] = leaf
 
@@ -205,7 +216,11 @@ class DraftTree:
     @cached_property
     def cum_logprob(self) -> np.ndarray:
         """Sum of draft log-probs from the root to each node (EAGLE-2's ranking score)."""
-        return (self.ancestor_mask * self.logprob[None, :]).sum(axis=1).astype(np.float32)
+        cum = self.logprob.astype(np.float32)  # a copy
+        for d in range(1, self.max_depth + 1):  # level by level, the order extend adds in
+            nodes = np.nonzero(self.depth == d)[0]
+            cum[nodes] += cum[self.parent[nodes]]
+        return cum
 
     @cached_property
     def is_leaf(self) -> np.ndarray:
@@ -244,3 +259,19 @@ class DraftTree:
                 raise ValueError("DraftTree: every parent must come before its child")
             if (self.depth[1:] != self.depth[p] + 1).any():
                 raise ValueError("DraftTree: depth must be parent depth + 1")
+
+
+def _batch_levels(parents: np.ndarray, start: int) -> list[np.ndarray]:
+    """Batch positions grouped by level: 0 = parent already in the tree, l = parent at level
+    l - 1 of the same batch. One vectorised pass per level."""
+    inner = parents >= start
+    if not inner.any():
+        return [np.arange(parents.shape[0])]
+    up = np.where(inner, parents - start, 0)
+    level = np.zeros(parents.shape[0], dtype=np.int64)
+    while True:
+        nxt = np.where(inner, level[up] + 1, 0)
+        if (nxt == level).all():
+            break
+        level = nxt
+    return [np.nonzero(level == lv)[0] for lv in range(int(level.max()) + 1)]

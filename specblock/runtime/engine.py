@@ -91,6 +91,7 @@ class Engine:
             tree = self.drafter.propose(req)
             if tree.max_depth > room - 1 or tree.size - 1 > self.budget:
                 tree = _fit(tree, room - 1, self.budget)
+                tree.meta.pop("cuts", None)  # its node ids refer to the uncut tree
             tb = self._now()
             out = self.target.tree_forward(tree)
             verdict = self.verifier.verify(tree, out.logits)
@@ -154,6 +155,8 @@ class Engine:
                 "correct": None if verdict.correct is None else verdict.correct.astype(int).tolist(),
             },
         }
+        if "cuts" in tree.meta:  # positions the drafter's rank head ended (not on the tree)
+            rec["cuts"] = tree.meta["cuts"]
         self.trace.write(json.dumps(rec) + "\n")
 
 

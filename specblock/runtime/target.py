@@ -157,20 +157,23 @@ class TargetModel:
     def commit(self, path: np.ndarray) -> None:
         """Keep the past plus the tree nodes on ``path`` (root first), drop the rest.
 
-        The cache holds ``past_len + N`` entries after a tree forward; accepted nodes are moved to
-        the front of the tree region with one gather per layer, then the tail is cut off. A path
-        that is already a prefix 0..a (every chain) needs no gather at all.
+        The cache holds ``past_len + N`` entries after a tree forward. Path entries already in
+        place (the prefix where ``path[i] == i``: the root, and the whole path of any chain) stay;
+        the rest move to the front of the tree region with one gather per layer; then the tail is
+        cut off.
         """
         assert self.cache is not None
         keep = len(path)
         path = np.asarray(path, dtype=np.int64)
-        contiguous = bool((path == np.arange(keep)).all())
-        idx = None if contiguous else torch.as_tensor(path + self.past_len, device=self.device)
+        moved = np.nonzero(path != np.arange(keep))[0]
         end = self.past_len + keep
+        if moved.size:
+            first = self.past_len + int(moved[0])
+            src = torch.as_tensor(path[moved[0]:] + self.past_len, device=self.device)
+            for layer in self.cache.layers:
+                layer.keys[..., first:end, :] = layer.keys.index_select(-2, src)
+                layer.values[..., first:end, :] = layer.values.index_select(-2, src)
         for layer in self.cache.layers:
-            if idx is not None:
-                layer.keys[..., self.past_len : end, :] = layer.keys.index_select(-2, idx)
-                layer.values[..., self.past_len : end, :] = layer.values.index_select(-2, idx)
             layer.keys = layer.keys[..., :end, :]
             layer.values = layer.values[..., :end, :]
         self.past_len = end

@@ -45,14 +45,30 @@ class Verifier:
 
 
 class GreedyVerifier(Verifier):
+    """Only rows that are some node's parent decide correctness, so only those are reduced:
+    about a quarter of a 64-node tree's rows (the rest are leaves). The bonus row is reduced
+    afterwards when the accepted path ends on a leaf. max().indices, not argmax(): the same
+    first-maximum tie rule, 4x faster on CPU bf16 logits."""
+
     def verify(self, tree: DraftTree, logits: torch.Tensor) -> Verdict:
-        # max().indices, not argmax(): same first-maximum tie rule, 4x faster on CPU bf16 logits
-        # (0.33 vs 1.38 ms for [65, 8192]); the one device->host sync per iteration.
-        amax = logits.max(dim=-1).indices.cpu().numpy()
+        if tree.size == 1:
+            return Verdict(path=np.zeros(1, dtype=np.int64), bonus=int(_argmax_rows(logits, None)[0]),
+                           correct=np.ones(1, dtype=bool))
+        inner = np.nonzero(~tree.is_leaf)[0]
+        amax = np.full(tree.size, -1, dtype=np.int64)
+        amax[inner] = _argmax_rows(logits, inner)  # the one device->host sync in most iterations
         correct = tree.tokens == amax[np.maximum(tree.parent, 0)]
         correct[0] = True
         acc = accept_longest(tree, correct)
-        return Verdict(path=acc.path, bonus=int(amax[acc.last]), correct=correct)
+        bonus = int(amax[acc.last])
+        if bonus < 0:  # the path ends on a leaf: one more row
+            bonus = int(_argmax_rows(logits, np.array([acc.last]))[0])
+        return Verdict(path=acc.path, bonus=bonus, correct=correct)
+
+
+def _argmax_rows(logits: torch.Tensor, rows: np.ndarray | None) -> np.ndarray:
+    x = logits if rows is None else logits.index_select(0, torch.as_tensor(rows, device=logits.device))
+    return x.max(dim=-1).indices.cpu().numpy()
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

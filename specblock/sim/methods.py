@@ -186,11 +186,8 @@ class SpecBlockDrafter(MethodModel):
             parents = np.concatenate([seeds[:, None], spine[:, :-1]], axis=1)
             ok = parents >= 0
             book.set(parents[ok], rank[ok])
-            gone = ok & (spine < 0)
-            if gone.any():  # positions the policy itself gave width 0 (not the budget): for traces
-                lp = logp[gone]
-                raw = np.asarray(self.policy.raw_widths(np.zeros(lp.shape[0]), lp, pred[gone] if bucket is not None else None))
-                cuts.extend((int(p), int(b), m) for p, b, w in zip(parents[gone], pred[gone], raw) if w == 0)
+            cut_parent, cut_bucket, _ = tree.meta["block_cuts"]  # width 0 from the policy, not the budget
+            cuts.extend(zip(cut_parent.tolist(), cut_bucket.tolist(), [m] * len(cut_parent)))
             if m + 1 == self.M or tree.size - 1 >= self.budget:
                 break
             cand = tree.meta["block_nodes"]

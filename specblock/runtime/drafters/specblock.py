@@ -108,7 +108,10 @@ class SpecBlockDrafter(Drafter):
         """Top-k ids and log-probs [S, K, k] and predicted buckets [S, K], moved to host once."""
         logits, rank = self.net.heads(hq[0])
         top = torch.log_softmax(logits.float(), -1).topk(self.net.cfg.top_k, dim=-1)
-        return top.indices.cpu().numpy(), top.values.cpu().numpy(), rank.argmax(-1).cpu().numpy()
+        # One device->host copy for all three: pack ids and buckets beside the log-probs.
+        packed = torch.cat([top.values, top.indices.float(), rank.argmax(-1, keepdim=True).float()], -1).cpu().numpy()
+        k = self.net.cfg.top_k
+        return packed[..., k : 2 * k].astype(np.int64), packed[..., :k], packed[..., 2 * k].astype(np.int64)
 
     @torch.no_grad()
     def propose(self, req: DraftRequest) -> DraftTree:
@@ -118,9 +121,11 @@ class SpecBlockDrafter(Drafter):
         hq, prefix_pos = self._first_block(root)
         seeds = np.zeros(1, dtype=np.int64)
         block_base = torch.full((1,), prefix_pos, device=self.device)  # g position of each row
+        cuts: list[tuple] = []
         for m in range(self.M):
             ids, lps, buckets = self._candidates(hq)
             grow_block(tree, seeds, ids, lps, buckets, self.policy, req.budget, block=m)
+            cuts.append(tree.meta["block_cuts"])
             if m == self.M - 1 or tree.size - 1 >= req.budget:
                 break
             nodes = tree.meta["block_nodes"]
@@ -136,4 +141,9 @@ class SpecBlockDrafter(Drafter):
             g_seed = self.net.g_from_drafter(h_seed, torch.as_tensor(tree.tokens[seeds], device=self.device))
             hq = self._seed_block(g_seed, seed_pos)
             block_base = seed_pos
+        tree.meta["cuts"] = {  # where the rank head ended a branch (b3): the simulator fits on them
+            "parent": np.concatenate([c[0] for c in cuts]).tolist(),
+            "bucket": np.concatenate([c[1] for c in cuts]).tolist(),
+            "block": sum(([c[2]] * len(c[0]) for c in cuts), []),
+        }
         return tree
