@@ -19,13 +19,26 @@ Choices, and why:
   from run-1 traces of the method and of ``ar``), so a gap between them is prefill, not the sim;
 * per-iteration diagnostics (drafting, verification, glue ms; tree size; AR ms per token) sit
   beside each row, so an error can be traced to the latency fit or to the acceptance model;
-* a method the sim has no model for (``lookup``: n-gram lookup, no drafter forward, and the sim
-  has no trace-replay method) or whose drafter the latency JSON lacks is skipped with the reason;
+* ``lookup`` is the sim's trace replay (``specblock/sim/lookup.py``): tau is the traces' own by
+  construction, so its row tests the latency side only (verify cost of the replayed trees, the
+  measured n-gram search time, glue); a method the sim has no model for, or whose drafter the
+  latency JSON lacks, is skipped with the reason;
+* SpecBlock traces written before the runtime logged rank-head cuts (commit 3dfd240) cannot show
+  how often the rank head ends a branch: the fit then grows trees that are too large (warned);
+* drafting cost: the latency JSON prices each block forward; calibrate times the bare network
+  call, not the host work around it in ``propose`` (tree building, seed selection and gather,
+  the first block's pending positions). ``draft_overhead_ms_traces`` is that gap, per forward,
+  by least squares over the SpecBlock rows' traces (forwards per iteration inferred with the
+  runtime's rule, ``traces.specblock_forwards``): 1.8 ms on the traces behind the shipped
+  bench_specblock.json, next to 5.3 ms for the forward itself. ``--draft-overhead traces``
+  charges it in the sim (the Spd comparison then leans on the same traces for drafting cost
+  too: say so next to any number it produces);
 * traces are opened in append mode by the bench: files holding more generations than the bench
   had prompts are stale appends, and only the last ``prompts`` generations are used (warned).
 
     .venv/bin/python experiments/sim_fidelity.py [--bench B.json] [--traces DIR] [--latency L.json]
         [--out experiments/results/sim_fidelity] [--requests 40] [--n-seeds 3] [--tree-pool 1024]
+        [--draft-overhead calibrate|traces]
 
 Writes OUT.{json,csv,md,png}. Missing or bad inputs: one line on stderr, status 2.
 """
@@ -43,13 +56,15 @@ import numpy as np
 
 from specblock.runtime.config import DEFAULT_DRAFTERS, RunConfig
 from specblock.sim.config import SimConfig
-from specblock.sim.latency import load_measurements
+from specblock.sim.latency import CalibratedLatency, load_measurements
 from specblock.sim.sweep import run_config
+from specblock.sim.traces import TraceRecord, has_cuts, specblock_forwards
 
 ROOT = Path(__file__).resolve().parents[1]
 #: runtime method -> sim method model name = drafter key in the latency JSON (calibrate writes
-#: "specblock"). Methods absent here have no sim model.
-SIM_METHOD = {"specblock": "specblock", "eagle3": "eagle3", "medusa": "medusa", "sps": "sps"}
+#: "specblock"; lookup has no drafter forward). Methods absent here have no sim model.
+SIM_METHOD = {"specblock": "specblock", "eagle3": "eagle3", "medusa": "medusa", "sps": "sps", "lookup": "lookup"}
+NO_DRAFTER = {"lookup"}
 SPD_TOL, TAU_TOL = 0.10, 0.05
 
 
@@ -68,6 +83,8 @@ def sim_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
     """The sim's ``method`` section with the settings the runtime engine used, and notes."""
     name, sets, notes = SIM_METHOD[method.split("@")[0]], bench_sets(cfg, method), []
     budget = int(cfg.get("budget", RunConfig.model_fields["budget"].default))
+    if name == "lookup":  # the replay carries the runtime's ngram / lookup_depth / branches as run
+        return {"name": "lookup"}, notes
     if name != "specblock":  # sim defaults unless the bench set them (eagle3 depth/top_k, sps gamma)
         d = {"name": name, "budget": budget, **{k: v for k, v in sets.items() if k in ("depth", "top_k", "gamma")}}
         if name == "sps":
@@ -111,7 +128,7 @@ def _err(sim: float | None, meas: float | None) -> float | None:
 
 
 def compare(bench_path: Path, trace_dir: Path, latency_path: Path, requests: int = 40, n_seeds: int = 3,
-            tree_pool: int = 1024, seed: int = 0) -> dict:
+            tree_pool: int = 1024, seed: int = 0, draft_overhead: str = "calibrate") -> dict:
     """Every (method, domain) of the bench, measured next to simulated."""
     bench = json.loads(bench_path.read_text())
     meas_lat = load_measurements(latency_path)
@@ -121,23 +138,37 @@ def compare(bench_path: Path, trace_dir: Path, latency_path: Path, requests: int
         warnings.append(f"bench dtype {cfg['dtype']} != latency JSON dtype {meas_lat.dtype}")
     if bench.get("threads") and f"{bench['threads']} threads" not in meas_lat.device:
         warnings.append(f"bench ran with {bench['threads']} threads; latency JSON device: {meas_lat.device!r}")
+    sb = meas_lat.drafters.get("specblock")
+    if sb is not None and sb.n_query is not None and sb.K is None:
+        warnings.append("latency JSON: the specblock curve has no K, so its n_query labels are read as query "
+                        "positions; calibrate labels S*K for S*(K+1) positions (add \"K\" to its output)")
     rows_in = {(r["method"], r["domain"]): r for r in bench["rows"]}
+    jobs, skipped = _jobs(rows_in, cfg, trace_dir, meas_lat, prompts, warnings)
+    overhead = draft_overhead_ms(jobs, CalibratedLatency(meas_lat))
     with tempfile.TemporaryDirectory(prefix="sim_fidelity_") as td:
-        rows, skipped = _compare_rows(rows_in, cfg, trace_dir, latency_path, meas_lat, Path(td), prompts, warnings,
-                                      dict(requests=requests, n_seeds=n_seeds, tree_pool=tree_pool, seed=seed))
+        lat_file = latency_path
+        if draft_overhead == "traces" and overhead is not None and "specblock" in meas_lat.drafters:
+            lat = meas_lat.model_copy(deep=True)
+            lat.drafters["specblock"].overhead_ms = max(overhead, 0.0)
+            lat_file = Path(td) / "latency.json"
+            lat_file.write_text(lat.model_dump_json())
+        rows = _simulate(jobs, rows_in, lat_file, meas_lat, Path(td), skipped,
+                         dict(requests=requests, n_seeds=n_seeds, tree_pool=tree_pool, seed=seed))
     return {"inputs": {"bench": str(bench_path), "traces": str(trace_dir), "latency": str(latency_path),
-                       "requests": requests, "n_seeds": n_seeds, "tree_pool": tree_pool, "seed": seed},
+                       "requests": requests, "n_seeds": n_seeds, "tree_pool": tree_pool, "seed": seed,
+                       "draft_overhead": draft_overhead},
             "bench_config": cfg, "latency_device": meas_lat.device, "overhead_ms": meas_lat.overhead_ms,
+            "draft_overhead_ms_traces": None if overhead is None else round(overhead, 3),
             "goal": {"spd_tol": SPD_TOL, "tau_tol": TAU_TOL, "rows": len(rows),
                      "met": sum(r["goal_met"] for r in rows), "all_met": bool(rows) and all(r["goal_met"] for r in rows)},
             "rows": rows, "skipped": skipped, "warnings": warnings}
 
 
-def _compare_rows(rows_in: dict, cfg: dict, trace_dir: Path, latency_path: Path, meas_lat, tmp: Path, prompts: int,
-                  warnings: list[str], sim: dict) -> tuple[list[dict], list[dict]]:
-    """Measured vs simulated rows (and skipped ones); the fitted trace subsets go to ``tmp``."""
-    ar: dict[str, dict] = {}
-    rows, skipped = [], []
+def _jobs(rows_in: dict, cfg: dict, trace_dir: Path, meas_lat, prompts: int,
+          warnings: list[str]) -> tuple[list[dict], list[dict]]:
+    """What to simulate per (method, domain): the bench row, its run-1 trace lines and stats, the
+    sim's method section; rows that cannot be simulated go to ``skipped`` with the reason."""
+    jobs, skipped = [], []
     for (method, domain), r in rows_in.items():
         if method == "ar":
             continue
@@ -145,8 +176,8 @@ def _compare_rows(rows_in: dict, cfg: dict, trace_dir: Path, latency_path: Path,
         sim_name = SIM_METHOD.get(method.split("@")[0])  # "specblock@m1": a bench variant of specblock
         why = None
         if sim_name is None:
-            why = f"the sim has no method model for {method!r} (nor a trace-replay one)"
-        elif sim_name not in meas_lat.drafters:
+            why = f"the sim has no method model for {method!r}"
+        elif sim_name not in NO_DRAFTER and sim_name not in meas_lat.drafters:
             why = f"latency JSON has no drafter {sim_name!r} (has {sorted(meas_lat.drafters)})"
         path = trace_dir / f"{method}.{domain}.jsonl"
         if why is None and not path.is_file():
@@ -160,18 +191,49 @@ def _compare_rows(rows_in: dict, cfg: dict, trace_dir: Path, latency_path: Path,
             continue
         if n_gen > prompts:
             warnings.append(f"{path} holds {n_gen} generations for {prompts} prompts: stale appends, last {prompts} used")
+        method_cfg, notes = sim_method(method, cfg)
+        recs = [TraceRecord.model_validate_json(x) for x in lines]
+        if sim_name == "specblock" and not has_cuts(recs) and 0 in method_cfg["widths"]:
+            warnings.append(f"{path}: no rank-head cuts (traces from before runtime commit 3dfd240): "
+                            "simulated trees and tau come out too large; rerun the bench")
+        jobs.append({"method": method, "domain": domain, "base": base, "path": path, "lines": lines, "recs": recs,
+                     "stats": trace_stats(lines), "method_cfg": method_cfg, "notes": notes, "prompts": prompts})
+    return jobs, skipped
+
+
+def draft_overhead_ms(jobs: list[dict], lat: CalibratedLatency) -> float | None:
+    """Least-squares drafting ms per SpecBlock forward that the latency JSON does not price:
+    measured ``draft_s`` minus the priced forwards, regressed on the number of forwards."""
+    num = den = 0.0
+    for j in jobs:
+        m = j["method_cfg"]
+        if m["name"] != "specblock":
+            continue
+        for rec in j["recs"]:
+            fw = specblock_forwards(rec, m["K"], m["M"], m["max_seeds"], m["budget"])
+            resid = 1e3 * rec.draft_s - sum(lat.draft_ms("specblock", q, rec.ctx) for q in fw)
+            num, den = num + len(fw) * resid, den + len(fw) ** 2
+    return num / den if den else None
+
+
+def _simulate(jobs: list[dict], rows_in: dict, latency_path: Path, meas_lat, tmp: Path, skipped: list[dict],
+              sim: dict) -> list[dict]:
+    """Measured vs simulated rows; the fitted trace subsets go to ``tmp``."""
+    ar: dict[str, dict] = {}
+    rows = []
+    for j in jobs:
+        method, domain, base, path, ts, prompts = j["method"], j["domain"], j["base"], j["path"], j["stats"], j["prompts"]
+        r = rows_in[(method, domain)]
         fitted = tmp / path.name
-        fitted.write_text("\n".join(lines) + "\n")
-        ts = trace_stats(lines)
+        fitted.write_text("\n".join(j["lines"]) + "\n")
         if domain not in ar:
-            ap = trace_dir / f"ar.{domain}.jsonl"
+            ap = path.parent / f"ar.{domain}.jsonl"
             ar_lines = read_generations(ap, prompts)[0] if ap.is_file() else []
             ar[domain] = trace_stats(ar_lines) if ar_lines else {}
         ta, ar_row = ar[domain], rows_in.get(("ar", domain))
         tokens = max(int(round(r["new_tokens"] / prompts)), 1)
-        method_cfg, notes = sim_method(method, cfg)
         sc = SimConfig.model_validate({
-            "preset": "cpu-calibrated", "latency_file": str(latency_path), "method": method_cfg,
+            "preset": "cpu-calibrated", "latency_file": str(latency_path), "method": j["method_cfg"],
             "acceptance": {"kind": "traces", "traces": [str(fitted)], "benchmark": domain},
             "workload": {"requests": sim["requests"], "tokens": tokens, "prompt_len": max(int(round(ts["ctx"] - tokens / 2)), 0)},
             "seed": sim["seed"], "n_seeds": sim["n_seeds"], "tree_pool": sim["tree_pool"]})
@@ -180,6 +242,9 @@ def _compare_rows(rows_in: dict, cfg: dict, trace_dir: Path, latency_path: Path,
         except ValueError as e:  # e.g. traces with no expanded position to fit: keep the other rows
             skipped.append(dict(base, reason=f"sim failed: {str(e).splitlines()[0]}"))
             continue
+        sim_notes = s.get("notes") or []
+        if sim_notes and isinstance(sim_notes[0], list):  # one list per seed
+            sim_notes = sorted({x for n in sim_notes for x in n})
         spd_dec = None
         if ta and ar_row and ts["loop_s"] > 0:
             spd_dec = round((r["new_tokens"] / ts["loop_s"]) / (ar_row["new_tokens"] / ta["loop_s"]), 4)
@@ -196,9 +261,9 @@ def _compare_rows(rows_in: dict, cfg: dict, trace_dir: Path, latency_path: Path,
             "ar_ms_meas": round(1e3 * ta["loop_s"] / ta["iterations"], 3) if ta else None,
             "ar_ms_sim": round(s["ar_tpot_ms"], 3), "ctx_mean": round(ts["ctx"], 1),
             "prompt_len": sc.workload.prompt_len, "tokens": tokens, "trace_iterations": ts["iterations"],
-            "sim_iterations": s["iterations"], "sim_method": method_cfg, "notes": notes})
+            "sim_iterations": s["iterations"], "sim_method": j["method_cfg"], "notes": j["notes"] + list(sim_notes)})
         rows.append(row)
-    return rows, skipped
+    return rows
 
 
 CSV_COLS = ["method", "domain", "spd_meas", "spd_sim", "spd_err", "tau_meas", "tau_sim", "tau_err", "goal_met",
@@ -224,6 +289,10 @@ def markdown(res: dict) -> str:
                      f"| {f(r['draft_ms_meas'], r['draft_ms_sim'])} | {f(r['verify_ms_meas'], r['verify_ms_sim'])} "
                      f"| {f(r['glue_ms_meas'], r['glue_ms_sim'])} | {f(r['ar_ms_meas'], r['ar_ms_sim'])} "
                      f"| {f(r['tree_meas'], r['tree_sim'])} |")
+    if res.get("draft_overhead_ms_traces") is not None:
+        lines.append(f"\nDrafting ms per SpecBlock forward that the latency JSON does not price (traces, least "
+                     f"squares): {res['draft_overhead_ms_traces']:.2f}; charged in the sim: "
+                     f"{'yes' if res['inputs'].get('draft_overhead') == 'traces' else 'no'}.")
     for s in res["skipped"]:
         lines.append(f"\nSkipped {s['method']}/{s['domain']} (measured {s['spd_meas']:.3f}x / tau {s['tau_meas']:.3f}): {s['reason']}")
     lines += ["", "Spd meas: the bench's (wall time, prefill included); Spd dec. meas: decode loop only, from run-1 "
@@ -283,12 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-seeds", type=int, default=3)
     ap.add_argument("--tree-pool", type=int, default=1024, help="sim trees per domain (0: a fresh tree per iteration)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draft-overhead", choices=["calibrate", "traces"], default="calibrate",
+                    help="per-forward host drafting cost: the latency JSON's (calibrate) or fitted from the traces")
     a = ap.parse_args(argv)
     try:
         for p, what in ((a.bench, "bench JSON"), (a.traces, "trace directory")):
             if not p.exists():
                 raise FileNotFoundError(f"{what} {p} not found")
-        res = compare(a.bench, a.traces, a.latency, a.requests, a.n_seeds, a.tree_pool, a.seed)
+        res = compare(a.bench, a.traces, a.latency, a.requests, a.n_seeds, a.tree_pool, a.seed, a.draft_overhead)
     except (FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
@@ -93,3 +94,28 @@ def test_cpu_calibrated_without_file_says_how_to_make_one(monkeypatch, tmp_path)
     monkeypatch.setattr(presets, "DEFAULT_CPU_JSON", tmp_path / "latency_cpu.json")
     with pytest.raises(FileNotFoundError, match="specblock.runtime calibrate"):
         latency_preset("cpu-calibrated")
+
+
+def test_specblock_curve_is_read_in_query_positions(tmp_path):
+    """calibrate labels a later block with S seeds n_query = S*K; the forward runs S*(K+1)
+    positions, which is what the sim's SpecBlock model reports (issue 7)."""
+    sb = {"ms_per_forward": 5.0, "n_query": [4, 8, 12, 16], "ms": [5.0, 5.2, 5.6, 6.2], "K": 4}
+    p = tmp_path / "lat.json"
+    p.write_text(json.dumps(_meas(drafters={"specblock": sb})))
+    lat = CalibratedLatency(load_measurements(p))
+    for seeds, ms in zip((1, 2, 3, 4), sb["ms"]):
+        assert lat.draft_ms("specblock", seeds * 5, 256) == pytest.approx(ms)
+    # Beyond the curve the last segment's slope continues (not a scaling proportional to queries).
+    assert lat.draft_ms("specblock", 30, 256) == pytest.approx(6.2 + 0.6 / 5 * 10)
+    p.write_text(json.dumps(_meas(drafters={"specblock": dict(sb, overhead_ms=0.7)})))
+    assert CalibratedLatency(load_measurements(p)).draft_ms("specblock", 10, 256) == pytest.approx(5.9)
+
+
+def test_sim_specblock_forwards_count_seed_positions():
+    from specblock.policies.branching import TopKBranching
+    from specblock.sim.acceptance import ParametricShape
+    from specblock.sim.methods import SpecBlockDrafter
+
+    d = SpecBlockDrafter(policy=TopKBranching(k=2), K=4, M=3, max_seeds=2, budget=200)
+    out = d.draft(np.random.default_rng(0), ParametricShape().rank_model(0.5))
+    assert out.forwards == [5, 10, 10]  # [root, 4 queries], then 2 seeds x [seed, 4 queries]

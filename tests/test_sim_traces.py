@@ -1,4 +1,5 @@
-"""Trace-driven acceptance: the EM fit recovers the model that wrote synthetic traces."""
+"""Trace-driven acceptance: the EM fit recovers the model that wrote synthetic traces, and uses
+the rank head's cuts (issue 7)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from specblock.sim.acceptance import ParametricShape, default_confusion
+from specblock.policies.branching import RankBucketBranching
+from specblock.sim.acceptance import ParametricShape, RankModel, default_confusion
 from specblock.sim.config import SimConfig
 from specblock.sim.engine import simulate
-from specblock.sim.traces import fit_traces, read_traces
+from specblock.sim.methods import SpecBlockDrafter
+from specblock.sim.traces import fit_traces, has_cuts, read_traces, specblock_forwards
 
 
 def _cfg(**acc) -> SimConfig:
@@ -46,3 +49,91 @@ def test_bad_trace_lines(tmp_path):
         read_traces([p])
     with pytest.raises(FileNotFoundError):
         read_traces([tmp_path / "none.jsonl"])
+
+
+# ------------------------------------------------------------------ rank-head cuts (issue 7)
+WIDTHS = (2, 4, 10, 0)
+
+
+def _cutting_model() -> RankModel:
+    """A drafter whose rank head ends a branch (b3) at 55% of the positions under a wrong parent,
+    and at the reachable ones draws buckets from the default confusion: like the lab drafter,
+    whose trees stay small because most positions hang under a wrong parent."""
+    base = ParametricShape(decay=0.93, block_decay=0.95).rank_model(0.5)
+    off = np.tile([0.15, 0.25, 0.05, 0.55], base.pmf.shape[:2] + (1,))
+    return RankModel(pmf=base.pmf, confusion=base.confusion, kappa=base.kappa, pred_off=off)
+
+
+def _drafter(**kw) -> SpecBlockDrafter:
+    return SpecBlockDrafter(policy=RankBucketBranching(WIDTHS), **dict(dict(K=4, M=2, max_seeds=2, budget=24), **kw))
+
+
+def _record(i: int, d) -> dict:
+    """The runtime's trace record for one drafted tree (what engine._write_trace writes)."""
+    t = d.tree
+    return {"iter": i, "ctx": 100 + i, "tree_size": t.size, "depth": t.max_depth, "accepted": d.acceptance.accepted,
+            "draft_s": 0.01, "verify_s": 0.01, "commit_s": 0.001, "domain": "code",
+            "nodes": {"parent": t.parent.tolist(), "depth": t.depth.tolist(), "rank": t.rank.tolist(),
+                      "bucket": t.bucket.tolist(), "block": t.block.tolist(), "correct": d.correct.astype(int).tolist()},
+            "cuts": {"parent": [c[0] for c in d.cuts], "bucket": [c[1] for c in d.cuts], "block": [c[2] for c in d.cuts]}}
+
+
+def _write_trace(path, n: int = 1500, seed: int = 0) -> list:
+    rng, drafter, rm = np.random.default_rng(seed), _drafter(), _cutting_model()
+    drafts = [drafter.draft(rng, rm) for _ in range(n)]
+    path.write_text("".join(json.dumps(_record(i, d)) + "\n" for i, d in enumerate(drafts)))
+    return drafts
+
+
+def _mean_tree(rm, n: int = 3000, seed: int = 1) -> tuple[float, float]:
+    rng, drafter = np.random.default_rng(seed), _drafter()
+    ds = [drafter.draft(rng, rm) for _ in range(n)]
+    return float(np.mean([d.tree.size for d in ds])), 1 + float(np.mean([d.acceptance.accepted for d in ds]))
+
+
+def test_cuts_make_the_fit_grow_trees_as_small_as_the_source(tmp_path):
+    path = tmp_path / "t.jsonl"
+    src = _write_trace(path)
+    size_src = float(np.mean([d.tree.size for d in src]))
+    tau_src = 1 + float(np.mean([d.acceptance.accepted for d in src]))
+    stripped = tmp_path / "nocuts.jsonl"
+    stripped.write_text("".join(json.dumps({k: v for k, v in json.loads(x).items() if k != "cuts"}) + "\n"
+                                for x in path.read_text().splitlines()))
+    assert has_cuts(read_traces([path])) and not has_cuts(read_traces([stripped]))
+    size_cut, tau_cut = _mean_tree(fit_traces([path]))
+    size_nocut, tau_nocut = _mean_tree(fit_traces([stripped]))
+    assert size_cut == pytest.approx(size_src, rel=0.10) and tau_cut == pytest.approx(tau_src, rel=0.04)
+    # Without cuts the fit never sees a b3 and the spines never end: the issue-7 symptom.
+    assert size_nocut > 1.5 * size_cut and tau_nocut > tau_cut
+
+
+def test_unreachable_buckets_are_fitted_apart(tmp_path):
+    path = tmp_path / "t.jsonl"
+    _write_trace(path)
+    rm = fit_traces([path])
+    assert rm.pred_off is not None and rm.joint is not None
+    np.testing.assert_allclose(rm.pred_off[0, 1:4, 3], 0.55, atol=0.06)  # the source's b3 share
+    assert rm.joint[0, 0].sum(0)[3] < 0.2  # at the root the head mostly predicts from the rank
+
+
+def test_trace_fit_sim_is_deterministic_and_warns_on_old_traces(tmp_path):
+    path = tmp_path / "t.jsonl"
+    _write_trace(path, n=400)
+    cfg = lambda p: SimConfig.model_validate({
+        "method": {"name": "specblock", "widths": list(WIDTHS), "M": 2, "max_seeds": 2, "budget": 24},
+        "acceptance": {"kind": "traces", "traces": [str(p)]}, "workload": {"requests": 4, "tokens": 64},
+        "tree_pool": 64, "seed": 2})
+    a, b = simulate(cfg(path)), simulate(cfg(path))
+    assert a == b and "notes" not in a
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps({k: v for k, v in json.loads(x).items() if k != "cuts"}) + "\n"
+                           for x in path.read_text().splitlines()))
+    assert "no rank-head cuts" in simulate(cfg(old))["notes"][0]
+
+
+def test_forwards_inferred_from_a_trace_match_the_drafter(tmp_path):
+    path = tmp_path / "t.jsonl"
+    drafts = _write_trace(path, n=300)
+    recs = read_traces([path])
+    assert all(specblock_forwards(r, 4, 2, 2, 24) == d.forwards for r, d in zip(recs, drafts))
+    assert {len(d.forwards) for d in drafts} == {1, 2}  # both one- and two-block iterations occur

@@ -23,7 +23,7 @@ from specblock.policies.branching import (
 )
 from specblock.policies.seeds import DeepestConfidentSeeds, SeedPolicy, TopScoreSeeds
 
-METHODS = ("ar", "sps", "medusa", "eagle3", "specblock")
+METHODS = ("ar", "sps", "medusa", "eagle3", "specblock", "lookup")
 
 
 class _Strict(BaseModel):
@@ -37,7 +37,7 @@ class MethodCfg(_Strict):
     user's TreePolicy / SeedPolicy subclass into the sim, the same class the runtime takes.
     """
 
-    name: Literal["ar", "sps", "medusa", "eagle3", "specblock"] = "specblock"
+    name: Literal["ar", "sps", "medusa", "eagle3", "specblock", "lookup"] = "specblock"
     # SpecBlock (digest defaults K = 4, M = 2; seeds and budget are ours: the digest is silent)
     K: int = Field(4, ge=1, le=16)
     M: int = Field(2, ge=1, le=8)
@@ -54,6 +54,10 @@ class MethodCfg(_Strict):
     heads: int = Field(4, ge=1, le=8)
     medusa_top_k: int = Field(4, ge=1, le=16)
     gamma: int = Field(5, ge=1, le=16)
+    # Prompt lookup (a replay of runtime traces, ``lookup.py``): truncate the replayed trees to
+    # this depth; a fixed n-gram search cost instead of each record's measured draft time
+    lookup_depth: int | None = Field(None, ge=0)
+    search_ms: float | None = Field(None, ge=0)
     budget: int | None = Field(None, ge=1, le=512)
     policy_class: str | None = None
     policy_kwargs: dict = Field(default_factory=dict)
@@ -173,6 +177,14 @@ class SimConfig(_Strict):
     # iteration (exact). With adaptation, pools are per drafter state, of size min(this, adapt.pool).
     tree_pool: int = Field(1024, ge=0)
 
+    @model_validator(mode="after")
+    def _lookup_replays(self) -> "SimConfig":
+        if self.method.name == "lookup" and self.acceptance.kind != "traces":
+            raise ValueError("method lookup replays runtime traces: set acceptance.kind=traces and acceptance.traces")
+        if self.method.name == "lookup" and self.adapt.enabled:
+            raise ValueError("method lookup has no drafter to adapt: adapt.enabled must be false")
+        return self
+
 
 def latency_for(cfg: "SimConfig"):
     """(latency model, target key) for a config."""
@@ -224,6 +236,10 @@ def build_method(m: MethodCfg):
 
     if m.name == "ar":
         return mm.Autoregressive()
+    if m.name == "lookup":
+        from specblock.sim.lookup import LookupReplay
+
+        return LookupReplay(max_depth=m.lookup_depth, search_ms=m.search_ms)
     if m.name == "sps":
         return mm.sps(m.gamma)
     if m.name == "medusa":

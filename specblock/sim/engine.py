@@ -63,14 +63,23 @@ class AcceptanceSource:
             self._base[domain] = self._build(domain)
         return self._base[domain]
 
-    def _build(self, domain: str) -> RankModel:
+    def _build(self, domain: str):  # a RankModel, or a TraceReplay for lookup
         a, m = self.cfg.acceptance, self.cfg.method.name
         if m == "ar" or a.kind == "iid":
             return iid_rank_model(a.a if a.a is not None else 0.0, kappa=a.kappa or 2.0)
-        if a.kind == "traces":
-            from specblock.sim.traces import fit_traces
+        if m == "lookup":  # the config validator guarantees kind == "traces"
+            from specblock.sim.lookup import TraceReplay
 
-            return fit_traces(a.traces, method=m)
+            return TraceReplay.from_traces(a.traces)
+        if a.kind == "traces":
+            from specblock.sim.traces import fit_rank_model, has_cuts, observations, read_traces
+
+            recs = read_traces(a.traces)
+            mc = self.cfg.method
+            if m == "specblock" and mc.branching == "rank" and 0 in mc.widths and not has_cuts(recs):
+                self.notes.append("traces have no rank-head cuts (written before the runtime logged them): "
+                                  "P(b3) is unseen, so simulated trees and tau come out too large")
+            return fit_rank_model(observations(recs))
         shape = METHOD_SHAPES[m]
         over = {k: v for k, v in (("head_accuracy", a.head_accuracy), ("kappa", a.kappa), ("decay", a.decay))
                 if v is not None}
@@ -150,6 +159,7 @@ class Simulation:
         for i in range(n_fw):
             q = sum(d.forwards[i] for d in drafts if i < len(d.forwards))
             draft += self.lat.draft_ms(self.method.drafter, q, ctx, b)
+        draft += sum(d.host_ms for d in drafts)  # host-side drafting (lookup's search): serial per request
         verify = self.lat.target_ms(sum(d.tree.size for d in drafts), ctx, b)
         t = draft + verify + self.lat.overhead_ms
         if self.adapter is not None and self.adapter.busy:
@@ -167,7 +177,7 @@ class Simulation:
         skill = round(self.skill.get(domain, 0.0), 4)
         size = self.cfg.tree_pool if self.adapter is None else min(self.cfg.tree_pool, self.cfg.adapt.pool)
         rm = self.source.model(domain, skill)
-        if size == 0:
+        if size == 0 or not getattr(self.method, "pooled", True):  # a trace replay draws its own records
             return self.method.draft(self.rng_acc, rm)
         pool = self.pools.get((domain, skill))
         if pool is None:
@@ -273,7 +283,7 @@ class Simulation:
                    "nodes": {"parent": tr.parent.tolist(), "depth": tr.depth.tolist(), "rank": tr.rank.tolist(),
                              "bucket": tr.bucket.tolist(), "block": tr.block.tolist(),
                              "correct": d.correct.astype(int).tolist()}}
-            if d.cuts:
+            if d.cuts is not None:  # the runtime writes cuts for every SpecBlock tree, empty or not
                 rec["cuts"] = {"parent": [c[0] for c in d.cuts], "bucket": [c[1] for c in d.cuts],
                                "block": [c[2] for c in d.cuts]}
             self.trace.write(json.dumps(rec) + "\n")

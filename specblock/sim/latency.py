@@ -60,13 +60,22 @@ class TargetGrid(BaseModel):
 
 class DrafterTiming(BaseModel):
     """One drafter's forward time. Either a single ``ms_per_forward`` (measured at one query) or a
-    curve ``n_query`` -> ``ms`` (a SpecBlock block with S seeds has S*K queries; an EAGLE step has
-    one query per frontier node)."""
+    curve ``n_query`` -> ``ms`` (an EAGLE step has one query per frontier node).
+
+    SpecBlock: ``calibrate`` times a later block at S = 1..4 seeds and labels it ``n_query = S*K``,
+    while the forward runs S rows of [seed, K queries] = ``S*(K+1)`` positions, which is what the
+    sim's method model reports. ``K`` (optional) states that labelling: with it, each point is
+    read as ``n_query * (K+1) / K`` positions; without it, labels are positions already.
+    ``overhead_ms`` (optional, default 0): host work per drafter forward outside the network
+    (tree building, seed selection, gathering seed states), charged on every forward;
+    ``calibrate`` does not measure it yet."""
 
     model_config = ConfigDict(extra="forbid")
     ms_per_forward: float = Field(gt=0)
     n_query: list[int] | None = None
     ms: list[float] | None = None
+    K: int | None = Field(None, ge=1)
+    overhead_ms: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _curve(self) -> "DrafterTiming":
@@ -78,6 +87,13 @@ class DrafterTiming(BaseModel):
             if min(self.ms) <= 0:
                 raise ValueError("drafter: every time must be > 0")
         return self
+
+    def positions(self) -> np.ndarray | None:
+        """The curve's x axis in query positions (see ``K``)."""
+        if self.n_query is None:
+            return None
+        q = np.asarray(self.n_query, dtype=np.float64)
+        return q * (self.K + 1) / self.K if self.K else q
 
 
 class LatencyMeasurements(BaseModel):
@@ -175,8 +191,11 @@ class CalibratedLatency:
 
     Batches (ours, the calibrate command measures batch 1): a batch of B requests with n tokens in
     total at context ctx each is charged as one forward of n tokens at context ``ctx * B`` (same
-    weights read once, B times the KV). Drafter forwards interpolate the ``n_query`` curve (linear,
-    clamped at its ends, then scaled linearly beyond the last point) or use ``ms_per_forward``.
+    weights read once, B times the KV). Drafter forwards interpolate the curve over query
+    positions (``DrafterTiming.positions``; linear, clamped below its first point) or use
+    ``ms_per_forward``; beyond the last point the last segment's slope continues (not a scaling
+    proportional to queries: a small drafter's forward is mostly fixed cost, 5.3 ms at 1 seed
+    and 6.2 at 4 on the lab CPU), plus the drafter's per-forward ``overhead_ms``.
     """
 
     meas: LatencyMeasurements
@@ -198,11 +217,12 @@ class CalibratedLatency:
                 f"latency file has no drafter {drafter!r} (has {sorted(self.meas.drafters)})"
             ) from None
         if t.n_query is None:
-            return t.ms_per_forward
-        q, ms = np.asarray(t.n_query, float), np.asarray(t.ms, float)
+            return t.ms_per_forward + t.overhead_ms
+        q, ms = t.positions(), np.asarray(t.ms, float)
         if n_query > q[-1]:
-            return float(ms[-1] * n_query / q[-1])
-        return float(np.interp(n_query, q, ms))
+            slope = max((ms[-1] - ms[-2]) / (q[-1] - q[-2]), 0.0) if q.size > 1 else 0.0
+            return float(ms[-1] + slope * (n_query - q[-1])) + t.overhead_ms
+        return float(np.interp(n_query, q, ms)) + t.overhead_ms
 
 
 @dataclass

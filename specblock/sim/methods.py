@@ -7,8 +7,9 @@ shared ``specblock.policies`` functions (``add_candidates``, ``grow_block``, ``T
 ``TreePolicy.prune``, ``SeedPolicy.select``), exactly the calls the runtime makes, and accepted with
 the shared ``accept_longest``.
 
-Drafting cost is reported as the list of drafter forwards with their query counts; the engine
-prices them with the latency model.
+Drafting cost is reported as the list of drafter forwards with their query positions (and, for
+drafters without a network, host milliseconds); the engine prices forwards with the latency model.
+Prompt lookup has no synthetic model: it replays runtime traces (``lookup.py``).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ class Drafted:
     tree: DraftTree
     correct: np.ndarray
     acceptance: Acceptance
-    forwards: list[int]  # query count of each drafter forward, in order
+    forwards: list[int]  # query positions of each drafter forward, in order
     cuts: list[tuple[int, int, int]] | None = None  # (parent, predicted bucket, block) given width 0
+    host_ms: float = 0.0  # drafting work outside any drafter forward (lookup's n-gram search)
 
 
 class _RankBook:
@@ -60,6 +62,14 @@ class _RankBook:
         c = np.ones(tree.size, dtype=bool)
         c[1:] = tree.rank[1:] == self.rank[tree.parent[1:]]
         return c
+
+    def reachable(self, tree: DraftTree) -> np.ndarray:
+        """Nodes whose whole root path is correct (the target would walk through them)."""
+        reach = self.correct(tree)
+        for d in range(1, tree.max_depth + 1):  # parents come before children: one pass per depth
+            at = np.nonzero(tree.depth == d)[0]
+            reach[at] &= reach[tree.parent[at]]
+        return reach
 
 
 def _finish(tree: DraftTree, book: _RankBook, forwards: list[int], policy: TreePolicy | None,
@@ -146,11 +156,20 @@ class DepthwiseDrafter(MethodModel):
 @dataclass
 class SpecBlockDrafter(MethodModel):
     """SpecBlock: ``M`` blocks of ``K`` positions, one drafter forward per block (all seeds
-    batched: ``S * K`` queries). Block m grows under its seeds with ``grow_block`` (spine + rank-
-    bucket siblings); the next block's seeds are chosen by ``seeds`` among this block's *leaf*
-    nodes (our choice: a node that already has a drafted continuation from its own block would
-    only get duplicate candidates), at most ``max_seeds``. ``use_rank_head=False`` hides the
-    predicted buckets from the policy (the digest's fixed top-k ablation uses TopKBranching)."""
+    batched). Block m grows under its seeds with ``grow_block`` (spine + rank-bucket siblings);
+    the next block's seeds are chosen by ``seeds`` among this block's *leaf* nodes (a node that
+    already has a drafted continuation from its own block would only get duplicate candidates),
+    at most ``max_seeds``: the runtime's ``SpecBlockDrafter.propose`` step for step.
+    ``use_rank_head=False`` hides the predicted buckets from the policy (the digest's fixed top-k
+    ablation uses TopKBranching).
+
+    Forwards are counted in query positions as the runtime runs them: a later block with S seeds
+    is one forward over S rows of [seed, K queries] = ``S * (K + 1)`` positions; the first block
+    is [root, K queries] = ``K + 1`` (our simplification: the runtime's first block also carries
+    the previous iteration's other accepted positions, tau - 1 on average, which a CPU forward
+    of this size does not feel). Predicted buckets come from the rank model's reachable joint
+    while a row's parent chain is correct and from its unreachable table after (``acceptance``).
+    """
 
     policy: TreePolicy = field(default_factory=lambda: _rank_policy())
     seeds: SeedPolicy = field(default_factory=DeepestConfidentSeeds)
@@ -169,20 +188,25 @@ class SpecBlockDrafter(MethodModel):
         forwards: list[int] = []
         cuts: list[tuple[int, int, int]] = []
         k = min(max(_max_width(self.policy), 1), R)
-        ms = self.max_seeds
-        blk = np.repeat(np.arange(self.M), ms * self.K)
-        pos = np.tile(np.arange(self.K), self.M * ms)
+        ms, kd = self.max_seeds, self.K
+        blk = np.repeat(np.arange(self.M), ms * kd)
+        pos = np.tile(np.arange(kd), self.M * ms)
         all_rank, all_logp, all_pred = rm.sample(rng, blk, pos, k, blk.size)  # one call per tree
-        all_rank, all_pred = all_rank.reshape(self.M, ms, self.K), all_pred.reshape(self.M, ms, self.K)
-        all_logp = all_logp.reshape(self.M, ms, self.K, k)
+        off_pred = rm.sample_pred_off(rng, blk, pos, blk.size)
+        all_rank, all_pred = all_rank.reshape(self.M, ms, kd), all_pred.reshape(self.M, ms, kd)
+        off_pred = None if off_pred is None else off_pred.reshape(self.M, ms, kd)
+        all_logp = all_logp.reshape(self.M, ms, kd, k)
         for m in range(self.M):
             s = seeds.size
             rank, pred, logp = all_rank[m, :s], all_pred[m, :s], all_logp[m, :s]
-            forwards.append(s * self.K)
-            tokens = np.broadcast_to(np.arange(k), (s, self.K, k))
+            if off_pred is not None:  # a row's position k is reachable iff its seed is and ranks 0..k-1 are 0
+                live = (book.reachable(tree)[seeds] if m else np.ones(1, bool))[:, None]
+                live = live & np.concatenate([np.ones((s, 1), bool), np.cumprod(rank[:, :-1] == 0, axis=1) > 0], axis=1)
+                pred = np.where(live, pred, off_pred[m, :s])
+            forwards.append(s * (kd + 1))
+            tokens = np.broadcast_to(np.arange(k), (s, kd, k))
             bucket = pred if self.use_rank_head else None
-            spine = grow_block(tree, seeds, tokens, logp, bucket, self.policy,
-                               self.budget, block=m)
+            spine = grow_block(tree, seeds, tokens, logp, bucket, self.policy, self.budget, block=m)
             parents = np.concatenate([seeds[:, None], spine[:, :-1]], axis=1)
             ok = parents >= 0
             book.set(parents[ok], rank[ok])

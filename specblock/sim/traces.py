@@ -4,25 +4,38 @@ The runtime writes one JSON object per decoding iteration (:class:`TraceRecord`)
 (root at 0): ``parent``, ``depth``, ``rank`` (0-based among its parent's draft candidates, -1 at
 the root), ``bucket`` (predicted b0..b3 or -1), ``block`` (-1 at the root), ``correct`` (token ==
 target argmax at its parent). ``parent`` is required: without it sibling sets, and so censoring,
-cannot be recovered. Optional ``cuts`` lists positions the policy gave width 0 (bucket b3 under
-(2, 4, 10, 0)): invisible in ``nodes``, but they carry the rank head's b3 predictions.
+cannot be recovered. ``cuts`` (SpecBlock, runtime commit 3dfd240 on) lists the positions the
+policy gave width 0 (bucket b3 under (2, 4, 10, 0)): they have a parent but no node, so they are
+invisible in ``nodes``; each is an observation of the rank head's prediction at that position.
 
-What the fit estimates: for every expanded position whose parent is reachable (the whole chain to
-it correct), the target's rank there. If a child is correct its rank is observed; otherwise the
-rank is only known to be >= the number of candidates offered (right-censored), and a cut says
-nothing about the rank at all. Rank pmf per (block, in-block position) and the bucket confusion
-``P(pred | true bucket)`` are fitted jointly by EM, so censored positions count with their
-posterior over ranks instead of being dropped (dropping them would bias top-1 upwards and the
-confusion towards the diagonal).
+A *position* is (parent node, block, in-block position): the children a drafter offered there,
+or a cut. Its parent is *reachable* when the whole chain from the root to it is correct.
 
-Identifiability, a limit of any fit from such traces: the confusion row of a true bucket is known
-only as far as the offered widths reveal ranks. Under (2, 4, 10, 0) a b3 prediction offers no
-candidate, so which true buckets it came from is not identifiable; under (2, 4, 6, 4) no width
-reaches rank 10, so b2 and b3 are never told apart. The rank pmf and the b0/b1 rows are fine;
-tau from a refitted model matches (tested). To pin the rest, the runtime can log, on a small
-random share of positions, whether the target's token is anywhere in the drafter's top 16.
-Confidence concentration ``kappa`` is not identifiable without
-draft log-probs in the trace; it keeps its default.
+What the fit estimates, per position key (block, in-block position):
+
+* at reachable positions, the joint ``P(rank, pred)`` of the target's rank and the predicted
+  bucket. If a child is correct the rank is observed; otherwise it is only known to be >= the
+  number of candidates offered (right-censored), and a cut says nothing about the rank. EM over
+  the censored ranks, so censored positions count with their posterior instead of being dropped
+  (dropping them would bias top-1 upwards and the buckets towards the diagonal). Sparse keys are
+  shrunk towards the table pooled over keys (one pseudo-observation, ``prior``);
+* at unreachable positions, ``P(pred)``: these positions only shape the tree, and they are most
+  positions (see ``acceptance.py`` for why they get their own table).
+
+Why cuts matter: without them the fit sees only positions that survived, so ``P(pred = b3)`` is
+estimated as ~0 and the simulated spines never end; traces written before the runtime logged cuts
+(:func:`has_cuts` is False for a rank-headed drafter) overestimate tree size and tau.
+
+Identifiability, a limit of any fit from such traces: ``P(rank | pred)`` is known only as far as
+the offered widths reveal ranks. Under (2, 4, 10, 0) a b3 prediction offers no candidate, so the
+ranks behind it keep the EM's starting point (``_start_joint``: b3 means a deep rank); under
+(2, 4, 6, 4) no width reaches rank 10, so b2 and b3 are never told apart. That is harmless for
+the widths the traces were taken with, and an assumption for what-ifs with other widths: the
+fixed top-2 traces of the lab drafter (which expand b3 positions too) show its b3 predictions
+hide the target's top-1 token 21-35% of the time, far from what b3 should mean. To pin it, the
+runtime can log, on a small random share of positions, whether the target's token is in the
+drafter's top 16. Confidence concentration ``kappa`` is not identifiable without draft log-probs
+in the trace; it keeps its default.
 """
 
 from __future__ import annotations
@@ -94,10 +107,22 @@ def read_traces(paths, domain: str | None = None) -> list[TraceRecord]:
     return recs
 
 
+def has_cuts(recs: list[TraceRecord]) -> bool:
+    """Whether the traces log rank-head cuts: True when any record has a ``cuts`` field (even
+    empty) or no node carries a predicted bucket (no rank head, nothing to cut)."""
+    return any(r.cuts is not None for r in recs) or not any(max(r.nodes.bucket, default=-1) >= 0 for r in recs)
+
+
 def observations(recs: list[TraceRecord]) -> dict[str, np.ndarray]:
-    """One row per expanded position under a reachable parent: key (block, pos), whether the rank
-    is observed, the rank or censoring point, and the predicted bucket (-1 when none)."""
-    kb, kp, obs, val, pred = [], [], [], [], []
+    """One row per drafted position (children offered under one parent in one block, or a cut):
+    key (block, pos), whether its parent is reachable, whether the rank is observed, the rank or
+    censoring point (0 for a cut: nothing known) and the predicted bucket (-1 when none)."""
+    cols: dict[str, list[int]] = {k: [] for k in ("block", "pos", "reach", "obs", "value", "pred")}
+
+    def add(b: int, q: int, re: bool, ob: bool, v: int, pr: int) -> None:
+        for k, x in zip(cols, (b, q, re, ob, v, pr)):
+            cols[k].append(x)
+
     for r in recs:
         nd = r.nodes
         par, rank, bkt, blk, cor = (np.asarray(x) for x in (nd.parent, nd.rank, nd.bucket, nd.block, nd.correct))
@@ -111,52 +136,105 @@ def observations(recs: list[TraceRecord]) -> dict[str, np.ndarray]:
             pos[i] = pos[p] + 1 if p > 0 and blk[p] == blk[i] else 0
         groups: dict[tuple, list[int]] = {}
         for i in range(1, n):
-            if reach[par[i]]:
-                groups.setdefault((par[i], blk[i], pos[i]), []).append(i)
-        for (_, b, q), kids in groups.items():
+            groups.setdefault((par[i], blk[i], pos[i]), []).append(i)
+        for (p, b, q), kids in groups.items():
             kids = np.asarray(kids)
             hit = kids[cor[kids] == 1]
-            kb.append(b), kp.append(q), pred.append(int(bkt[kids[0]]))
             if hit.size:
-                obs.append(True), val.append(int(min(rank[hit].min(), R)))
+                add(b, q, reach[p], True, int(min(rank[hit].min(), R)), int(bkt[kids[0]]))
             else:
-                obs.append(False), val.append(int(min(rank[kids].max() + 1, R)))
+                add(b, q, reach[p], False, int(min(rank[kids].max() + 1, R)), int(bkt[kids[0]]))
         if r.cuts is not None:
             for p, b, blk_c in zip(r.cuts.parent, r.cuts.bucket, r.cuts.block):
-                if reach[p]:
-                    kb.append(blk_c), kp.append(pos[p] + 1 if p > 0 and blk[p] == blk_c else 0)
-                    obs.append(False), val.append(0), pred.append(b)
-    return {k: np.asarray(v, dtype=np.int64 if k != "obs" else bool)
-            for k, v in (("block", kb), ("pos", kp), ("obs", obs), ("value", val), ("pred", pred))}
+                if 0 <= p < n:
+                    add(blk_c, pos[p] + 1 if p > 0 and blk[p] == blk_c else 0, reach[p], False, 0, b)
+    return {k: np.asarray(v, dtype=bool if k in ("reach", "obs") else np.int64) for k, v in cols.items()}
 
 
 def fit_rank_model(o: dict[str, np.ndarray], iters: int = 40, prior: float = 1.0, kappa: float = 2.0) -> RankModel:
-    """EM over censored ranks and the bucket confusion (see module doc)."""
-    if o["block"].size == 0:
-        raise ValueError("traces hold no expanded position under a reachable parent")
+    """EM for the reachable joint ``P(rank, pred | key)`` over censored ranks; counts for the
+    unreachable ``P(pred | key)`` (see module doc).
+
+    Positions are independent given their key here. The lab drafter's buckets are also
+    correlated across a tree: in its code traces a seed whose own row was cut right after it had
+    its next block cut at once 89% of the time (38 seeds), a seed at its row's end 43% (60). The
+    fit does not model that, so later blocks come out up to ~1 node too large on average (code:
+    tree 6.3-6.5 nodes simulated vs 5.65 measured; tau within 2%, and a node moves the verify cost
+    by well under 1% here). A latent per-iteration class (2-4 classes, EM) was tried and did not
+    separate that structure; conditioning on the seed's row is the next step if it matters.
+    """
+    reach = o.get("reach", np.ones(o["block"].size, bool))
+    if not reach.any():
+        raise ValueError("traces hold no drafted position under a reachable parent")
     nb, npos = int(o["block"].max()) + 1, int(o["pos"].max()) + 1
+    rows = np.stack([o["block"], o["pos"], o["obs"], o["value"], o["pred"]], axis=1)[reach]
+    rows, w = np.unique(rows, axis=0, return_counts=True)  # positions repeat a lot: EM on distinct rows
+    b, q, obs, val, pred = rows.T
     r = np.arange(R + 1)
-    support = np.where(o["obs"][:, None], r[None, :] == o["value"][:, None], r[None, :] >= o["value"][:, None])
-    has_pred = o["pred"] >= 0
-    pred = np.where(has_pred, o["pred"], 0)
-    pmf = np.tile(0.5 ** (r + 1.0), (nb, npos, 1))
-    pmf /= pmf.sum(-1, keepdims=True)
-    conf = default_confusion(0.7)
+    support = np.where(obs[:, None] == 1, r[None, :] == val[:, None], r[None, :] >= val[:, None])
+    like = np.where(pred[:, None] >= 0, np.arange(NUM_BUCKETS)[None, :] == pred[:, None], True)
+    joint = np.tile(_start_joint(), (nb, npos, 1, 1))
+    seen = None
     for _ in range(iters):
-        like = np.where(has_pred[:, None], conf[_BUCKET_OF][:, pred].T, 1.0)  # [obs, R+1]
-        post = support * pmf[o["block"], o["pos"]] * like
-        post /= np.maximum(post.sum(1, keepdims=True), 1e-300)
-        counts = np.zeros_like(pmf)
-        np.add.at(counts, (o["block"], o["pos"]), post)
-        pooled = counts.sum((0, 1)) + 1e-9
-        counts += prior * pooled / pooled.sum()  # shrink sparse keys towards the pooled pmf
-        pmf = counts / counts.sum(-1, keepdims=True)
-        cc = np.zeros((NUM_BUCKETS, NUM_BUCKETS))
-        tb = post[has_pred] @ np.eye(NUM_BUCKETS)[_BUCKET_OF]  # [obs, true bucket]
-        np.add.at(cc.T, pred[has_pred], tb)
-        cc += prior * 0.01
-        conf = cc / cc.sum(1, keepdims=True)
-    return RankModel(pmf=pmf, confusion=conf, kappa=kappa)
+        post = support[:, :, None] * like[:, None, :] * joint[b, q]  # [rows, R + 1, 4]
+        post /= np.maximum(post.sum((1, 2), keepdims=True), 1e-300)
+        counts = np.zeros_like(joint)
+        np.add.at(counts, (b, q), post * w[:, None, None])
+        seen = counts.copy()
+        pooled = counts.sum((0, 1)) + 1e-12
+        counts += prior * pooled / pooled.sum()  # shrink sparse keys towards the pooled table
+        joint = counts / counts.sum((2, 3), keepdims=True)
+    # The confusion pooled over keys: a summary (describe) and the fallback for ranks without mass.
+    cc = np.zeros((NUM_BUCKETS, NUM_BUCKETS))
+    np.add.at(cc, _BUCKET_OF, seen.sum((0, 1)))
+    rowsum = cc.sum(1, keepdims=True)
+    conf = np.where(rowsum > 1e-9, cc / np.maximum(rowsum, 1e-300), default_confusion(0.7))
+    off = ~reach & (o["pred"] >= 0)
+    pred_off = None
+    if off.any():
+        oc = np.zeros((nb, npos, NUM_BUCKETS))
+        np.add.at(oc, (o["block"][off], o["pos"][off], o["pred"][off]), 1.0)
+        pooled = oc.sum((0, 1))
+        pred_off = oc + prior * pooled / pooled.sum()
+        pred_off /= pred_off.sum(-1, keepdims=True)
+    return RankModel(pmf=joint.sum(-1), confusion=conf, kappa=kappa, joint=joint, pred_off=pred_off)
+
+
+def _start_joint() -> np.ndarray:
+    """EM's starting ``P(rank, pred)`` ``[R + 1, 4]``, which is also what the fit keeps wherever the
+    traces cannot speak (the ranks behind a b3 under a width-0 policy): buckets equally likely,
+    and a predicted bucket right about the rank's bucket with probability 0.7 (the default
+    confusion read as ``P(true | pred)``), ranks geometric (1/2) inside a bucket. Why this way
+    round: a b3 prediction should mean "the target's token is deep", so the unidentified rows
+    keep top-1 acceptance low (5%) instead of the ~44% that ``P(pred | true)`` with a geometric
+    rank pmf would imply."""
+    within = np.zeros((NUM_BUCKETS, R + 1))
+    for t in range(NUM_BUCKETS):
+        at = _BUCKET_OF == t
+        within[t, at] = 0.5 ** np.arange(at.sum())
+        within[t] /= within[t].sum()
+    rank_given_pred = default_confusion(0.7) @ within  # [pred, R + 1]
+    return rank_given_pred.T / NUM_BUCKETS
+
+
+def specblock_forwards(rec: TraceRecord, K: int, M: int, max_seeds: int, budget: int) -> list[int]:
+    """The drafter forwards (query positions) a SpecBlock iteration ran, from its trace record and
+    the runtime's rule (``SpecBlockDrafter.propose``): block 1 is [root, K queries]; block m + 1
+    runs while the tree is under budget, with one row of [seed, K queries] per seed, seeds being
+    at most ``max_seeds`` of block m's leaves. Exact unless the engine cut the tree afterwards."""
+    blk, par = np.asarray(rec.nodes.block), np.asarray(rec.nodes.parent)
+    out = [K + 1]
+    for m in range(1, M):
+        prev = np.nonzero(blk == m - 1)[0]
+        if prev.size == 0 or int(((blk >= 0) & (blk < m)).sum()) >= budget:
+            break
+        has_child = np.zeros(blk.size, bool)
+        has_child[par[prev]] = True  # a parent with a child in its own block is no leaf then
+        seeds = min(max_seeds, int((~has_child[prev]).sum()))
+        if seeds == 0:
+            break
+        out.append(seeds * (K + 1))
+    return out
 
 
 def fit_traces(paths, method: str | None = None, domain: str | None = None) -> RankModel:
@@ -165,6 +243,10 @@ def fit_traces(paths, method: str | None = None, domain: str | None = None) -> R
 
 
 def describe(rm: RankModel) -> dict:
-    return {"blocks": rm.pmf.shape[0], "positions": rm.pmf.shape[1],
-            "top1": np.round(rm.pmf[..., 0], 4).tolist(),
-            "confusion": np.round(rm.confusion, 4).tolist(), "kappa": rm.kappa}
+    out = {"blocks": rm.pmf.shape[0], "positions": rm.pmf.shape[1],
+           "top1": np.round(rm.pmf[..., 0], 4).tolist(),
+           "confusion": np.round(rm.confusion, 4).tolist(), "kappa": rm.kappa,
+           "pred_reachable": np.round(rm.joint_table.sum(-2), 4).tolist()}
+    if rm.pred_off is not None:
+        out["pred_unreachable"] = np.round(rm.pred_off, 4).tolist()
+    return out
