@@ -137,3 +137,15 @@ def test_forwards_inferred_from_a_trace_match_the_drafter(tmp_path):
     recs = read_traces([path])
     assert all(specblock_forwards(r, 4, 2, 2, 24) == d.forwards for r, d in zip(recs, drafts))
     assert {len(d.forwards) for d in drafts} == {1, 2}  # both one- and two-block iterations occur
+
+
+def test_check_traces_puts_runtime_and_sim_side_by_side(tmp_path, capsys):
+    from specblock.sim.__main__ import main
+
+    path = tmp_path / "t.jsonl"
+    _write_trace(path, n=800)
+    assert main(["check-traces", str(path), "--trees", "3000", "--set", "method.widths=[2,4,10,0]"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"]["max_seeds"] == 2 and out["method"]["budget"] == 24  # the runtime's defaults
+    assert abs(out["tau_err"]) < 0.05 and abs(out["tree_err"]) < 0.12 and out["runtime"]["iterations"] == 800
+    assert main(["check-traces", str(path), "--set", "K=4"]) == 2  # only method.* settings

@@ -7,6 +7,7 @@
     python -m specblock.sim presets
     python -m specblock.sim fit-digest          # refit data/digest_fit.json (minutes)
     python -m specblock.sim fit-traces T.jsonl  # summarise an acceptance model fitted from traces
+    python -m specblock.sim check-traces T.jsonl [--method lookup] [--set method.widths=[2,2,2,2]]
 
 A bad configuration (unknown preset, negative rate, missing file, ...) prints one line on stderr
 and exits with status 2; no traceback.
@@ -60,6 +61,13 @@ def _parse(argv):
     f.add_argument("--iterations", type=int, default=2000)
     t = sub.add_parser("fit-traces", help="fit an acceptance model from runtime JSONL traces")
     t.add_argument("traces", nargs="+")
+    c = sub.add_parser("check-traces", help="runtime trace vs sim: tree size and tau (no timings)")
+    c.add_argument("traces", nargs="+")
+    c.add_argument("--method", choices=["specblock", "lookup"], default="specblock")
+    c.add_argument("--set", action="append", default=[], metavar="method.KEY=VALUE",
+                   help="sim method settings (default: the runtime's), e.g. method.widths=[2,2,2,2]")
+    c.add_argument("--trees", type=int, default=20000)
+    c.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
@@ -131,6 +139,17 @@ def main(argv=None) -> int:
 
             res = fit_digest(iterations=a.iterations)
             print(f"{len(res)} fits -> {FIT_PATH}")
+            return 0
+        if a.cmd == "check-traces":
+            from specblock.sim.check import check_traces
+
+            m: dict = {"name": a.method}
+            for item in a.set:
+                k, eq, v = item.partition("=")
+                if not eq or not k.startswith("method."):
+                    raise UsageError(f"--set wants method.KEY=VALUE, got {item!r}")
+                m[k.strip()[len("method."):]] = yaml.safe_load(v)
+            print(json.dumps(check_traces(a.traces, m, a.trees, a.seed), indent=1))
             return 0
         if a.cmd == "fit-traces":
             from specblock.sim.traces import describe, fit_traces
