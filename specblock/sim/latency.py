@@ -68,7 +68,7 @@ class DrafterTiming(BaseModel):
     read as ``n_query * (K+1) / K`` positions; without it, labels are positions already.
     ``overhead_ms`` (optional, default 0): host work per drafter forward outside the network
     (tree building, seed selection, gathering seed states), charged on every forward;
-    ``calibrate`` does not measure it yet."""
+    ``calibrate`` measures it from whole ``propose`` calls."""
 
     model_config = ConfigDict(extra="forbid")
     ms_per_forward: float = Field(gt=0)
