@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--M", type=int, default=2, help="specblock: block iterations per step")
     p.add_argument("--max-seeds", type=int, default=2, help="specblock: seeds that start each later block")
     p.add_argument("--widths", type=_widths, default=(2, 4, 10, 0), help="specblock: siblings per bucket b0,b1,b2,b3")
+    p.add_argument("--adapt", action="store_true", help="specblock: adapt the drafter while serving (runtime/adapt.py)")
+    p.add_argument("--adapt-window", type=int, default=128, help="adapt: decoding iterations per window")
+    p.add_argument("--adapt-lambda", type=float, default=0.1, help="adapt: weight of the KL anchor to the pretrained drafter")
+    p.add_argument("--adapt-arms", type=lambda t: tuple(a.strip() for a in t.split(",")), default=("skip", "heads", "full"),
+                   help="adapt: arms the bandit picks from, e.g. skip,heads,full (one arm: always that one)")
     return p
 
 
@@ -92,6 +97,7 @@ class Session:
     tokenizer: object
     engine: Engine
     baseline: Engine | None
+    adapter: object | None = None  # runtime.adapt.Adapter with --adapt (it is the engine's drafter)
 
     @classmethod
     def open(cls, cfg: RunConfig, trace) -> "Session":
@@ -105,10 +111,14 @@ class Session:
                 return GreedyVerifier()
             return SamplingVerifier(cfg.temperature, cfg.top_p, cfg.seed)
 
-        drafter = drafters.build(cfg.method, target, cfg.drafter_options())
+        drafter, adapter = drafters.build(cfg.method, target, cfg.drafter_options()), None
+        if cfg.adapt:
+            from specblock.runtime.adapt import AdaptSettings, Adapter
+
+            drafter = adapter = Adapter(drafter, AdaptSettings(**cfg.adapt_settings()))
         engine = Engine(target, drafter, verifier(), cfg.budget, eos, trace)
         baseline = Engine(target, drafters.ARDrafter(), verifier(), 0, eos) if cfg.compare else None
-        return cls(cfg, target, tokenizer, engine, baseline)
+        return cls(cfg, target, tokenizer, engine, baseline, adapter)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
@@ -170,6 +180,7 @@ def run(cfg: RunConfig) -> int:
                 raise SpecBlockError(f"{where} has {len(ids)} tokens, the model's context is {s.target.max_context}; shorten it")
         if cfg.warmup:
             s.warmup(encoded[0])
+        windows = watch_adaptation(s)
         total, total_base, identical = DecodeStats(), DecodeStats(), True
         for row, ids in zip(rows, encoded):
             stream = None if cfg.json_out else Streamer(s.tokenizer)
@@ -181,6 +192,8 @@ def run(cfg: RunConfig) -> int:
                 identical &= res.token_ids == base.token_ids
             rec = result_record(s, res, base)
             rec.update({k: row[k] for k in ("id", "domain") if k in row})
+            if s.adapter is not None and cfg.json_out:
+                rec["adapt_windows"], windows[:] = list(windows), []
             if cfg.json_out:
                 print(json.dumps(rec), flush=True)
             else:
@@ -189,8 +202,30 @@ def run(cfg: RunConfig) -> int:
             summary = {"summary": True, "method": cfg.method, "prompts": len(rows), **total.summary()}
             if s.baseline:
                 summary.update(speedup=round(speedup(total, total_base), 4), identical_to_ar=identical)
+            if s.adapter is not None:
+                summary.update(s.adapter.summary())
             print(json.dumps(summary) if cfg.json_out else "total: " + summary_line(summary), flush=True)
+        if s.adapter is not None:
+            s.adapter.close()
     return 0
+
+
+def watch_adaptation(s: Session) -> list[dict]:
+    """Adaptation windows as they close: one line each on stderr, or held for the JSON records."""
+    held: list[dict] = []
+    if s.adapter is not None:
+        s.adapter.clear()  # the warm-up decode is not part of the measurement
+        s.adapter.on_window = held.append if s.cfg.json_out else lambda w: print(window_line(w), file=sys.stderr, flush=True)
+    return held
+
+
+def window_line(w: dict) -> str:
+    line = f"[adapt] window {w['window']}: tau {w['tau']:.2f}, {w['tokens_per_s']:.1f} tokens/s"
+    if w["judged"]:
+        line += f", {w['judged']} gain {w['gain']:+.3f} cost {w['cost']:.3f}"
+    if w["rollback"] != "keep":
+        line += f", {w['rollback']}"
+    return line + (f", next arm: {w['arm']}" if w["arm"] else "")
 
 
 def summary_line(rec: dict) -> str:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specblock.errors import SpecBlockError
 
@@ -43,6 +43,10 @@ class RunConfig(BaseModel):
     M: int = Field(2, ge=1, le=8)
     max_seeds: int = Field(2, ge=1, le=16)
     widths: tuple[int, int, int, int] = (2, 4, 10, 0)
+    adapt: bool = False  # serving-time adaptation of the SpecBlock drafter (runtime/adapt.py)
+    adapt_window: int = Field(128, ge=2)  # decoding iterations per adaptation window
+    adapt_lambda: float = Field(0.1, ge=0.0)  # weight of the KL anchor to the pretrained drafter
+    adapt_arms: tuple[str, ...] = ("skip", "heads", "full")  # one arm: always play it
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> "RunConfig":
@@ -59,6 +63,23 @@ class RunConfig(BaseModel):
             # drafter 0.55x: auto picks lookup until a trained drafter beats it in that benchmark.
             self.method = "lookup"
         return self
+
+    @field_validator("adapt_arms")
+    @classmethod
+    def _arms(cls, arms: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [a for a in arms if a not in ("skip", "heads", "full")]
+        if bad or not arms or len(set(arms)) != len(arms):
+            raise ValueError("give distinct arms among skip, heads, full, e.g. skip,heads,full")
+        return arms
+
+    @model_validator(mode="after")
+    def _adapt_needs_specblock(self) -> "RunConfig":
+        if self.adapt and self.method != "specblock":
+            raise ValueError("--adapt adapts the SpecBlock drafter; use it with --method specblock")
+        return self
+
+    def adapt_settings(self) -> dict:
+        return {"window": self.adapt_window, "lam": self.adapt_lambda, "arms": self.adapt_arms, "seed": self.seed}
 
     @property
     def target_dir(self) -> Path:

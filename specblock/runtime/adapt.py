@@ -1,0 +1,472 @@
+"""Serving-time adaptation of the SpecBlock drafter (paper: "Serving-time adaptation"; issue 6).
+
+The signal is free: ``Drafter.accept`` already receives the target's taps *and* logits at the
+root, every accepted node and the node after them (the bonus: the first rejected position). Per
+query we keep the committed tokens, the taps at every committed position and the target's top-k
+log-probs at every generated one: all that teacher-forcing the drafter's first block needs, with
+no extra target forward. A query's error signal ``s = sum_iterations (max_depth - accepted)``
+counts the drafted depths past the accepted path (acceptance r = 0 there; under sampling, the
+realised indicator) and sets how often the query is replayed.
+
+:class:`Adapter` wraps a :class:`SpecBlockDrafter` and is itself the engine's drafter:
+``theta_inf`` (the wrapped net) serves, ``theta_train`` (float32) trains in a background thread
+(on CUDA in its own stream), ``theta_0`` is the frozen pretrained net for the anchor
+``L = L_draft + rank_weight * L_rank + lam * KL(p_theta || p_theta0)`` on the supervised positions.
+The serving thread swaps a finished update in *between* iterations (a non-blocking queue poll;
+the worker never touches ``theta_inf``) and rebuilds the drafter's KV cache from the query's
+taps, so new weights never attend to keys the old ones wrote. Serving never waits for training.
+
+Arms: ``skip``; ``heads``: the output side, i.e. the drafter's *private copy* of the LM head
+(copied from the target's frozen head at load, so training it never touches the target), the
+final norm and the rank head, with the frozen backbone's states cached per query; ``full``: all
+but the input embedding (frozen and shared with the target, as in pretraining). Every ``window``
+iterations a window closes with its tau and tokens/s. The bandit's gain for an arm is the
+relative change of the metric (tau by default: on a shared CPU tokens/s measures the neighbours
+too, and the update's price enters as its cost) from the mean of the three windows before the
+choice to the first whole window after the update landed; its cost is the update's wall time
+over that window's wall time. :class:`ThreeWindowRollback` judges every landed update on window
+tau and restores the last good weights when it says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specblock.policies.bandit import ARMS, CostAwareBandit, FixedArm
+from specblock.policies.rollback import ThreeWindowRollback
+from specblock.policies.tree import DraftTree
+from specblock.runtime.drafters.base import DraftRequest, Drafter
+from specblock.runtime.drafters.specblock import SpecBlockDrafter
+from specblock.runtime.drafters.specblock_net import SpecBlockNet
+from specblock.runtime.target import TargetOutput
+from specblock.runtime.verify import Verdict
+from specblock.training.losses import bucket_of, rank_of
+
+log = logging.getLogger(__name__)
+
+HEAD_PREFIXES = ("lm_head.", "norm.", "rank_head.")  # the heads arm; full trains all but embed.weight
+_uids = itertools.count()
+
+
+@dataclass
+class AdaptSettings:
+    window: int = 128  # decoding iterations per window
+    lam: float = 0.1  # weight of KL(p_theta || p_theta0)
+    arms: tuple[str, ...] = ARMS  # one arm: always play it (the ablations)
+    steps: int = 4  # optimiser steps per update
+    batch: int = 4  # queries per step
+    lr_heads: float = 1e-3
+    lr_full: float = 2e-4
+    buffer: int = 32  # queries kept
+    top_k: int = 32  # target log-probs kept per position (renormalised: the soft label)
+    max_ctx: int = 192  # last tokens of a query that one training block sees
+    rank_weight: float = 0.2
+    tolerance: float = 0.05  # rollback: relative tau drop that restores the last good weights
+    explore: float = 0.5
+    # An update's gain lasts while its cost is paid once: weighing a one-window gain against the
+    # whole cost never pays on a slow machine, so the cost is amortised over 1/cost_weight windows.
+    cost_weight: float = 0.25
+    gain: str = "tau"  # "tau" or "tps": the metric whose relative change is the bandit's gain
+    threads: int = 1  # torch threads of the worker (OpenMP: per thread; serving keeps its own)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.arms or set(self.arms) - set(ARMS) or self.gain not in ("tau", "tps") or self.window < 1:
+            raise ValueError(f"bad adaptation settings: arms {self.arms} (of {ARMS}), gain {self.gain!r}, window {self.window}")
+
+
+class QueryRecord:
+    """One query's signal. Chunks are appended whole by the serving thread (one atomic list
+    append), so the worker can copy the list at any time and see a consistent prefix."""
+
+    def __init__(self, prompt: np.ndarray, taps: torch.Tensor | None) -> None:
+        self.uid = next(_uids)
+        self.label_start = len(prompt) - 1  # first position with the target's distribution
+        # chunks: (tokens, taps, top-k ids, top-k log-probs, s) per iteration, the prompt first
+        self.chunks: list[tuple] = [(np.asarray(prompt, dtype=np.int64), taps, None, None, 0.0)]
+
+    @property
+    def s(self) -> float:
+        return float(sum(c[4] for c in list(self.chunks)))
+
+    def tokens_and_taps(self) -> tuple[np.ndarray, torch.Tensor | None]:
+        ch = list(self.chunks)
+        taps = [c[1] for c in ch if c[1] is not None]
+        return np.concatenate([c[0] for c in ch]), torch.cat(taps) if taps else None
+
+    def sample(self, K: int, max_ctx: int) -> "Sample | None":
+        """Frozen tensors for teacher forcing block 1 at every generated position (None: no label yet)."""
+        ch = list(self.chunks)
+        if len(ch) < 2:
+            return None
+        tokens = np.concatenate([c[0] for c in ch])
+        taps = torch.cat([c[1] for c in ch if c[1] is not None])
+        ids, lps = torch.cat([c[2] for c in ch[1:]]), torch.cat([c[3] for c in ch[1:]])
+        n = len(tokens)  # taps: positions 0..n-2; labels: label_start..n-2
+        a = max(0, n - max_ctx)
+        first = max(self.label_start - 1, a)  # block at p predicts p+1..p+K from labels at p+1..
+        if first > n - 3:
+            return None
+        rows = torch.arange(first, n - 2)  # absolute block positions
+        at = rows[:, None] + torch.arange(1, K + 1)  # label position of depth k
+        valid = at <= n - 2
+        li = (at - self.label_start).clamp(0, ids.shape[0] - 1)
+        return Sample(self.uid, n, torch.as_tensor(tokens[a:])[None], taps[a:].float()[None], rows - a,
+                      ids[li].long(), lps[li].float(), valid)
+
+
+@dataclass
+class Sample:
+    uid: int
+    n: int
+    tokens: torch.Tensor  # [1, W]
+    taps: torch.Tensor  # [1, W-1, n_taps*h]
+    rows: torch.Tensor  # [R] block positions (window-relative)
+    y_ids: torch.Tensor  # [R, K, top_k] the target's top-k ids at each depth's label
+    y_lp: torch.Tensor  # [R, K, top_k] their log-probs
+    valid: torch.Tensor  # [R, K] a label exists
+
+
+def block1_rows(net: SpecBlockNet, taps: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``training.first_block`` restricted to the block rows ``rows``: the context stream runs
+    over every position, the query stream only where there are labels. Returns ``[R, K, h]``."""
+    r, dev = tokens.shape[1] - 1, tokens.device
+    p = torch.arange(r, device=dev)
+    rows = rows.to(dev)
+    g = net.g_from_target(taps[:, :r].to(net.fuse_taps.weight.dtype), tokens[:, 1:])
+    pos_q = (rows[:, None] + torch.arange(1, net.cfg.K + 1, device=dev))[None]
+    visible = (p[None, :] <= rows[:, None])[None]  # block p sees context <= p
+    hq, _ = net.run(g[:, None], p[None, None], net.queries(g[:, rows]), pos_q, None, None, visible)
+    return hq[0]
+
+
+@dataclass
+class _Pending:
+    arm: str
+    before: float  # mean metric of the three windows before the arm was chosen
+    cost_s: float = 0.0
+    applied_at: int | None = None  # window index in progress when the update landed
+
+
+@dataclass
+class _Result:
+    arm: str
+    generation: int
+    seconds: float
+    state: dict | None = None  # trained tensors (float32), None when the update failed
+    error: str | None = None
+
+
+class Adapter(Drafter):
+    """A SpecBlock drafter that adapts itself while serving. Lossless like any drafter: only
+    the proposals change, never the verification."""
+
+    needs_features = True
+
+    def __init__(self, drafter: SpecBlockDrafter, settings: AdaptSettings | None = None,
+                 on_window: Callable[[dict], None] | None = None) -> None:
+        self.inner, self.cfg, self.on_window = drafter, settings or AdaptSettings(), on_window
+        self.name = f"{drafter.name}+adapt"
+        self.tap_layers = drafter.tap_layers
+        self.theta_inf = drafter.net
+        self.theta_0 = copy.deepcopy(self.theta_inf).float().eval().requires_grad_(False)
+        self.theta_train = copy.deepcopy(self.theta_0)
+        self.names = [n for n, _ in self.theta_0.named_parameters() if n != "embed.weight"]
+        self.master = {n: p.detach().clone() for n, p in self.theta_0.named_parameters() if n in self.names}
+        c = self.cfg
+        arms = tuple(c.arms)
+        self.bandit = (FixedArm(arms=arms, arm=arms[0], seed=c.seed) if len(arms) == 1 else
+                       CostAwareBandit(arms=arms, explore=c.explore, cost_weight=c.cost_weight, seed=c.seed))
+        self.rollback = ThreeWindowRollback(tolerance=c.tolerance)
+        self.buffer: deque[QueryRecord] = deque(maxlen=c.buffer)
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._rng = np.random.default_rng(c.seed)
+        self._cache: dict = {}
+        self.generation = 0  # bumped by every rollback: updates trained before it are stale
+        self.backbone_version = 0  # bumped whenever the serving backbone changes
+        self.clear()
+
+    # ------------------------------------------------------------------ bookkeeping
+    def clear(self) -> None:
+        """Forget measurements and signal (e.g. after the CLI's warm-up); weights stay."""
+        if getattr(self, "busy", False):
+            self.wait()  # an update in flight would land on the cleared bookkeeping
+        self.buffer.clear()
+        self.record: QueryRecord | None = None
+        self.windows: list[dict] = []
+        self.win = 0
+        self._w_iters = self._w_tokens = 0
+        self._w_tau = 0.0
+        self._t_win: float | None = None
+        self.pending: _Pending | None = None
+        self.busy = False
+        self.played = {a: 0 for a in ARMS}
+        self.update_s = {a: [] for a in ARMS}
+        self.failures = self.swaps = self.stale = 0
+        self._rebuild = False
+
+    def summary(self) -> dict:
+        cost = {a: round(float(np.mean(v)), 4) for a, v in self.update_s.items() if v}  # mean seconds
+        return {"adapt_windows": self.win, "adapt_arms": dict(self.played), "adapt_update_s": cost,
+                "adapt_swaps": self.swaps, "adapt_rollbacks": self.rollback.rollbacks,
+                "adapt_commits": self.rollback.commits, "adapt_failures": self.failures, "adapt_stale": self.stale}
+
+    # ------------------------------------------------------------------ Drafter API
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def prefill(self, prompt: np.ndarray, features: TargetOutput | None) -> None:
+        self._poll()  # a query boundary: the best moment to swap, nothing to rebuild
+        self._rebuild = False
+        self.record = QueryRecord(prompt, None if features is None else features.taps)
+        with self._lock:
+            self.buffer.append(self.record)
+        if self._t_win is None:
+            self._t_win = time.perf_counter()
+        self.inner.prefill(prompt, features)
+
+    def propose(self, req: DraftRequest) -> DraftTree:
+        if self._poll() or self._rebuild:
+            self._rebuild_cache()
+        return self.inner.propose(req)
+
+    def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
+        self.inner.accept(tree, verdict, features)
+        path = verdict.path
+        lg = features.logits.float()
+        top = lg.topk(min(self.cfg.top_k, lg.shape[-1]), dim=-1)
+        lps = top.values - torch.logsumexp(lg, dim=-1, keepdim=True)
+        nxt = np.append(tree.tokens[path[1:]], verdict.bonus).astype(np.int64)
+        self.record.chunks.append((nxt, features.taps, top.indices.int(), lps, float(tree.max_depth - verdict.accepted)))
+        self._w_iters += 1
+        self._w_tau += verdict.accepted + 1
+        self._w_tokens += verdict.accepted + 1
+        if self._w_iters >= self.cfg.window:
+            self._close_window()
+
+    def wait(self, timeout: float = 60.0) -> bool:
+        """Let the update in flight land and swap it in (tests, benchmarks, shutdown; serving
+        never calls it). True when nothing is left in flight."""
+        if self.busy:
+            try:
+                self._results.put(self._results.get(timeout=timeout))  # peek: _poll takes it
+            except queue.Empty:
+                return False
+            self._poll()
+        return not self.busy
+
+    def close(self) -> None:
+        """Stop the worker (an update in flight finishes first)."""
+        if self._worker is not None:
+            self._jobs.put(None)
+            self._worker.join(timeout=60)
+            self._worker = None
+
+    # ------------------------------------------------------------------ serving side
+    def _rebuild_cache(self) -> None:
+        """Re-run the committed context through the new weights (as a prefill does)."""
+        self._rebuild = False
+        if self.record is None:
+            return
+        tokens, taps = self.record.tokens_and_taps()
+        self.inner.prefill(tokens, None if taps is None else TargetOutput(torch.empty(0), taps=taps))
+
+    def _load_inf(self, state: dict) -> None:
+        params = dict(self.theta_inf.named_parameters())
+        with torch.no_grad():
+            for n, t in state.items():
+                params[n].copy_(t)
+        self._rebuild = True
+
+    def _poll(self) -> bool:
+        """Swap in a finished update, if any (never waits). True when the weights changed."""
+        try:
+            res: _Result = self._results.get_nowait()
+        except queue.Empty:
+            return False
+        self.busy = False
+        self.update_s[res.arm].append(res.seconds)
+        p = self.pending
+        if res.error is not None:
+            self.failures += 1
+            log.warning("adaptation: the %s update failed (%s); serving goes on with the current drafter",
+                        res.arm, res.error)
+        elif res.generation != self.generation:  # trained from weights a rollback has since removed
+            self.stale += 1
+            self.pending = None  # not the arm's fault: the bandit learns nothing from it
+            return False
+        else:
+            previous = self.master
+            with self._lock:
+                self.master = {**previous, **res.state}
+                self.backbone_version += res.arm == "full"
+            self._load_inf(res.state)
+            self.rollback.on_update(previous=previous)
+            self.swaps += 1
+            if p is not None:
+                p.cost_s, p.applied_at = res.seconds, self.win
+            return True
+        if p is not None:  # a failed update: its cost was paid, nothing gained
+            wall = self.windows[-1]["wall_s"] if self.windows else 1.0
+            self.bandit.update(p.arm, 0.0, res.seconds / max(wall, 1e-9))
+            self.pending = None
+        return False
+
+    def _close_window(self) -> None:
+        now = time.perf_counter()
+        wall = now - (self._t_win or now)
+        tau, tps = self._w_tau / self._w_iters, self._w_tokens / max(wall, 1e-9)
+        metric = tau if self.cfg.gain == "tau" else tps
+        rec = {"window": self.win, "tau": round(tau, 4), "tokens_per_s": round(tps, 3), "wall_s": round(wall, 4),
+               "iterations": self._w_iters, "swaps": self.swaps, "judged": None, "gain": None, "cost": None}
+        p = self.pending
+        decision = self.rollback.observe(tau)
+        # An arm is judged on the first whole window after its update landed, or at once when
+        # the rollback condemns it (after that the restored drafter serves, not the update).
+        if p is not None and p.applied_at is not None and (p.applied_at < self.win or decision == "rollback"):
+            gain, cost = (metric - p.before) / max(p.before, 1e-9), p.cost_s / max(wall, 1e-9)
+            rec.update(judged=p.arm, gain=round(gain, 5), cost=round(cost, 5))
+            self.bandit.update(p.arm, gain, cost)
+            self.pending = None
+        rec["rollback"] = decision
+        if decision == "rollback":
+            with self._lock:
+                self.master = self.rollback.good_version
+                self.generation += 1
+                self.backbone_version += 1
+            self._load_inf(self.master)
+        rec["arm"] = None
+        if self.pending is None and not self.busy:
+            hist = [w["tau" if self.cfg.gain == "tau" else "tokens_per_s"] for w in self.windows[-2:]]
+            ref = float(np.mean(hist + [metric]))
+            arm = rec["arm"] = self.bandit.select()
+            self.played[arm] += 1
+            if arm == "skip":
+                self.pending = _Pending(arm, ref, 0.0, applied_at=self.win)
+            else:
+                self.pending = _Pending(arm, ref)
+                self.busy = True
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._work, name="specblock-adapt", daemon=True)
+                    self._worker.start()
+                self._jobs.put((arm, self.generation))
+        self.windows.append(rec)
+        self.win += 1
+        self._w_iters = self._w_tokens = 0
+        self._w_tau = 0.0
+        self._t_win = now
+        if self.on_window is not None:
+            self.on_window(rec)
+
+    # ------------------------------------------------------------------ training side
+    def _work(self) -> None:
+        torch.set_num_threads(self.cfg.threads)  # OpenMP: this thread only
+        dev = next(self.theta_train.parameters()).device
+        stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        while (job := self._jobs.get()) is not None:
+            arm, generation = job
+            t0 = time.perf_counter()
+            try:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    state = self.train_step(arm)
+                    if stream is not None:
+                        stream.synchronize()  # the worker waits for its kernels, never serving
+                self._results.put(_Result(arm, generation, time.perf_counter() - t0, state))
+            except Exception as e:  # noqa: BLE001 - any failure must leave serving running
+                self._results.put(_Result(arm, generation, time.perf_counter() - t0, error=f"{type(e).__name__}: {e}"))
+
+    def _samples(self) -> tuple[list[Sample], np.ndarray, dict, int]:
+        """Frozen samples of the buffered queries, their replay weights (the error signal s)
+        and the serving weights to start from; the lock only covers copying references."""
+        with self._lock:
+            records, master, bb = list(self.buffer), self.master, self.backbone_version
+        K = self.theta_0.cfg.K
+        pairs = [(r, smp) for r in records if (smp := r.sample(K, self.cfg.max_ctx)) is not None]
+        samples = [smp for _, smp in pairs]
+        w = np.array([r.s for r, _ in pairs], dtype=float) + 1e-3
+        keep = {(smp.uid, smp.n) for smp in samples}
+        self._cache = {k: v for k, v in self._cache.items() if k[1:3] in keep}
+        return samples, w / w.sum(), master, bb
+
+    def train_step(self, arm: str) -> dict:
+        """One update of ``arm``: ``steps`` Adam steps (a fresh optimiser: every update starts
+        from the weights now serving) on queries drawn from the buffer with probability
+        proportional to their error signal s. Returns the trained tensors (float32)."""
+        samples, weights, master, bb = self._samples()
+        net = self.theta_train
+        params = dict(net.named_parameters())
+        with torch.no_grad():
+            for n, t in master.items():
+                params[n].copy_(t)
+        names = [n for n in self.names if arm == "full" or n.startswith(HEAD_PREFIXES)]
+        for n, p in params.items():
+            p.requires_grad_(n in names)
+        if not samples:
+            return {}
+        opt = torch.optim.Adam([params[n] for n in names], lr=self.cfg.lr_full if arm == "full" else self.cfg.lr_heads)
+        for _ in range(self.cfg.steps):
+            pick = self._rng.choice(len(samples), size=min(self.cfg.batch, len(samples)), replace=False, p=weights)
+            loss = sum(self.sample_loss(net, samples[i], arm, bb) for i in pick) / len(pick)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        net.requires_grad_(False)
+        return {n: params[n].detach().clone() for n in names}
+
+    def _cached(self, key: tuple, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if key not in self._cache:
+            with torch.no_grad():
+                self._cache[key] = fn()
+        return self._cache[key]
+
+    def sample_loss(self, net: SpecBlockNet, s: Sample, arm: str, bb: int) -> torch.Tensor:
+        """Masked draft loss + rank loss + lam * KL to theta_0 on one query.
+
+        Depth by depth, only the rows the valid-prefix mask keeps get V-sized logits (the same
+        mask and per-depth normalisation as ``training.losses.block_loss``; with a weak drafter
+        most deep positions are masked, so this skips most LM-head work)."""
+        dev = next(net.parameters()).device
+        args = (s.taps.to(dev), s.tokens.to(dev), s.rows)
+        if arm == "full":
+            hq = block1_rows(net, *args)
+        else:  # the backbone is frozen in a heads update: its states are reused across updates
+            hq = self._cached(("hq", s.uid, s.n, bb), lambda: block1_rows(net, *args))
+        h0 = self._cached(("h0", s.uid, s.n), lambda: self.theta_0.norm(block1_rows(self.theta_0, *args)))
+        w0 = self.theta_0.lm_head.weight
+        alive = s.valid[:, 0].to(dev)
+        total = hq.new_zeros(())
+        for k in range(net.cfg.K):
+            idx = alive.nonzero()[:, 0]
+            if idx.numel() == 0:
+                break
+            logits, rank_logits, _, lse = net.heads(hq[idx, k], with_lse=True)
+            ids, p_star = s.y_ids[idx.cpu(), k].to(dev), s.y_lp[idx.cpu(), k].to(dev).softmax(-1)
+            ce = lse - (p_star * logits.gather(-1, ids)).sum(-1)  # soft CE vs the renormalised top-k
+            rank = rank_of(logits.detach(), ids[:, 0])
+            rank_ce = F.cross_entropy(rank_logits.float(), bucket_of(rank))
+            logq = logits - lse[:, None]
+            logq0 = (h0[idx, k] @ w0.T).float().log_softmax(-1)
+            kl = (logq.exp() * (logq - logq0)).sum(-1)
+            total = total + ce.mean() + self.cfg.rank_weight * rank_ce + self.cfg.lam * kl.mean()
+            if k + 1 < net.cfg.K:
+                nxt = torch.zeros_like(alive)
+                nxt[idx[rank == 0]] = True
+                alive = nxt & s.valid[:, k + 1].to(dev)
+        return total
+

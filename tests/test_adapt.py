@@ -1,0 +1,209 @@
+"""Serving-time adaptation: the signal is what verification computed, outputs stay identical to
+greedy decoding while updates land mid-query, a crashed update is reported once and serving goes
+on, a harmful update is rolled back within three windows, and the bandit skips updates that cost
+more than they gain. (Bandit and rollback rules alone: test_bandit.py, test_rollback.py.)"""
+
+import json
+import logging
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from specblock.policies.branching import RankBucketBranching
+from specblock.runtime.adapt import Adapter, AdaptSettings, block1_rows
+from specblock.runtime.cli import main
+from specblock.runtime.drafters.specblock import SpecBlockDrafter
+from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
+from specblock.runtime.engine import Engine
+from specblock.runtime.target import TargetModel, default_taps
+from specblock.training.specblock_step import first_block, target_pass
+from tiny import hf_greedy, save_tiny, tiny_model
+
+V = 32
+GOOD_BUCKETS = torch.tensor([0.0, 0.0, 20.0, 0.0])  # always b2: wide trees, tau well above 1
+CUT_BUCKETS = torch.tensor([-20.0, -20.0, -20.0, 20.0])  # always b3: width 0, root-only trees
+
+
+def make_net(target_model, taps, seed=0) -> SpecBlockNet:
+    cfg = SpecBlockConfig(vocab_size=V, hidden_size=32, num_heads=4, intermediate_size=64, tap_layers=taps)
+    torch.manual_seed(seed)
+    net = SpecBlockNet(cfg)
+    net.tie_to_target(target_model)
+    with torch.no_grad():
+        net.rank_head[2].bias.copy_(GOOD_BUCKETS)
+    return net.eval()
+
+
+def setup(seed=0, **kw):
+    model = tiny_model("llama", vocab=V, seed=seed, layers=3)
+    target = TargetModel(model)
+    drafter = SpecBlockDrafter(make_net(model, target.tap_layers, seed), policy=RankBucketBranching((2, 4, 10, 0)))
+    settings = AdaptSettings(**{"window": 3, "steps": 1, "batch": 2, "buffer": 8, "max_ctx": 64, "top_k": 8, **kw})
+    adapter = Adapter(drafter, settings)
+    return model, target, adapter, Engine(target, adapter, budget=16)
+
+
+def prompts(n=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, V, int(rng.integers(1, 12))) for _ in range(n)]
+
+
+def test_block1_rows_is_first_block_on_those_rows():
+    model = tiny_model("qwen2", vocab=V, layers=3)
+    net = make_net(model, TargetModel(model).tap_layers)
+    tokens = torch.as_tensor(np.random.default_rng(1).integers(2, V, 20))[None]
+    with torch.no_grad():
+        tp = target_pass(model, tokens, TargetModel(model).tap_layers)
+        full, _ = first_block(net, tp.taps, tokens)
+        rows = torch.tensor([0, 5, 6, 17])
+        torch.testing.assert_close(block1_rows(net, tp.taps, tokens, rows), full[0, rows], atol=1e-5, rtol=1e-5)
+
+
+def test_signal_is_what_verification_computed():
+    """Taps at every committed position and the target's top-k at every generated one, equal to
+    a fresh full-sequence target pass: the signal needs no extra target forward."""
+    model, target, adapter, engine = setup(arms=("skip",))
+    prompt = prompts(1, seed=3)[0]
+    res = engine.generate(prompt, 20)
+    rec = adapter.record
+    tokens, taps = rec.tokens_and_taps()
+    assert tokens.tolist() == prompt.tolist() + res.token_ids[: len(tokens) - len(prompt)]
+    with torch.no_grad():
+        ref = target_pass(model, torch.as_tensor(tokens)[None], target.tap_layers)
+    torch.testing.assert_close(taps, ref.taps[0, :-1], atol=1e-4, rtol=1e-4)
+    smp = rec.sample(K=4, max_ctx=10_000)
+    pos = smp.rows + 1  # depth-1 label position of each block
+    assert smp.y_ids[:, 0, 0].tolist() == ref.y_star[0, pos].tolist()
+    assert rec.s == sum(d - a for d, a in zip(res.stats.tree_depth, res.stats.accepted))
+
+
+@pytest.mark.parametrize("arms", [("heads",), ("full",), ("skip", "heads", "full")])
+def test_greedy_output_unchanged_while_updates_land_mid_query(arms):
+    model, target, adapter, engine = setup(arms=arms)
+    # Waiting in the serving thread is for the test only: it makes updates land between the
+    # iterations of a query (the drafter's cache is then rebuilt under the new weights).
+    for p in prompts(4):
+        res = engine.generate(p, 30, on_tokens=lambda _: adapter.wait(10))
+        assert res.token_ids == hf_greedy(model, p, 30)
+    adapter.close()
+    assert adapter.swaps >= (2 if len(arms) == 1 else 1) and adapter.failures == 0
+    if arms == ("heads",):  # heads-only moved the output side and left the backbone alone
+        served, base = adapter.theta_inf, adapter.theta_0
+        assert not torch.equal(served.lm_head.weight.float(), base.lm_head.weight)
+        assert torch.equal(served.layers[0].qkv.weight.float(), base.layers[0].qkv.weight)
+
+
+def test_crashed_update_is_reported_once_and_serving_goes_on(monkeypatch, caplog):
+    calls = []
+    real = Adapter.train_step
+
+    def crash_first(self, arm):
+        calls.append(arm)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real(self, arm)
+
+    monkeypatch.setattr(Adapter, "train_step", crash_first)
+    model, target, adapter, engine = setup(arms=("heads",))
+    with caplog.at_level(logging.WARNING, logger="specblock.runtime.adapt"):
+        for p in prompts(3, seed=1):
+            res = engine.generate(p, 25, on_tokens=lambda _: adapter.wait(10))
+            assert res.token_ids == hf_greedy(model, p, 25)
+    adapter.close()
+    failed = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert len(failed) == 1 and "boom" in failed[0].getMessage()
+    assert adapter.failures == adapter.summary()["adapt_failures"] == 1
+    assert len(calls) > 1 and adapter.swaps >= 1  # adaptation went on after the crash
+
+
+def test_harmful_update_is_rolled_back_within_three_windows(monkeypatch):
+    def scramble_once(self, arm):
+        first = not getattr(self, "_scrambled", False)
+        self._scrambled = True
+        return {"rank_head.2.bias": CUT_BUCKETS.clone()} if first else {}
+
+    monkeypatch.setattr(Adapter, "train_step", scramble_once)
+    model, target, adapter, engine = setup(arms=("heads",), window=4)
+    for p in prompts(5, seed=2):
+        res = engine.generate(p, 30)
+        assert res.token_ids == hf_greedy(model, p, 30)
+    adapter.close()
+    w = adapter.windows
+    landed = next(i for i, x in enumerate(w) if x["swaps"] >= 1)  # the scrambling update
+    rolled = next(i for i, x in enumerate(w) if x["rollback"] == "rollback")
+    assert landed <= rolled <= landed + 2  # judged on the window it landed in and the next two
+    assert torch.equal(adapter.theta_inf.rank_head[2].bias.float(), adapter.theta_0.rank_head[2].bias)
+    assert res.stats.tree_size[-1] > 1  # the restored drafter drafts again (the scrambled one could not)
+
+
+def test_bandit_skips_updates_that_cost_more_than_they_gain(monkeypatch):
+    def slow_and_useless(self, arm):
+        time.sleep(0.15)  # measured cost: many windows of wall time; no change to the drafter
+        return {}
+
+    monkeypatch.setattr(Adapter, "train_step", slow_and_useless)
+    model, target, adapter, engine = setup(window=2)
+    for p in prompts(8, seed=4):
+        engine.generate(p, 30)
+    adapter.wait(10)
+    adapter.close()
+    b = adapter.bandit
+    assert b.value("skip") > max(b.value("heads"), b.value("full"))
+    played = adapter.played
+    assert played["heads"] >= 1 and played["full"] >= 1  # each explored once
+    assert played["skip"] > 2 * (played["heads"] + played["full"])
+
+
+# ---------------------------------------------------------------------------------- CLI
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapt")
+    target_dir = save_tiny(root / "target", "llama", vocab=96, ctx=128)
+    model = tiny_model("llama", vocab=96, ctx=128)
+    cfg = SpecBlockConfig(vocab_size=96, hidden_size=32, num_heads=4, intermediate_size=64, tap_layers=default_taps(2))
+    net = SpecBlockNet(cfg)
+    net.tie_to_target(model)
+    net.save(root / "drafter")
+    prompts_file = root / "p.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("abcabc", "hello there", "def f(x):")))
+    return target_dir, root / "drafter", prompts_file
+
+
+def cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_adapt_json_reports_windows_and_stays_identical(dirs, capsys):
+    target_dir, drafter_dir, pf = dirs
+    code, out, err = cli(capsys, "--target", target_dir, "--method", "specblock", "--drafter", drafter_dir,
+                         "--prompt-file", pf, "--max-new-tokens", 20, "--dtype", "float32", "--json",
+                         "--compare", "ar", "--adapt", "--adapt-window", 3, "--adapt-arms", "skip,heads")
+    assert code == 0, err
+    recs = [json.loads(x) for x in out.strip().splitlines()]
+    assert all(r["identical_to_ar"] for r in recs)
+    windows = sum((r["adapt_windows"] for r in recs[:-1]), [])
+    assert windows and {"window", "tau", "tokens_per_s", "arm", "rollback"} <= windows[0].keys()
+    assert recs[-1]["adapt_windows"] == len(windows) and set(recs[-1]["adapt_arms"]) >= {"skip", "heads"}
+
+
+def test_cli_adapt_text_mode_prints_windows_to_stderr(dirs, capsys):
+    target_dir, drafter_dir, pf = dirs
+    code, out, err = cli(capsys, "--target", target_dir, "--method", "specblock", "--drafter", drafter_dir,
+                         "--prompt-file", pf, "--max-new-tokens", 12, "--dtype", "float32", "--adapt", "--adapt-window", 4)
+    assert code == 0 and "[adapt] window 0: tau" in err and "tokens/s" in err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--method", "lookup", "--adapt"], "--adapt"),
+    (["--method", "specblock", "--adapt", "--adapt-arms", "skip,bogus"], "--adapt-arms"),
+    (["--method", "specblock", "--adapt", "--adapt-arms", "heads,heads"], "--adapt-arms"),
+    (["--method", "specblock", "--adapt", "--adapt-window", "1"], "--adapt-window"),
+    (["--method", "specblock", "--adapt", "--adapt-lambda", "-0.5"], "--adapt-lambda"),
+])
+def test_cli_bad_adapt_settings_are_one_line_and_status_2(dirs, capsys, args, needle):
+    code, _, err = cli(capsys, "--target", dirs[0], "--prompt", "x", *args)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
