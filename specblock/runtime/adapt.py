@@ -211,8 +211,7 @@ class Adapter(Drafter):
         self.record: QueryRecord | None = None
         self.windows: list[dict] = []
         self.win = 0
-        self._w_iters = self._w_tokens = 0
-        self._w_tau = 0.0
+        self._w_iters = self._w_tokens = 0  # tokens = sum of (accepted + 1): tau's numerator
         self._t_win: float | None = None
         self.pending: _Pending | None = None
         self.busy = False
@@ -255,7 +254,6 @@ class Adapter(Drafter):
         nxt = np.append(tree.tokens[path[1:]], verdict.bonus).astype(np.int64)
         self.record.chunks.append((nxt, features.taps, top.indices.int(), lps, float(tree.max_depth - verdict.accepted)))
         self._w_iters += 1
-        self._w_tau += verdict.accepted + 1
         self._w_tokens += verdict.accepted + 1
         if self._w_iters >= self.cfg.window:
             self._close_window()
@@ -331,7 +329,7 @@ class Adapter(Drafter):
     def _close_window(self) -> None:
         now = time.perf_counter()
         wall = now - (self._t_win or now)
-        tau, tps = self._w_tau / self._w_iters, self._w_tokens / max(wall, 1e-9)
+        tau, tps = self._w_tokens / self._w_iters, self._w_tokens / max(wall, 1e-9)
         metric = tau if self.cfg.gain == "tau" else tps
         rec = {"window": self.win, "tau": round(tau, 4), "tokens_per_s": round(tps, 3), "wall_s": round(wall, 4),
                "iterations": self._w_iters, "swaps": self.swaps, "judged": None, "gain": None, "cost": None}
@@ -369,7 +367,6 @@ class Adapter(Drafter):
         self.windows.append(rec)
         self.win += 1
         self._w_iters = self._w_tokens = 0
-        self._w_tau = 0.0
         self._t_win = now
         if self.on_window is not None:
             self.on_window(rec)
