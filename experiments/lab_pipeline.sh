@@ -35,10 +35,11 @@ if [[ $step == all || $step == measure ]]; then
   $PY -m specblock.runtime bench --methods ar,lookup,specblock,specblock@m1,specblock@topk2 \
       --set specblock@m1:M=1 --set specblock@topk2:widths=2,2,2,2 \
       --prompts 3 --runs 3 --max-new-tokens 64 --out experiments/results/bench_specblock --trace-dir runs/traces
-  $PY experiments/engine_overhead.py --reps 100
+  $PY experiments/engine_overhead.py --reps 300
   $PY experiments/target_speed.py --reps 7
   $PY experiments/specblock_eval.py --bench experiments/results/bench_specblock.json \
       --latency specblock/sim/data/latency_cpu.json --windows 8
   $PY experiments/sim_fidelity.py
+  $PY experiments/sim_fidelity.py --draft-overhead traces --out experiments/results/sim_fidelity_draftfit
   $PY experiments/target_card.py --windows 12
 fi
