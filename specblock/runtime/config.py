@@ -60,7 +60,7 @@ class RunConfig(BaseModel):
     def _resolve_method(self) -> "RunConfig":
         if self.method == "auto":
             # lookup measured 1.54x mean Spd on the lab target, the shipped (undertrained) SpecBlock
-            # drafter 0.55x: auto picks lookup until a trained drafter beats it in that benchmark.
+            # drafter 0.52x: auto picks lookup until a trained drafter beats it in that benchmark.
             self.method = "lookup"
         return self
 
