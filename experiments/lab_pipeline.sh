@@ -31,7 +31,7 @@ fi
 if [[ $step == all || $step == measure ]]; then
   # On a quiet machine: every figure below is a timing.
   rm -rf runs/traces
-  $PY -m specblock.runtime calibrate --out specblock/sim/data/latency_cpu.json --reps 9
+  $PY -m specblock.runtime calibrate --out specblock/sim/data/latency_cpu.json --reps 45
   $PY -m specblock.runtime bench --methods ar,lookup,specblock,specblock@m1,specblock@topk2 \
       --set specblock@m1:M=1 --set specblock@topk2:widths=2,2,2,2 \
       --prompts 3 --runs 3 --max-new-tokens 64 --out experiments/results/bench_specblock --trace-dir runs/traces

@@ -11,7 +11,7 @@ from tiny import tiny_model
 
 
 def test_specblock_timing_has_k_and_propose_overhead(tmp_path):
-    model = tiny_model("llama", vocab=32, seed=0, layers=3)
+    model = tiny_model("llama", vocab=32, seed=0, layers=3, ctx=512)
     target = TargetModel(model)
     cfg = SpecBlockConfig(vocab_size=32, hidden_size=32, num_heads=4, intermediate_size=64, tap_layers=target.tap_layers)
     torch.manual_seed(0)

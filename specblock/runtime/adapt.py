@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 import logging
 import queue
 import threading
@@ -50,6 +49,7 @@ from specblock.policies.rollback import ThreeWindowRollback
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
+from specblock.runtime.adapt_signal import QueryRecord, Sample, block1_rows
 from specblock.runtime.drafters.specblock_net import SpecBlockNet
 from specblock.runtime.target import TargetOutput
 from specblock.runtime.verify import Verdict
@@ -58,7 +58,6 @@ from specblock.training.losses import bucket_of, rank_of
 log = logging.getLogger(__name__)
 
 HEAD_PREFIXES = ("lm_head.", "norm.", "rank_head.")  # the heads arm; full trains all but embed.weight
-_uids = itertools.count()
 
 
 @dataclass
@@ -86,71 +85,6 @@ class AdaptSettings:
     def __post_init__(self) -> None:
         if not self.arms or set(self.arms) - set(ARMS) or self.gain not in ("tau", "tps") or self.window < 1:
             raise ValueError(f"bad adaptation settings: arms {self.arms} (of {ARMS}), gain {self.gain!r}, window {self.window}")
-
-
-class QueryRecord:
-    """One query's signal. Chunks are appended whole by the serving thread (one atomic list
-    append), so the worker can copy the list at any time and see a consistent prefix."""
-
-    def __init__(self, prompt: np.ndarray, taps: torch.Tensor | None) -> None:
-        self.uid = next(_uids)
-        self.label_start = len(prompt) - 1  # first position with the target's distribution
-        # chunks: (tokens, taps, top-k ids, top-k log-probs, s) per iteration, the prompt first
-        self.chunks: list[tuple] = [(np.asarray(prompt, dtype=np.int64), taps, None, None, 0.0)]
-
-    @property
-    def s(self) -> float:
-        return float(sum(c[4] for c in list(self.chunks)))
-
-    def tokens_and_taps(self) -> tuple[np.ndarray, torch.Tensor | None]:
-        ch = list(self.chunks)
-        taps = [c[1] for c in ch if c[1] is not None]
-        return np.concatenate([c[0] for c in ch]), torch.cat(taps) if taps else None
-
-    def sample(self, K: int, max_ctx: int) -> "Sample | None":
-        """Frozen tensors for teacher forcing block 1 at every generated position (None: no label yet)."""
-        ch = list(self.chunks)
-        if len(ch) < 2:
-            return None
-        tokens = np.concatenate([c[0] for c in ch])
-        taps = torch.cat([c[1] for c in ch if c[1] is not None])
-        ids, lps = torch.cat([c[2] for c in ch[1:]]), torch.cat([c[3] for c in ch[1:]])
-        n = len(tokens)  # taps: positions 0..n-2; labels: label_start..n-2
-        a = max(0, n - max_ctx)
-        first = max(self.label_start - 1, a)  # block at p predicts p+1..p+K from labels at p+1..
-        if first > n - 3:
-            return None
-        rows = torch.arange(first, n - 2)  # absolute block positions
-        at = rows[:, None] + torch.arange(1, K + 1)  # label position of depth k
-        valid = at <= n - 2
-        li = (at - self.label_start).clamp(0, ids.shape[0] - 1)
-        return Sample(self.uid, n, torch.as_tensor(tokens[a:])[None], taps[a:].float()[None], rows - a,
-                      ids[li].long(), lps[li].float(), valid)
-
-
-@dataclass
-class Sample:
-    uid: int
-    n: int
-    tokens: torch.Tensor  # [1, W]
-    taps: torch.Tensor  # [1, W-1, n_taps*h]
-    rows: torch.Tensor  # [R] block positions (window-relative)
-    y_ids: torch.Tensor  # [R, K, top_k] the target's top-k ids at each depth's label
-    y_lp: torch.Tensor  # [R, K, top_k] their log-probs
-    valid: torch.Tensor  # [R, K] a label exists
-
-
-def block1_rows(net: SpecBlockNet, taps: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``training.first_block`` restricted to the block rows ``rows``: the context stream runs
-    over every position, the query stream only where there are labels. Returns ``[R, K, h]``."""
-    r, dev = tokens.shape[1] - 1, tokens.device
-    p = torch.arange(r, device=dev)
-    rows = rows.to(dev)
-    g = net.g_from_target(taps[:, :r].to(net.fuse_taps.weight.dtype), tokens[:, 1:])
-    pos_q = (rows[:, None] + torch.arange(1, net.cfg.K + 1, device=dev))[None]
-    visible = (p[None, :] <= rows[:, None])[None]  # block p sees context <= p
-    hq, _ = net.run(g[:, None], p[None, None], net.queries(g[:, rows]), pos_q, None, None, visible)
-    return hq[0]
 
 
 @dataclass
