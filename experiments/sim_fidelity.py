@@ -33,12 +33,24 @@ Choices, and why:
   bench_specblock.json, next to 5.3 ms for the forward itself. ``--draft-overhead traces``
   charges it in the sim (the Spd comparison then leans on the same traces for drafting cost
   too: say so next to any number it produces);
+* latency from traces (``--latency-from traces``, issue 7): calibrate's isolated timings run
+  faster than the same work in the decode loop (traces' verify ms ~20-25% above calibrate's
+  forward for the same tree, AR likewise), and calibrate itself varies ~10-20% run to run. This
+  option prices the sim with ``specblock/sim/tracelat.py``'s fit instead: tree forward
+  ``a + b*n + c*ctx`` from ``verify_s``, AR ms per token ``a + c*ctx`` from the ``ar`` traces,
+  glue = mean ``commit_s`` of the row's method, drafting = calibrate's drafter curve plus the
+  per-forward host cost fitted as in ``--draft-overhead traces`` for the row's method. Split:
+  leave-one-domain-out: a row of domain D is priced by a fit on the traces of every other domain
+  (all methods for the forward lines, ``ar`` for AR, the row's own method for glue and drafting
+  cost), so no row's Spd is predicted from its own timings (lookup's replay still uses its own
+  n-gram search times, as in every mode). With a single domain there is nothing to leave out: the
+  fit is in-sample and a warning says so;
 * traces are opened in append mode by the bench: files holding more generations than the bench
   had prompts are stale appends, and only the last ``prompts`` generations are used (warned).
 
     .venv/bin/python experiments/sim_fidelity.py [--bench B.json] [--traces DIR] [--latency L.json]
         [--out experiments/results/sim_fidelity] [--requests 40] [--n-seeds 3] [--tree-pool 1024]
-        [--draft-overhead calibrate|traces]
+        [--draft-overhead calibrate|traces] [--latency-from calibrate|traces]
 
 Writes OUT.{json,csv,md,png}. Missing or bad inputs: one line on stderr, status 2.
 """
@@ -58,6 +70,7 @@ from specblock.runtime.config import DEFAULT_DRAFTERS, RunConfig
 from specblock.sim.config import SimConfig
 from specblock.sim.latency import CalibratedLatency, load_measurements
 from specblock.sim.sweep import run_config
+from specblock.sim.tracelat import fit_trace_latency, latency_json
 from specblock.sim.traces import TraceRecord, has_cuts, specblock_forwards
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,7 +141,8 @@ def _err(sim: float | None, meas: float | None) -> float | None:
 
 
 def compare(bench_path: Path, trace_dir: Path, latency_path: Path, requests: int = 40, n_seeds: int = 3,
-            tree_pool: int = 1024, seed: int = 0, draft_overhead: str = "calibrate") -> dict:
+            tree_pool: int = 1024, seed: int = 0, draft_overhead: str = "calibrate",
+            latency_from: str = "calibrate") -> dict:
     """Every (method, domain) of the bench, measured next to simulated."""
     bench = json.loads(bench_path.read_text())
     meas_lat = load_measurements(latency_path)
@@ -152,11 +166,15 @@ def compare(bench_path: Path, trace_dir: Path, latency_path: Path, requests: int
             lat.drafters["specblock"].overhead_ms = max(overhead, 0.0)
             lat_file = Path(td) / "latency.json"
             lat_file.write_text(lat.model_dump_json())
+        split = None
+        if latency_from == "traces":
+            split = trace_latencies(jobs, trace_dir, meas_lat, prompts, Path(td), warnings)
         rows = _simulate(jobs, rows_in, lat_file, meas_lat, Path(td), skipped,
                          dict(requests=requests, n_seeds=n_seeds, tree_pool=tree_pool, seed=seed))
     return {"inputs": {"bench": str(bench_path), "traces": str(trace_dir), "latency": str(latency_path),
                        "requests": requests, "n_seeds": n_seeds, "tree_pool": tree_pool, "seed": seed,
-                       "draft_overhead": draft_overhead},
+                       "draft_overhead": draft_overhead, "latency_from": latency_from},
+            "trace_latency_split": split,
             "bench_config": cfg, "latency_device": meas_lat.device, "overhead_ms": meas_lat.overhead_ms,
             "draft_overhead_ms_traces": None if overhead is None else round(overhead, 3),
             "goal": {"spd_tol": SPD_TOL, "tau_tol": TAU_TOL, "rows": len(rows),
@@ -216,6 +234,41 @@ def draft_overhead_ms(jobs: list[dict], lat: CalibratedLatency) -> float | None:
     return num / den if den else None
 
 
+def trace_latencies(jobs: list[dict], trace_dir: Path, meas_lat, prompts: int, tmp: Path,
+                    warnings: list[str]) -> str:
+    """Per job, a latency JSON fitted from the traces of the other domains (``tracelat``); sets
+    ``lat_file`` / ``lat_meas`` / ``lat_fit`` on each job and returns the split used."""
+    domains = sorted({j["domain"] for j in jobs})
+    ar_recs = {}
+    for d in domains:
+        ap = trace_dir / f"ar.{d}.jsonl"
+        ar_recs[d] = [TraceRecord.model_validate_json(x) for x in read_generations(ap, prompts)[0]] if ap.is_file() else []
+    lodo = len(domains) > 1
+    if not lodo:
+        warnings.append("--latency-from traces: one domain only, the latency fit is in-sample (the row's own timings)")
+    calib = CalibratedLatency(meas_lat)
+    for j in jobs:
+        train = [k for k in jobs if k["domain"] != j["domain"]] if lodo else jobs
+        same = [k for k in train if k["method"] == j["method"]] or train
+        fit = fit_trace_latency([r for k in train for r in k["recs"]],
+                                [r for d in domains if not lodo or d != j["domain"] for r in ar_recs[d]],
+                                [r for k in same for r in k["recs"]])
+        name = j["method_cfg"]["name"]
+        oh = None
+        if name == "specblock":
+            oh = draft_overhead_ms([k for k in same if k["method_cfg"]["name"] == "specblock"], calib)
+            if oh is None:
+                oh = draft_overhead_ms(train, calib)
+        lat = latency_json(meas_lat, fit, {name: oh} if oh is not None else None)
+        j["lat_file"] = tmp / f"latency.{j['method']}.{j['domain']}.json"
+        j["lat_file"].write_text(lat.model_dump_json())
+        j["lat_meas"] = lat
+        j["lat_fit"] = {"tree_ms_a_b_c": [round(x, 5) for x in fit.tree], "ar_ms_a_c": [round(x, 6) for x in fit.ar],
+                        "glue_ms": round(fit.glue_ms, 4), "draft_overhead_ms": None if oh is None else round(oh, 4),
+                        "fit_domains": sorted({k["domain"] for k in train}), "n_tree": fit.n_tree, "n_ar": fit.n_ar}
+    return "leave-one-domain-out" if lodo else "in-sample (one domain)"
+
+
 def _simulate(jobs: list[dict], rows_in: dict, latency_path: Path, meas_lat, tmp: Path, skipped: list[dict],
               sim: dict) -> list[dict]:
     """Measured vs simulated rows; the fitted trace subsets go to ``tmp``."""
@@ -233,7 +286,7 @@ def _simulate(jobs: list[dict], rows_in: dict, latency_path: Path, meas_lat, tmp
         ta, ar_row = ar[domain], rows_in.get(("ar", domain))
         tokens = max(int(round(r["new_tokens"] / prompts)), 1)
         sc = SimConfig.model_validate({
-            "preset": "cpu-calibrated", "latency_file": str(latency_path), "method": j["method_cfg"],
+            "preset": "cpu-calibrated", "latency_file": str(j.get("lat_file", latency_path)), "method": j["method_cfg"],
             "acceptance": {"kind": "traces", "traces": [str(fitted)], "benchmark": domain},
             "workload": {"requests": sim["requests"], "tokens": tokens, "prompt_len": max(int(round(ts["ctx"] - tokens / 2)), 0)},
             "seed": sim["seed"], "n_seeds": sim["n_seeds"], "tree_pool": sim["tree_pool"]})
@@ -257,11 +310,13 @@ def _simulate(jobs: list[dict], rows_in: dict, latency_path: Path, meas_lat, tmp
             "tree_meas": r.get("mean_tree_size", round(ts["tree"], 2)), "tree_sim": round(s["tree_size"], 2),
             "draft_ms_meas": round(ts["draft_ms"], 3), "draft_ms_sim": round(s["t_draft_ms"], 3),
             "verify_ms_meas": round(ts["verify_ms"], 3), "verify_ms_sim": round(s["t_verify_ms"], 3),
-            "glue_ms_meas": round(ts["glue_ms"], 3), "glue_ms_sim": round(meas_lat.overhead_ms, 3),
+            "glue_ms_meas": round(ts["glue_ms"], 3), "glue_ms_sim": round(j.get("lat_meas", meas_lat).overhead_ms, 3),
             "ar_ms_meas": round(1e3 * ta["loop_s"] / ta["iterations"], 3) if ta else None,
             "ar_ms_sim": round(s["ar_tpot_ms"], 3), "ctx_mean": round(ts["ctx"], 1),
             "prompt_len": sc.workload.prompt_len, "tokens": tokens, "trace_iterations": ts["iterations"],
             "sim_iterations": s["iterations"], "sim_method": j["method_cfg"], "notes": j["notes"] + list(sim_notes)})
+        if "lat_fit" in j:
+            row["latency_fit"] = j["lat_fit"]
         rows.append(row)
     return rows
 
@@ -293,6 +348,22 @@ def markdown(res: dict) -> str:
         lines.append(f"\nDrafting ms per SpecBlock forward that the latency JSON does not price (traces, least "
                      f"squares): {res['draft_overhead_ms_traces']:.2f}; charged in the sim: "
                      f"{'yes' if res['inputs'].get('draft_overhead') == 'traces' else 'no'}.")
+    if res["inputs"].get("latency_from") == "traces":
+        lines.append(f"\nLatency: fitted from runtime traces (--latency-from traces), split: "
+                     f"{res.get('trace_latency_split')}: each row is priced by a fit on the other domains' traces "
+                     "(tree forward a + b*n + c*ctx from verify_s, all methods; AR ms/token a + c*ctx from ar; glue = "
+                     "mean commit_s and drafting ms per forward from the row's method; calibrate's drafter curve kept). "
+                     "lookup's replay uses its own n-gram search times.")
+        lines += ["", "| method | domain | fit domains | tree ms a / b per n / c per ctx | AR ms a / c per ctx | glue ms | draft +ms/fwd |",
+                  "|---" * 7 + "|"]
+        for r in res["rows"]:
+            fz = r.get("latency_fit")
+            if fz:
+                a, b, c = fz["tree_ms_a_b_c"]
+                oh = "-" if fz["draft_overhead_ms"] is None else f"{fz['draft_overhead_ms']:.2f}"
+                lines.append(f"| {r['method']} | {r['domain']} | {','.join(fz['fit_domains'])} | {a:.2f} / {b:.3f} / "
+                             f"{1e3 * c:.2f}e-3 | {fz['ar_ms_a_c'][0]:.2f} / {1e3 * fz['ar_ms_a_c'][1]:.2f}e-3 "
+                             f"| {fz['glue_ms']:.2f} | {oh} |")
     for s in res["skipped"]:
         lines.append(f"\nSkipped {s['method']}/{s['domain']} (measured {s['spd_meas']:.3f}x / tau {s['tau_meas']:.3f}): {s['reason']}")
     lines += ["", "Spd meas: the bench's (wall time, prefill included); Spd dec. meas: decode loop only, from run-1 "
@@ -302,7 +373,7 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, title: str = "sim fidelity: cpu-calibrated sim vs runtime bench") -> None:
     """Simulated against measured Spd and tau, with the goal's tolerance band around y = x."""
     import matplotlib
 
@@ -323,7 +394,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set(xlim=(lo, hi), ylim=(lo, hi), xlabel=f"measured {lab}", ylabel=f"simulated {lab}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
-    fig.suptitle("sim fidelity: cpu-calibrated sim vs runtime bench", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -338,7 +409,8 @@ def write_outputs(res: dict, out: Path) -> list[Path]:
         w.writeheader()
         w.writerows(res["rows"])
     files[2].write_text(markdown(res))
-    plot(res["rows"], files[3])
+    plot(res["rows"], files[3], *(["sim fidelity: trace-fitted latency (leave-one-domain-out) vs runtime bench"]
+                                   if res["inputs"].get("latency_from") == "traces" else []))
     return files
 
 
@@ -354,12 +426,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--draft-overhead", choices=["calibrate", "traces"], default="calibrate",
                     help="per-forward host drafting cost: the latency JSON's (calibrate) or fitted from the traces")
+    ap.add_argument("--latency-from", choices=["calibrate", "traces"], default="calibrate",
+                    help="price the sim with the latency JSON (calibrate) or a fit of the runtime traces of the other "
+                         "domains (traces; leave-one-domain-out, see the docstring)")
     a = ap.parse_args(argv)
     try:
         for p, what in ((a.bench, "bench JSON"), (a.traces, "trace directory")):
             if not p.exists():
                 raise FileNotFoundError(f"{what} {p} not found")
-        res = compare(a.bench, a.traces, a.latency, a.requests, a.n_seeds, a.tree_pool, a.seed, a.draft_overhead)
+        res = compare(a.bench, a.traces, a.latency, a.requests, a.n_seeds, a.tree_pool, a.seed, a.draft_overhead,
+                      a.latency_from)
     except (FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2

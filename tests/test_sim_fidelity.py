@@ -136,3 +136,80 @@ def test_drafting_cost_missing_from_the_latency_json_is_estimated_from_traces(tm
     sb2 = next(r for r in fitted["rows"] if r["method"] == "specblock")
     assert abs(sb2["spd_err"]) < 0.02 and sb2["draft_ms_sim"] == pytest.approx(sb2["draft_ms_meas"], rel=0.05)
     assert fitted["inputs"]["draft_overhead"] == "traces"
+
+
+def _rec(ctx, n, verify_ms, commit_ms=0.3, draft_ms=0.0):
+    from specblock.sim.traces import TraceRecord
+    return TraceRecord.model_validate({
+        "iter": 0, "ctx": ctx, "tree_size": n, "depth": 0, "accepted": 0, "draft_s": draft_ms / 1e3,
+        "verify_s": verify_ms / 1e3, "commit_s": commit_ms / 1e3,
+        "nodes": {"parent": [-1], "depth": [0], "rank": [-1], "bucket": [-1], "block": [-1], "correct": [1]}})
+
+
+def test_trace_latency_fit_recovers_a_known_linear_latency():
+    import numpy as np
+
+    from specblock.sim.latency import CalibratedLatency, LatencyMeasurements
+    from specblock.sim.tracelat import fit_trace_latency, latency_json
+
+    rng = np.random.default_rng(0)
+    tree_ms = lambda n, c: 6.0 + 0.08 * n + 0.004 * c
+    ar_ms = lambda c: 6.5 + 0.003 * c
+    trees = [_rec(int(c), int(n), tree_ms(n, c) * rng.normal(1, 0.02), commit_ms=0.5)
+             for n, c in zip(rng.integers(2, 40, 400), rng.integers(100, 700, 400))]
+    trees += [_rec(300, 10, 80.0, commit_ms=0.5)] * 3  # stalls: the robust refit drops them
+    ars = [_rec(int(c), 1, ar_ms(c) - 0.1 - 0.02, commit_ms=0.1, draft_ms=0.02) for c in rng.integers(100, 700, 200)]
+    fit = fit_trace_latency(trees, ars)
+    assert fit.tree == pytest.approx((6.0, 0.08, 0.004), rel=0.05, abs=2e-4)
+    assert fit.ar == pytest.approx((6.5, 0.003), rel=0.02, abs=1e-4)
+    assert fit.glue_ms == pytest.approx(0.5, rel=1e-6)
+    lat = CalibratedLatency(latency_json(LatencyMeasurements.model_validate(LATENCY), fit, {"specblock": 1.25}))
+    for n, c in ((2, 150), (17, 400), (40, 650)):
+        assert lat.target_ms(n, c) == pytest.approx(tree_ms(n, c), rel=0.03)
+    # the sim prices an AR token as target_ms(1) + glue: that is the AR traces' per-token time
+    assert lat.target_ms(1, 500) + lat.overhead_ms == pytest.approx(ar_ms(500), rel=0.01)
+    assert lat.draft_ms("specblock", 5, 300) == pytest.approx(2.0 + 1.25)
+    # a negative context slope is timing drift, not physics: refit without the context term
+    drift = [_rec(c, 1, 7.0 - 0.002 * c + 0.1 * (i % 2), commit_ms=0.0) for i, c in enumerate(range(100, 700, 3))]
+    assert fit_trace_latency(trees, drift).ar[1] == 0.0
+
+
+def test_latency_from_traces_is_leave_one_domain_out(tmp_path):
+    bench, traces, lat = _make_inputs(tmp_path)
+    b = json.loads(bench.read_text())
+    # a second domain whose runtime ran 3x slower: its timings must price only the other domain
+    for name in ("specblock", "ar", "lookup"):
+        recs = [json.loads(x) for x in (traces / f"{name}.code.jsonl").read_text().splitlines() if x.strip()]
+        for r in recs:
+            r.update(domain="math", verify_s=3 * r["verify_s"], commit_s=3 * r["commit_s"])
+        (traces / f"{name}.math.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    b["rows"] += [dict(r, domain="math") for r in b["rows"]]
+    bench.write_text(json.dumps(b))
+    out = tmp_path / "o"
+    assert sf.main(["--bench", str(bench), "--traces", str(traces), "--latency", str(lat), "--requests", "10",
+                    "--n-seeds", "1", "--tree-pool", "256", "--out", str(out), "--latency-from", "traces"]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert res["trace_latency_split"] == "leave-one-domain-out" and res["inputs"]["latency_from"] == "traces"
+    rows = {(r["method"], r["domain"]): r for r in res["rows"]}
+    for (m, d), r in rows.items():
+        assert r["latency_fit"]["fit_domains"] == [{"code": "math", "math": "code"}[d]]
+    code, math = rows[("specblock", "code")], rows[("specblock", "math")]
+    # code is priced by math's 3x slower verify, math by code's: the fitted glue says so
+    assert code["glue_ms_sim"] == pytest.approx(3 * code["glue_ms_meas"], rel=0.05)
+    assert math["glue_ms_sim"] == pytest.approx(math["glue_ms_meas"] / 3, rel=0.05)
+    assert code["verify_ms_sim"] > 2 * code["verify_ms_meas"] and math["verify_ms_sim"] < 0.5 * math["verify_ms_meas"]
+    assert "leave-one-domain-out" in out.with_suffix(".md").read_text()
+
+
+def test_latency_from_traces_single_domain_is_in_sample_and_matches(tmp_path):
+    bench, traces, lat = _make_inputs(tmp_path)
+    out = tmp_path / "o"
+    assert sf.main(["--bench", str(bench), "--traces", str(traces), "--latency", str(lat), "--requests", "30",
+                    "--n-seeds", "1", "--tree-pool", "512", "--out", str(out), "--latency-from", "traces"]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert res["trace_latency_split"].startswith("in-sample") and any("in-sample" in w for w in res["warnings"])
+    sb = next(r for r in res["rows"] if r["method"] == "specblock")
+    # the sim's own traces from a bilinear latency: the linear fit lands close to them
+    assert sb["verify_ms_sim"] == pytest.approx(sb["verify_ms_meas"], rel=0.05)
+    assert sb["ar_ms_sim"] == pytest.approx(sb["ar_ms_meas"], rel=0.03)
+    assert abs(sb["spd_err"]) < sf.SPD_TOL
