@@ -189,3 +189,25 @@ def test_traces_carry_rank_head_cuts_for_the_simulator(tmp_path):
         path.write_text(buf.getvalue())
         assert len(read_traces([path])) == len(recs)
         observations(read_traces([path]))  # the fitter accepts them
+
+
+def test_shared_norm_weighs_every_valid_position_alike():
+    """The paper's 1/N_k averages each in-block index over its own valid positions; the shared
+    option divides every index by N_1. With one valid position at k = 2 out of four at k = 1,
+    the k = 2 term weighs 4x less under the shared norm."""
+    from specblock.training.losses import block_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 2, 5)
+    normed = torch.randn(4, 2, 3)
+    e_target = torch.randn(4, 2, 3)
+    lse = torch.logsumexp(logits, -1)
+    y = logits.argmax(-1)
+    y[1:, 0] = (y[1:, 0] + 1) % 5  # only row 0 is right at k = 1, so only it reaches k = 2
+    valid = torch.ones(4, 2, dtype=torch.bool)
+    rank = torch.zeros(4, 2, 4)
+    ce = lse - (normed * e_target).sum(-1)
+    per_k = block_loss(logits, rank, normed, lse, e_target, y, valid)
+    shared = block_loss(logits, rank, normed, lse, e_target, y, valid, per_k_norm=False)
+    torch.testing.assert_close(per_k.draft, ce[:, 0].mean() + ce[0, 1])
+    torch.testing.assert_close(shared.draft, ce[:, 0].mean() + ce[0, 1] / 4)

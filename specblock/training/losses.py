@@ -58,9 +58,15 @@ def block_loss(
     valid: torch.Tensor,  # [..., K] bool
     start: torch.Tensor | None = None,  # [...] float: block reachable at all (cross-block seeds)
     use_valid_prefix: bool = True,
+    per_k_norm: bool = True,
 ) -> BlockLoss:
     """Soft CE without V-sized targets: with a bias-free LM head W and sum(p*) = 1,
-    ``-sum_v p*(v) log p(v) = lse - <h, sum_v p*(v) W_v>`` exactly."""
+    ``-sum_v p*(v) log p(v) = lse - <h, sum_v p*(v) W_v>`` exactly.
+
+    ``per_k_norm``: the paper's 1/N_k, a mean per in-block index. Early in training N_k for
+    k >= 2 is a handful of positions (the valid prefix rarely survives), so those few carry as
+    much weight as all of k = 1. ``False`` divides every k by N_1 instead (each valid position
+    weighs the same): our option, measured in the issue-4 note."""
     rank = rank_of(logits.detach(), y_star)
     top1 = rank == 0
     mask = valid_prefix_mask(top1, valid, use_valid_prefix)
@@ -68,6 +74,8 @@ def block_loss(
         mask = mask * start[..., None]
     ce = lse - (normed.float() * e_target).sum(-1)  # [..., K]
     n_k = mask.flatten(0, -2).sum(0).clamp_min(1.0)  # valid positions per in-block index k
+    if not per_k_norm:
+        n_k = n_k[:1].expand_as(n_k)
     draft = ((ce * mask).flatten(0, -2).sum(0) / n_k).sum()
     buckets = bucket_of(rank)
     rce = F.cross_entropy(rank_logits.float().flatten(0, -2), buckets.flatten(), reduction="none").view_as(mask)

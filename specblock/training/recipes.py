@@ -77,7 +77,7 @@ def _specblock_step(net, tp, gen, args, progress):
     from specblock.training.specblock_step import specblock_step
 
     rank_w = 0.0 if progress < args.rank_freeze else 1.0  # rank head frozen early (paper: 2,000 steps)
-    res = specblock_step(net, tp, gen, rank_w, args.valid_prefix, args.cross_block)
+    res = specblock_step(net, tp, gen, rank_w, args.valid_prefix, args.cross_block, getattr(args, "per_k_norm", True))
     b0 = res.blocks[0]
     acc1 = float((b0.mask * b0.top1).sum() / b0.mask[..., 0].sum())
     return StepOut(res.loss, {"acc_len": f"{acc1:.2f}"})

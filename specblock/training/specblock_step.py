@@ -78,6 +78,7 @@ def specblock_step(
     rank_weight: float,
     use_valid_prefix: bool = True,
     cross_block: bool = True,
+    per_k_norm: bool = True,
 ) -> StepResult:
     b, w = tp.tokens.shape
     kk, dev = net.cfg.K, tp.tokens.device
@@ -88,7 +89,7 @@ def specblock_step(
     idx1 = p[:, None] + ks  # the target distribution for depth k sits at position p+k
     valid1 = (idx1 <= w - 1)[None].expand(b, r, kk)
     first = block_loss(*net.heads(hq, with_lse=True), _gather_positions(tp.e_target, idx1),
-                       _gather_positions(tp.y_star, idx1), valid1, None, use_valid_prefix)
+                       _gather_positions(tp.y_star, idx1), valid1, None, use_valid_prefix, per_k_norm)
     blocks = [first]
 
     if cross_block and kk > 1:
@@ -102,7 +103,7 @@ def specblock_step(
         # Block 2 is reachable only if block 1 was right up to the seed's parent (m_{t,j}).
         start = first.mask.gather(-1, (j - 1)[..., None])[..., 0]
         blocks.append(block_loss(*net.heads(hq2, with_lse=True), tp.e_target[rows, idx2], tp.y_star[rows, idx2],
-                                 seed_pos[:, :, None] + ks <= w - 1, start, use_valid_prefix))
+                                 seed_pos[:, :, None] + ks <= w - 1, start, use_valid_prefix, per_k_norm))
 
     loss = sum(bl.draft + rank_weight * bl.rank for bl in blocks)
     return StepResult(loss, blocks)
