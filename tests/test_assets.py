@@ -32,3 +32,18 @@ def test_shipped_drafter_is_lossless_on_the_shipped_target():
     spec = Engine(target, SpecBlockDrafter.load(DEFAULT_DRAFTERS / "specblock", target), budget=24).generate(ids, 24)
     assert spec.token_ids == plain.token_ids
     assert spec.token_ids[:12] == json.loads(EXPECTED.read_text())["target_greedy"]
+
+
+def test_shipped_eagle3_drafter_is_lossless_on_the_shipped_target():
+    from specblock.runtime.drafters.eagle3 import Eagle3Drafter
+
+    target = TargetModel.load(DEFAULT_TARGET, "float32", "cpu")
+    tok = AutoTokenizer.from_pretrained(DEFAULT_TARGET)
+    ids = np.asarray(tok(PROMPT)["input_ids"])
+    from specblock.runtime.drafters.base import ARDrafter
+
+    plain = Engine(target, ARDrafter()).generate(ids, 24)
+    spec = Engine(target, Eagle3Drafter.load(DEFAULT_DRAFTERS / "eagle3", target), budget=24).generate(ids, 24)
+    assert spec.token_ids == plain.token_ids
+    assert spec.token_ids[:12] == json.loads(EXPECTED.read_text())["target_greedy"]
+    assert max(spec.stats.accepted) > 0  # a trained drafter gets drafts accepted on its own text
