@@ -39,6 +39,7 @@ if [[ $step == all || $step == measure ]]; then
   $PY experiments/target_speed.py --reps 7
   $PY experiments/specblock_eval.py --bench experiments/results/bench_specblock.json \
       --latency specblock/sim/data/latency_cpu.json --windows 8
+  $PY experiments/sim_fidelity.py --latency-from traces --out experiments/results/sim_fidelity_tracelat
   $PY experiments/sim_fidelity.py
   $PY experiments/sim_fidelity.py --draft-overhead traces --out experiments/results/sim_fidelity_draftfit
   $PY experiments/target_card.py --windows 12
