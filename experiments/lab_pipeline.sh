@@ -16,17 +16,19 @@ if [[ $step == all || $step == target ]]; then
   $PY experiments/target_card.py
 fi
 if [[ $step == all || $step == drafter ]]; then
-  # As shipped: stage 1 on the lab corpus, stopped by SIGTERM after 138 steps (9.5 min) of a
-  # 26-minute plan; stage 2 resumed the same run on the target's own greedy text (selfgen) with a
-  # 32-minute plan. The LR schedule follows wall time, so a rerun gives a different drafter.
-  timeout -s TERM 11m $PY -m specblock.training drafter --target specblock/assets/target \
-      --run-dir runs/drafter_specblock --max-minutes 26 --max-steps 3000 --lr 1e-3 --intermediate 1024 \
-      --eval-every 100 || true
+  # As shipped: the target's own greedy text (selfgen), then one run from scratch with the
+  # shared loss normalisation (--shared-norm: see the drafter's card). The LR schedule follows
+  # wall time, so a rerun gives a different drafter.
   $PY -m specblock.training.selfgen --target specblock/assets/target --out runs/selfgen/lab_greedy.jsonl \
       --n 768 --batch 32 --threads 1
-  $PY -m specblock.training drafter --target specblock/assets/target --run-dir runs/drafter_specblock \
-      --out specblock/assets/drafters/specblock --data runs/selfgen/lab_greedy.jsonl --max-minutes 32 \
-      --max-steps 3000 --lr 1e-3 --intermediate 1024 --eval-every 100
+  $PY -m specblock.training drafter --method specblock --target specblock/assets/target \
+      --run-dir runs/drafter_specblock_shared --out specblock/assets/drafters/specblock \
+      --data runs/selfgen/lab_greedy.jsonl --shared-norm --max-minutes 23 --max-steps 5000 \
+      --lr 1e-3 --intermediate 1024 --eval-every 100 --threads 2
+  $PY -m specblock.training drafter --method eagle3 --target specblock/assets/target \
+      --run-dir runs/drafter_eagle3 --out specblock/assets/drafters/eagle3 \
+      --data runs/selfgen/lab_greedy.jsonl --max-minutes 14 --max-steps 3000 --lr 1e-3 \
+      --intermediate 1024 --eval-every 100 --threads 2
 fi
 if [[ $step == all || $step == measure ]]; then
   # On a quiet machine: every figure below is a timing.
