@@ -36,7 +36,7 @@ from specblock.policies.branching import DynamicBranching, TreePolicy, expand
 from specblock.policies.seeds import SeedPolicy, TopScoreSeeds
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
-from specblock.runtime.drafters.layers import DecoderLayer, RMSNorm, flat_kv
+from specblock.runtime.drafters.layers import DecoderLayer, FusedInputHeads, RMSNorm, flat_kv
 from specblock.runtime.drafters.netio import load_net, save_net, tie_frozen
 from specblock.runtime.target import TargetModel, TargetOutput
 from specblock.runtime.verify import Verdict
@@ -58,7 +58,7 @@ class Eagle3Config(BaseModel):
     top_k: int = Field(8, ge=1)
 
 
-class Eagle3Net(nn.Module):
+class Eagle3Net(FusedInputHeads, nn.Module):
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
         self.cfg = cfg
@@ -70,19 +70,6 @@ class Eagle3Net(nn.Module):
         self.layer = DecoderLayer(h, cfg.num_heads, cfg.intermediate_size, cfg.rope_theta, cfg.rms_eps)
         self.norm = RMSNorm(h, cfg.rms_eps)
         self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
-
-    def g(self, feature: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Layer input from a feature (fused taps or the layer's own state) and the next token."""
-        return self.fc(torch.cat([self.feat_norm(feature), self.emb_norm(self.embed(tokens))], dim=-1))
-
-    def g_from_taps(self, taps: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return self.g(self.fuse_taps(taps), tokens)
-
-    def normed(self, s: torch.Tensor) -> torch.Tensor:
-        return self.norm(s)
-
-    def logits(self, s: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(s)).float()
 
     # ----------------------------------------------------------------- files
     def save(self, path: str | Path) -> None:

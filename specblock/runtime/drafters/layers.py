@@ -107,3 +107,24 @@ def flat_kv(kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.
     k, v = kv
     g, hh, r, kk, d = k.shape
     return k.reshape(g, hh, r * kk, d), v.reshape(g, hh, r * kk, d)
+
+
+class FusedInputHeads:
+    """The EAGLE-style front end and output head shared by the feature drafters (EAGLE-3,
+    ParallelSpec, Falcon): a layer input from a feature (fused target taps, or the drafter's own
+    state) plus the next token's embedding, and logits through the final norm. A mixin over an
+    ``nn.Module`` that owns ``fuse_taps``, ``feat_norm``, ``emb_norm``, ``fc``, ``embed``,
+    ``norm`` and ``lm_head``, so saved parameter names do not change."""
+
+    def g(self, feature: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.feat_norm(feature), self.emb_norm(self.embed(tokens))], dim=-1))
+
+    def g_from_taps(self, taps: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.g(self.fuse_taps(taps), tokens)
+
+    def normed(self, s: torch.Tensor) -> torch.Tensor:
+        return self.norm(s)
+
+    def logits(self, s: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(s)).float()
+

@@ -39,7 +39,7 @@ from torch import nn
 from specblock.policies.branching import TopKBranching, TreePolicy, grow_block
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
-from specblock.runtime.drafters.layers import DecoderLayer, RMSNorm, rope
+from specblock.runtime.drafters.layers import DecoderLayer, FusedInputHeads, RMSNorm, rope
 from specblock.runtime.drafters.netio import load_net, save_net, tie_frozen
 from specblock.runtime.target import TargetModel, TargetOutput
 from specblock.runtime.verify import Verdict
@@ -117,7 +117,7 @@ class FeatureConfig(BaseModel):
     top_k: int = Field(3, ge=1)  # serving: candidates kept per drafted position
 
 
-class FeatureNet(nn.Module):
+class FeatureNet(FusedInputHeads, nn.Module):
     """EAGLE-style front end (fused taps + next-token embedding) and a stack of decoder layers;
     the LM head and the embedding are the target's, frozen and never saved."""
 
@@ -133,18 +133,6 @@ class FeatureNet(nn.Module):
             DecoderLayer(h, cfg.num_heads, cfg.intermediate_size, cfg.rope_theta, cfg.rms_eps) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_eps)
         self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
-
-    def g(self, feature: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.cat([self.feat_norm(feature), self.emb_norm(self.embed(tokens))], dim=-1))
-
-    def g_from_taps(self, taps: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return self.g(self.fuse_taps(taps), tokens)
-
-    def normed(self, s: torch.Tensor) -> torch.Tensor:
-        return self.norm(s)
-
-    def logits(self, s: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(s)).float()
 
     def run(self, x, pos, ctx: list[KV] | None, ctx_mask, own_mask, own_prefix: list[KV] | None = None):
         """All layers; returns the top states and per-layer keys/values of this call's queries."""
