@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Trained ablations of the SpecBlock drafter (issue 4), each with the same budget: the same
-# selfgen data, seed, fresh init and number of steps (the LR schedule follows steps: the minute
+# selfgen data, seed, fresh init, number of steps and the shipped recipe (--shared-norm) (the LR schedule follows steps: the minute
 # cap is set out of reach), then held-out per-position acceptance from each run's final eval.
 # Acceptance is not a timing, so the figures hold on a busy machine; only the wall time does not.
 #
-#   bash experiments/specblock_ablations.sh [STEPS]        # default 200 steps per variant
+#   bash experiments/specblock_ablations.sh [STEPS]        # default 250 steps per variant
 #
 # Resumable: a variant whose run already ended (a "final" line in its metrics) is skipped, and
 # an interrupted one resumes from its checkpoint. Writes experiments/results/specblock_ablations.{json,md}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-STEPS=${1:-200}
+STEPS=${1:-250}
 DATA=${DATA:-runs/selfgen/lab_greedy.jsonl}
 if [[ ! -f $DATA ]]; then
   $PY -m specblock.training.selfgen --target specblock/assets/target --out "$DATA" --n 768 --batch 32 --threads 1
@@ -23,7 +23,7 @@ for name in full no-shift no-prefix-broadcast no-valid-prefix; do
   # shellcheck disable=SC2086
   $PY -m specblock.training drafter --method specblock --target specblock/assets/target --run-dir "$dir" \
       --out "$dir/drafter" --data "$DATA" --max-steps "$STEPS" --max-minutes 100000 --lr 1e-3 \
-      --intermediate 1024 --eval-every 50 --seed 0 --threads "${THREADS:-1}" ${FLAGS[$name]} 2>"$dir.log" \
+      --intermediate 1024 --shared-norm --eval-every 125 --seed 0 --threads "${THREADS:-1}" ${FLAGS[$name]} 2>"$dir.log" \
       || { echo "$name failed: see $dir.log" >&2; exit 1; }
 done
 $PY - <<'PYEOF'

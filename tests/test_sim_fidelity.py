@@ -57,7 +57,10 @@ def _make_inputs(tmp: Path, draft_overhead_ms: float = 0.0) -> tuple[Path, Path,
         res[name] = simulate(cfg, trace_out=str(traces / f"{name}.code.jsonl"))
     lookup_tau, _ = write_lookup_trace(traces / "lookup.code.jsonl", n=200)
     sb = res["specblock"]
-    row = lambda m, spd, tau, tree: {"method": m, "domain": "code", "speedup": spd, "tau": tau, "draft_share": 0.1,
+    # The sim's Spd is the decode loop's; "speedup" (wall, prefill included) is set lower, as
+    # prefill would make it, so the script must judge speedup_decode.
+    row = lambda m, spd, tau, tree: {"method": m, "domain": "code", "speedup": round(0.8 * spd, 4) if m != "ar" else spd,
+                                     "speedup_decode": spd, "tau": tau, "draft_share": 0.1,
                                      "mean_tree_size": tree, "new_tokens": PROMPTS * TOKENS}
     bench = {"config": {"prompts": PROMPTS, "budget": 24, "set": ["specblock:widths=2,4,6,4"],
                         "drafter_dir": str(tmp / "dd"), "dtype": "bfloat16"},
@@ -93,6 +96,7 @@ def test_fixed_acceptance_round_trip(tmp_path):
     assert row["verify_ms_sim"] == pytest.approx(row["verify_ms_meas"], rel=0.05)
     assert row["glue_ms_meas"] == pytest.approx(0.5) and row["ar_ms_sim"] == pytest.approx(row["ar_ms_meas"], rel=0.02)
     assert row["spd_dec_meas"] == pytest.approx(row["spd_meas"], rel=0.02)
+    assert row["spd_basis"] == "decode" and row["spd_wall_meas"] == pytest.approx(0.8 * row["spd_meas"], rel=1e-3)
     assert row["prompt_len"] == pytest.approx(100, abs=5) and row["tokens"] == TOKENS
     assert row["sim_method"]["widths"] == [2, 4, 6, 4] and row["sim_method"]["budget"] == 24
     # lookup: a replay of its traces (tau is theirs); its Spd here is made up, so only tau is judged
@@ -213,3 +217,18 @@ def test_latency_from_traces_single_domain_is_in_sample_and_matches(tmp_path):
     assert sb["verify_ms_sim"] == pytest.approx(sb["verify_ms_meas"], rel=0.05)
     assert sb["ar_ms_sim"] == pytest.approx(sb["ar_ms_meas"], rel=0.03)
     assert abs(sb["spd_err"]) < sf.SPD_TOL
+
+
+def test_a_bench_without_decode_speedup_is_judged_on_wall_time_with_a_warning(tmp_path):
+    bench, traces, lat = _make_inputs(tmp_path)
+    b = json.loads(bench.read_text())
+    for r in b["rows"]:
+        del r["speedup_decode"]
+    bench.write_text(json.dumps(b))
+    out = tmp_path / "o"
+    assert sf.main(["--bench", str(bench), "--traces", str(traces), "--latency", str(lat), "--out", str(out),
+                    "--requests", "30", "--n-seeds", "1", "--tree-pool", "512"]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    sb = next(r for r in res["rows"] if r["method"] == "specblock")
+    assert sb["spd_basis"] == "wall" and sb["spd_err"] > 0.15  # the sim has no prefill to pay
+    assert any("speedup_decode" in w for w in res["warnings"])

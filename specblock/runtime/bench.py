@@ -157,11 +157,17 @@ def summarize(cells, methods, domains, prompts, target, args) -> dict:
         for d in domains:
             c, ar = cells[m, d], cells["ar", d]
             spd = [s.tokens_per_s / a.tokens_per_s for s, a in zip(c.runs, ar.runs)]
+            # The decode loop alone (prefill excluded), the simulator's Spd: what sim_fidelity holds
+            # the sim against. Same runs and medians as Spd; null for peers (no loop timing).
+            dec = [(s.new_tokens / s.loop_s) / (a.new_tokens / a.loop_s)
+                   for s, a in zip(c.runs, ar.runs) if s.loop_s > 0 and a.loop_s > 0]
             divs = [dv for ids, a, o in zip(prompts[d], ar.tokens, c.tokens) if (dv := divergence(target, ids, a, o))]
             seen = not peers.is_peer(m)  # HF's generate does not report acceptance or draft time
             rows.append({
                 "method": m, "domain": d,
                 "speedup": round(statistics.median(spd), 4),
+                "speedup_decode": round(statistics.median(dec), 4) if dec and seen else None,
+                "prefill_ms": round(1e3 * statistics.median(s.prefill_s for s in c.runs) / len(prompts[d]), 2) if seen else None,
                 "tokens_per_s": round(statistics.median(s.tokens_per_s for s in c.runs), 3),
                 "tau": round(statistics.median(s.tau for s in c.runs), 4) if seen else None,
                 "draft_share": round(statistics.median(s.draft_share for s in c.runs), 4) if seen else None,

@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", type=int, default=4, help="medusa: number of heads")
     ap.add_argument("--hard-labels", action="store_true", help="medusa: CE on the window's tokens, not the target's distribution")
     ap.add_argument("--draft-hidden", type=int, default=None, help="sps: draft model hidden size (default: the target's)")
+    ap.add_argument("--tie-embeddings", action="store_true", help="sps: one matrix for the input embedding and the LM head")
     ap.add_argument("--block-size", type=int, default=2, help="falcon: tokens per drafter forward")
     ap.add_argument("--forwards", type=int, default=3, help="falcon: drafter forwards per tree (depth = block size x forwards)")
     ap.add_argument("--glance-start", type=float, default=1.0,

@@ -198,7 +198,7 @@ register(Recipe("medusa", _medusa_build, _medusa_prepare, _medusa_step, _medusa_
 def _sps_build(target, args):
     from specblock.training.sps_step import build_draft
 
-    return build_draft(target, args.layers, args.intermediate, args.draft_hidden)
+    return build_draft(target, args.layers, args.intermediate, args.draft_hidden, args.tie_embeddings)
 
 
 def _sps_prepare(target, tokens, net, args):

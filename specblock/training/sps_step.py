@@ -13,6 +13,8 @@ position); the target's logits are computed once per batch and shared.
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,10 +30,24 @@ class SpsNet(torch.nn.Module):
         self.model = model
 
     def save(self, path: str | Path) -> None:
-        self.model.save_pretrained(path, safe_serialization=True)
+        """bf16 on disk (the weights are served in bf16 and the asset budget counts bytes), written
+        to a sibling directory and swapped in, so an interrupted export leaves nothing half-written."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.to(torch.bfloat16)  # in place: tied embedding and LM head stay one tensor
+        try:
+            self.model.save_pretrained(tmp, safe_serialization=True)
+        finally:
+            self.model.float()
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
 
 
-def build_draft(target, layers: int = 2, intermediate: int = 1024, hidden: int | None = None) -> SpsNet:
+def build_draft(target, layers: int = 2, intermediate: int = 1024, hidden: int | None = None,
+                tie: bool = False) -> SpsNet:
+    """``tie`` shares the input embedding with the LM head (GPT-2 style): at a small hidden size
+    the two vocabulary matrices are most of the model's bytes."""
     tcfg = target.config
     h = hidden or int(tcfg.hidden_size)
     heads = int(tcfg.num_attention_heads) if h == int(tcfg.hidden_size) else max(1, h // 64)
@@ -40,7 +56,7 @@ def build_draft(target, layers: int = 2, intermediate: int = 1024, hidden: int |
         num_attention_heads=heads, num_key_value_heads=heads,
         max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 2048)),
         rope_theta=float(getattr(tcfg, "rope_theta", 10000.0) or 10000.0),
-        rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)), tie_word_embeddings=False,
+        rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)), tie_word_embeddings=tie,
         bos_token_id=getattr(tcfg, "bos_token_id", None), eos_token_id=getattr(tcfg, "eos_token_id", None),
         pad_token_id=getattr(tcfg, "pad_token_id", None), architectures=["LlamaForCausalLM"],
     )
@@ -48,7 +64,8 @@ def build_draft(target, layers: int = 2, intermediate: int = 1024, hidden: int |
     if h == int(tcfg.hidden_size):
         with torch.no_grad():
             model.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight)
-            model.get_output_embeddings().weight.copy_(target.get_output_embeddings().weight)
+            if not tie:
+                model.get_output_embeddings().weight.copy_(target.get_output_embeddings().weight)
     return SpsNet(model.float())
 
 
