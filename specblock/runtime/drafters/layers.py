@@ -27,19 +27,36 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+_INV_FREQ: dict[tuple, torch.Tensor] = {}
+
+
+def rope_cos_sin(pos: torch.Tensor, d: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions ``pos`` (Llama's half-split layout), ``[*pos.shape, d]``.
+
+    Computed once per forward and shared by q and k of every layer: at serving sizes a drafter's
+    time follows the number of ops it dispatches (experiments/drafter_cost.py), and recomputing
+    the angles per call was a fifth of a SpecBlock block forward's ops."""
+    key = (d, float(theta), pos.device)
+    inv = _INV_FREQ.get(key)
+    if inv is None:
+        inv = _INV_FREQ[key] = 1.0 / theta ** (torch.arange(0, d, 2, device=pos.device, dtype=torch.float32) / d)
+    ang = pos.float()[..., None] * inv
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1]
+    return x * cos + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding (Llama's half-split layout); ``pos`` broadcasts against ``x[..., 0]``."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    ang = pos.float()[..., None] * inv
-    cos, sin = ang.cos(), ang.sin()
-    cos, sin = torch.cat([cos, cos], -1).to(x.dtype), torch.cat([sin, sin], -1).to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+    return apply_rope(x, *rope_cos_sin(pos, x.shape[-1], theta, x.dtype))
 
 
 def block_attention(
@@ -52,6 +69,21 @@ def block_attention(
 ) -> torch.Tensor:
     """Softmax attention of each block over (visible context) + (its own causal prefix)."""
     kq = q.shape[-2]
+    if ctx_mask is None:
+        # Serving: every block sees the whole context, so context + own prefix is one key set with
+        # a lower-triangular mask offset by C, and one fused SDPA call replaces ~30 ops of einsums
+        # and masking per layer (same math; softmax accumulates in float32 either way).
+        if k_ctx is not None and k_ctx.shape[-2]:
+            c = k_ctx.shape[-2]
+            shape = (*k_ctx.shape[:2], q.shape[2], c, k_ctx.shape[-1])
+            k_own = torch.cat([k_ctx[:, :, None].expand(shape), k_own], dim=-2)
+            v_own = torch.cat([v_ctx[:, :, None].expand(shape), v_own], dim=-2)
+        c = k_own.shape[-2] - kq
+        mask = torch.ones(kq, c + kq, dtype=torch.bool, device=q.device).tril(c)
+        g, h, r, _, d = q.shape  # 4-D, or SDPA leaves its fused CPU kernel for ~25 ops of math
+        out = F.scaled_dot_product_attention(q.reshape(g, h * r, kq, d), k_own.reshape(g, h * r, c + kq, d),
+                                             v_own.reshape(g, h * r, c + kq, d), attn_mask=mask)
+        return out.view(g, h, r, kq, d)
     scale = 1.0 / math.sqrt(q.shape[-1])
     own = torch.einsum("ghrkd,ghrjd->ghrkj", q, k_own).float() * scale
     causal = torch.ones(kq, kq, dtype=torch.bool, device=q.device).tril()
@@ -86,12 +118,15 @@ class DecoderLayer(nn.Module):
         pos: torch.Tensor,  # [G, R, K]
         ctx: tuple[torch.Tensor, torch.Tensor] | None = None,  # [G|1, H, C, d] each
         ctx_mask: torch.Tensor | None = None,
+        rope_cs: tuple[torch.Tensor, torch.Tensor] | None = None,  # from rope_cos_sin(pos[:, None]): shared by layers
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         g, r, k, h = x.shape
         qkv = self.qkv(self.attn_norm(x)).view(g, r, k, 3, self.heads, self.head_dim)
-        q, kk, v = (qkv[..., i, :, :].permute(0, 3, 1, 2, 4) for i in range(3))  # [G, H, R, K, d]
-        p = pos[:, None]  # broadcast over heads
-        q, kk = rope(q, p, self.rope_theta), rope(kk, p, self.rope_theta)
+        qkv = qkv.permute(3, 0, 4, 1, 2, 5)  # [3, G, H, R, K, d]
+        if rope_cs is None:
+            rope_cs = rope_cos_sin(pos[:, None], self.head_dim, self.rope_theta, x.dtype)  # heads broadcast
+        qk = apply_rope(qkv[:2], *rope_cs)  # q and k in one pass
+        q, kk, v = qk[0], qk[1], qkv[2]
         k_ctx = v_ctx = None
         if ctx is not None:
             k_ctx, v_ctx = (t.expand(g, -1, -1, -1) for t in ctx)

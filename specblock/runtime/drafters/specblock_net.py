@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specblock.errors import SpecBlockError
-from specblock.runtime.drafters.layers import DecoderLayer, RMSNorm, flat_kv
+from specblock.runtime.drafters.layers import DecoderLayer, RMSNorm, flat_kv, rope_cos_sin
 
 N_STATS = 15
 FROZEN_FROM_TARGET = ("embed.weight", "lm_head.weight")
@@ -150,8 +150,10 @@ class SpecBlockNet(nn.Module):
         """
         k = self.cfg.K
         kvs = []
+        first = self.layers[0]
+        cs = rope_cos_sin(pos[:, None], first.head_dim, first.rope_theta, x.dtype)  # once for all layers
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, pos, None if cache is None else cache[i], None)
+            x, kv = layer(x, pos, None if cache is None else cache[i], None, cs)
             kvs.append(kv)
             if self.cfg.shift and i < len(self.layers) - 1:
                 x = torch.cat([x[..., :-k, :], self._shift(i, x[..., -k:, :])], dim=-2)

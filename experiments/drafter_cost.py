@@ -1,0 +1,149 @@
+"""What a decode iteration costs, in dispatched torch ops and in milliseconds, per method.
+
+Why: on this CPU the shipped target's forward is ~6 ms whatever the tree size up to ~16 tokens,
+and a 2-layer drafter's forward is ~4 ms, far more than its FLOPs (a few percent of the target's)
+would predict. At these sizes a kernel costs about the same whatever its shape, so time follows
+the number of ops dispatched, not FLOPs. This script measures both per phase of the decode loop
+(propose = drafting, verify = the target's tree forward plus verification, accept = commit and the
+drafter's update), so "the drafter is too slow" is a measured statement with its cause.
+
+Op counts are exact and do not depend on load (a ``TorchDispatchMode`` counts every aten op that
+reaches the dispatcher); milliseconds are medians from separate, uncounted runs and need a quiet
+machine (``uptime`` load under 0.5).
+
+    python experiments/drafter_cost.py [--methods ar,lookup,specblock,eagle3,...] [--prompts 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from specblock.errors import SpecBlockError  # noqa: E402
+from specblock.prompts import load_prompts  # noqa: E402
+from specblock.runtime import drafters  # noqa: E402
+from specblock.runtime.cli import load_tokenizer  # noqa: E402
+from specblock.runtime.engine import Engine  # noqa: E402
+from specblock.runtime.config import DEFAULT_TARGET  # noqa: E402
+from specblock.runtime.target import TargetModel  # noqa: E402
+from specblock.runtime.verify import GreedyVerifier  # noqa: E402
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops; ``phase`` names where they are charged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = defaultdict(int)
+        self.phase = "other"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[self.phase] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _charge(counter: OpCounter, obj, name: str, phase: str) -> None:
+    fn = getattr(obj, name)
+
+    def wrapped(*a, **k):
+        prev, counter.phase = counter.phase, phase
+        try:
+            return fn(*a, **k)
+        finally:
+            counter.phase = prev
+
+    setattr(obj, name, wrapped)
+
+
+def measure(method: str, target: TargetModel, prompts: list[list[int]], tokens: int, reps: int, budget: int) -> dict:
+    eng = Engine(target, drafters.build(method, target, {}), GreedyVerifier(), budget)
+    eng.generate(prompts[0][-16:], 8)  # warm-up
+    times = defaultdict(list)
+    for _ in range(reps):
+        it = draft = verify = glue = 0.0
+        for ids in prompts:
+            st = eng.generate(ids, tokens).stats
+            it += st.iterations
+            draft, verify, glue = draft + st.draft_s, verify + st.verify_s, glue + st.commit_s
+        times["propose"].append(1e3 * draft / it)
+        times["verify"].append(1e3 * verify / it)
+        times["accept"].append(1e3 * glue / it)
+    counter = OpCounter()
+    _charge(counter, eng.drafter, "propose", "propose")
+    _charge(counter, eng.target, "tree_forward", "verify")
+    _charge(counter, eng.verifier, "verify", "verify")
+    _charge(counter, eng.target, "commit", "accept")
+    _charge(counter, eng.drafter, "accept", "accept")
+    iters, tau = 0, []
+    with counter, torch.no_grad():
+        for ids in prompts:
+            st = eng.generate(ids, tokens).stats
+            iters += st.iterations
+            tau.append(st.tau)
+    row = {"method": method, "iterations": iters, "tau": round(statistics.mean(tau), 3)}
+    for phase in ("propose", "verify", "accept"):
+        ops = counter.ops[phase] / iters
+        ms = statistics.median(times[phase])
+        row[f"{phase}_ops"] = round(ops, 1)
+        row[f"{phase}_ms"] = round(ms, 3)
+        row[f"{phase}_us_per_op"] = round(1e3 * ms / ops, 2) if ops else None
+    return row
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"Per decode iteration, {meta['prompts']} prompts x {meta['domains']}, {meta['tokens']} new tokens, "
+             f"bf16, {meta['threads']} threads; ms: median of {meta['reps']} runs. ops: aten ops dispatched.", "",
+             "| method | tau | propose ops | propose ms | verify ops | verify ms | accept ops | accept ms "
+             "| us/op propose | us/op verify |", "|---" * 10 + "|"]
+    f = lambda x: "-" if x is None else f"{x:.1f}"
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['tau']:.2f} | {r['propose_ops']:.0f} | {r['propose_ms']:.2f} | "
+                     f"{r['verify_ops']:.0f} | {r['verify_ms']:.2f} | {r['accept_ops']:.0f} | {r['accept_ms']:.2f} | "
+                     f"{f(r['propose_us_per_op'])} | {f(r['verify_us_per_op'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", type=Path, default=DEFAULT_TARGET)
+    ap.add_argument("--methods", default="ar,lookup,specblock,eagle3")
+    ap.add_argument("--domains", default="code,chat")
+    ap.add_argument("--prompts", type=int, default=2, help="per domain")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--budget", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "drafter_cost")
+    args = ap.parse_args(argv)
+    try:
+        torch.set_num_threads(args.threads)
+        target = TargetModel.load(args.target, "bfloat16", "cpu")
+        tok = load_tokenizer(args.target, False)
+        prompts = [tok(p.text)["input_ids"] for d in args.domains.split(",") for p in load_prompts(d, args.prompts)]
+        rows = [measure(m.strip(), target, prompts, args.tokens, args.reps, args.budget)
+                for m in args.methods.split(",") if m.strip()]
+    except (SpecBlockError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    meta = {"prompts": args.prompts, "domains": args.domains, "tokens": args.tokens, "reps": args.reps,
+            "threads": torch.get_num_threads(), "budget": args.budget}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = markdown(rows, meta)
+    args.out.with_suffix(".md").write_text(md)
+    print(md, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
