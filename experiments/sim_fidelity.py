@@ -43,7 +43,10 @@ Choices, and why:
   option prices the sim with ``specblock/sim/tracelat.py``'s fit instead: tree forward
   ``a + b*n + c*ctx`` from ``verify_s``, AR ms per token ``a + c*ctx`` from the ``ar`` traces,
   glue = mean ``commit_s`` of the row's method, drafting = calibrate's drafter curve plus the
-  per-forward host cost fitted as in ``--draft-overhead traces`` for the row's method. Split:
+  per-forward host cost fitted as in ``--draft-overhead traces`` for the row's method; for the
+  depth-by-depth drafters the sim models (EAGLE-3, SpS, Medusa), which calibrate does not time,
+  drafting is ``draft_s`` over the forwards the runtime ran (one per drafted depth; Medusa's
+  heads one), all-in, fitted on the same method's other domains. Split:
   leave-one-domain-out: a row of domain D is priced by a fit on the traces of every other domain
   (all methods for the forward lines, ``ar`` for AR, the row's own method for glue and drafting
   cost), so no row's Spd is predicted from its own timings (lookup's replay still uses its own
@@ -72,7 +75,7 @@ import numpy as np
 
 from specblock.runtime.config import DEFAULT_DRAFTERS, RunConfig
 from specblock.sim.config import SimConfig
-from specblock.sim.latency import CalibratedLatency, load_measurements
+from specblock.sim.latency import CalibratedLatency, DrafterTiming, load_measurements
 from specblock.sim.sweep import run_config
 from specblock.sim.tracelat import fit_trace_latency, latency_json
 from specblock.sim.traces import TraceRecord, has_cuts, specblock_forwards
@@ -102,10 +105,21 @@ def sim_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
     budget = int(cfg.get("budget", RunConfig.model_fields["budget"].default))
     if name == "lookup":  # the replay carries the runtime's ngram / lookup_depth / branches as run
         return {"name": "lookup"}, notes
-    if name != "specblock":  # sim defaults unless the bench set them (eagle3 depth/top_k, sps gamma)
+    if name != "specblock":  # the runtime's serving settings: bench --set, else the drafter's config
         d = {"name": name, "budget": budget, **{k: v for k, v in sets.items() if k in ("depth", "top_k", "gamma")}}
         if name == "sps":
-            d.setdefault("gamma", 4)  # the runtime's default
+            d.setdefault("gamma", 4)  # the runtime's default (a chain: top_k 1)
+        else:
+            ddir = sets.get("drafter") or (Path(cfg["drafter_dir"]) / name if cfg.get("drafter_dir") else DEFAULT_DRAFTERS / name)
+            conf = Path(ddir) / "config.json"
+            raw = json.loads(conf.read_text()) if conf.is_file() else {}
+            if not raw:
+                notes.append(f"{conf} not found: the sim's defaults for {name}")
+            if name == "eagle3":  # Eagle3Config's serving defaults when the config omits them
+                d.setdefault("depth", int(raw.get("depth", 6)))
+                d.setdefault("top_k", int(raw.get("top_k", 8)))
+            elif name == "medusa" and "heads" in raw:
+                d["heads"] = int(raw["heads"])
         return d, notes
     rc = RunConfig(method="specblock")
     ddir = sets.get("drafter") or (Path(cfg["drafter_dir"]) / "specblock" if cfg.get("drafter_dir") else DEFAULT_DRAFTERS / "specblock")
@@ -164,7 +178,7 @@ def compare(bench_path: Path, trace_dir: Path, latency_path: Path, requests: int
     if any(r["method"] != "ar" and r.get("speedup_decode") is None and r.get("tau") is not None for r in bench["rows"]):
         warnings.append("bench JSON has no speedup_decode (written before it existed): Spd judged on wall time, "
                         "prefill included, which the sim does not model")
-    jobs, skipped = _jobs(rows_in, cfg, trace_dir, meas_lat, prompts, warnings)
+    jobs, skipped = _jobs(rows_in, cfg, trace_dir, meas_lat, prompts, warnings, latency_from == "traces")
     overhead = draft_overhead_ms(jobs, CalibratedLatency(meas_lat))
     with tempfile.TemporaryDirectory(prefix="sim_fidelity_") as td:
         lat_file = latency_path
@@ -190,7 +204,7 @@ def compare(bench_path: Path, trace_dir: Path, latency_path: Path, requests: int
 
 
 def _jobs(rows_in: dict, cfg: dict, trace_dir: Path, meas_lat, prompts: int,
-          warnings: list[str]) -> tuple[list[dict], list[dict]]:
+          warnings: list[str], fit_drafters: bool = False) -> tuple[list[dict], list[dict]]:
     """What to simulate per (method, domain): the bench row, its run-1 trace lines and stats, the
     sim's method section; rows that cannot be simulated go to ``skipped`` with the reason."""
     jobs, skipped = [], []
@@ -204,7 +218,7 @@ def _jobs(rows_in: dict, cfg: dict, trace_dir: Path, meas_lat, prompts: int,
         why = None
         if sim_name is None:
             why = f"the sim has no method model for {method!r}"
-        elif sim_name not in NO_DRAFTER and sim_name not in meas_lat.drafters:
+        elif sim_name not in NO_DRAFTER and sim_name not in meas_lat.drafters and not fit_drafters:
             why = f"latency JSON has no drafter {sim_name!r} (has {sorted(meas_lat.drafters)})"
         path = trace_dir / f"{method}.{domain}.jsonl"
         if why is None and not path.is_file():
@@ -243,6 +257,23 @@ def draft_overhead_ms(jobs: list[dict], lat: CalibratedLatency) -> float | None:
     return num / den if den else None
 
 
+def depthwise_forwards(rec: TraceRecord, method_cfg: dict) -> int:
+    """Drafter forwards of one iteration of a depth-by-depth drafter, by the runtime's rule:
+    EAGLE-3 and SpS run one forward per depth they drafted, Medusa's heads one in all."""
+    return 1 if method_cfg["name"] == "medusa" else max(int(rec.depth), 1)
+
+
+def depthwise_ms_per_forward(jobs: list[dict]) -> float | None:
+    """Least squares ``draft_ms = a * forwards`` over the jobs' iterations: the whole drafting
+    cost per forward (network and host work), for drafters calibrate does not time."""
+    num = den = 0.0
+    for j in jobs:
+        for rec in j["recs"]:
+            f = depthwise_forwards(rec, j["method_cfg"])
+            num, den = num + f * 1e3 * rec.draft_s, den + f * f
+    return num / den if den else None
+
+
 def trace_latencies(jobs: list[dict], trace_dir: Path, meas_lat, prompts: int, tmp: Path,
                     warnings: list[str]) -> str:
     """Per job, a latency JSON fitted from the traces of the other domains (``tracelat``); sets
@@ -269,11 +300,17 @@ def trace_latencies(jobs: list[dict], trace_dir: Path, meas_lat, prompts: int, t
             if oh is None:
                 oh = draft_overhead_ms(train, calib)
         lat = latency_json(meas_lat, fit, {name: oh} if oh is not None else None)
+        fwd_ms = None
+        if name not in NO_DRAFTER and name != "specblock":
+            fwd_ms = depthwise_ms_per_forward([k for k in same if k["method"] == j["method"]])
+            if fwd_ms is not None and fwd_ms > 0:  # replaces calibrate's curve: drafting all-in per forward
+                lat.drafters[name] = DrafterTiming(ms_per_forward=fwd_ms)
         j["lat_file"] = tmp / f"latency.{j['method']}.{j['domain']}.json"
         j["lat_file"].write_text(lat.model_dump_json())
         j["lat_meas"] = lat
         j["lat_fit"] = {"tree_ms_a_b_c": [round(x, 5) for x in fit.tree], "ar_ms_a_c": [round(x, 6) for x in fit.ar],
                         "glue_ms": round(fit.glue_ms, 4), "draft_overhead_ms": None if oh is None else round(oh, 4),
+                        "draft_ms_per_forward": None if fwd_ms is None else round(fwd_ms, 4),
                         "fit_domains": sorted({k["domain"] for k in train}), "n_tree": fit.n_tree, "n_ar": fit.n_ar}
     return "leave-one-domain-out" if lodo else "in-sample (one domain)"
 
@@ -362,15 +399,18 @@ def markdown(res: dict) -> str:
         lines.append(f"\nLatency: fitted from runtime traces (--latency-from traces), split: "
                      f"{res.get('trace_latency_split')}: each row is priced by a fit on the other domains' traces "
                      "(tree forward a + b*n + c*ctx from verify_s, all methods; AR ms/token a + c*ctx from ar; glue = "
-                     "mean commit_s and drafting ms per forward from the row's method; calibrate's drafter curve kept). "
+                     "mean commit_s of the row's method; SpecBlock: calibrate's drafter curve plus a fitted host cost per "
+                     "forward (+); EAGLE-3, SpS, Medusa: draft_s / forwards, all-in, forwards = drafted depth (Medusa: 1)). "
                      "lookup's replay uses its own n-gram search times.")
-        lines += ["", "| method | domain | fit domains | tree ms a / b per n / c per ctx | AR ms a / c per ctx | glue ms | draft +ms/fwd |",
+        lines += ["", "| method | domain | fit domains | tree ms a / b per n / c per ctx | AR ms a / c per ctx | glue ms | draft ms/fwd |",
                   "|---" * 7 + "|"]
         for r in res["rows"]:
             fz = r.get("latency_fit")
             if fz:
                 a, b, c = fz["tree_ms_a_b_c"]
-                oh = "-" if fz["draft_overhead_ms"] is None else f"{fz['draft_overhead_ms']:.2f}"
+                oh = "-" if fz["draft_overhead_ms"] is None else f"+{fz['draft_overhead_ms']:.2f}"
+                if fz.get("draft_ms_per_forward") is not None:
+                    oh = f"{fz['draft_ms_per_forward']:.2f} all-in"
                 lines.append(f"| {r['method']} | {r['domain']} | {','.join(fz['fit_domains'])} | {a:.2f} / {b:.3f} / "
                              f"{1e3 * c:.2f}e-3 | {fz['ar_ms_a_c'][0]:.2f} / {1e3 * fz['ar_ms_a_c'][1]:.2f}e-3 "
                              f"| {fz['glue_ms']:.2f} | {oh} |")

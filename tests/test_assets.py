@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -34,16 +35,27 @@ def test_shipped_drafter_is_lossless_on_the_shipped_target():
     assert spec.token_ids[:12] == json.loads(EXPECTED.read_text())["target_greedy"]
 
 
-def test_shipped_eagle3_drafter_is_lossless_on_the_shipped_target():
-    from specblock.runtime.drafters.eagle3 import Eagle3Drafter
+SHIPPED = sorted(p.name for p in DEFAULT_DRAFTERS.iterdir() if (p / "config.json").is_file())
+
+
+@pytest.mark.parametrize("method", [m for m in SHIPPED if m != "specblock"])
+def test_every_shipped_baseline_drafter_is_lossless_on_the_shipped_target(method):
+    from specblock.runtime import drafters
+    from specblock.runtime.drafters.base import ARDrafter
 
     target = TargetModel.load(DEFAULT_TARGET, "float32", "cpu")
     tok = AutoTokenizer.from_pretrained(DEFAULT_TARGET)
     ids = np.asarray(tok(PROMPT)["input_ids"])
-    from specblock.runtime.drafters.base import ARDrafter
-
     plain = Engine(target, ARDrafter()).generate(ids, 24)
-    spec = Engine(target, Eagle3Drafter.load(DEFAULT_DRAFTERS / "eagle3", target), budget=24).generate(ids, 24)
+    spec = Engine(target, drafters.build(method, target, {"drafter": DEFAULT_DRAFTERS / method}), budget=24).generate(ids, 24)
     assert spec.token_ids == plain.token_ids
     assert spec.token_ids[:12] == json.loads(EXPECTED.read_text())["target_greedy"]
     assert max(spec.stats.accepted) > 0  # a trained drafter gets drafts accepted on its own text
+
+
+def test_shipped_weights_stay_under_the_60_mb_budget_with_a_card_each():
+    """Issue 3: the target plus every drafter stays under 60 MB (they live in git)."""
+    files = [f for d in (DEFAULT_TARGET, *(DEFAULT_DRAFTERS / m for m in SHIPPED)) for f in d.iterdir()]
+    assert sum(f.stat().st_size for f in files) < 60e6
+    assert {"specblock", "eagle3"} <= set(SHIPPED)
+    assert all((DEFAULT_DRAFTERS / m / "README.md").is_file() for m in SHIPPED)

@@ -232,3 +232,37 @@ def test_a_bench_without_decode_speedup_is_judged_on_wall_time_with_a_warning(tm
     sb = next(r for r in res["rows"] if r["method"] == "specblock")
     assert sb["spd_basis"] == "wall" and sb["spd_err"] > 0.15  # the sim has no prefill to pay
     assert any("speedup_decode" in w for w in res["warnings"])
+
+
+def test_depthwise_drafter_without_calibrate_timing_is_priced_from_its_traces(tmp_path):
+    """EAGLE-3 rows: calibrate does not time that drafter, so the calibrate mode skips them and
+    the trace mode fits its all-in ms per forward (one forward per drafted depth)."""
+    bench, traces, lat = _make_inputs(tmp_path)
+    true = json.loads(json.dumps(LATENCY))
+    true["drafters"]["eagle3"] = {"ms_per_forward": 1.5}
+    (tmp_path / "lat_e3.json").write_text(json.dumps(true))
+    (tmp_path / "dd" / "eagle3").mkdir()
+    (tmp_path / "dd" / "eagle3" / "config.json").write_text(json.dumps({"depth": 4, "top_k": 3}))
+    cfg = SimConfig.model_validate({
+        "preset": "cpu-calibrated", "latency_file": str(tmp_path / "lat_e3.json"),
+        "method": {"name": "eagle3", "depth": 4, "top_k": 3, "budget": 24},
+        "acceptance": {"kind": "parametric", "a1": 0.8}, "workload": {"requests": PROMPTS, "tokens": TOKENS, "prompt_len": 100},
+        "tree_pool": 0, "seed": 5})
+    e3 = simulate(cfg, trace_out=str(traces / "eagle3.code.jsonl"))
+    b = json.loads(bench.read_text())
+    b["rows"].append({"method": "eagle3", "domain": "code", "speedup": e3["speedup"], "speedup_decode": e3["speedup"],
+                      "tau": e3["tau"], "draft_share": 0.3, "mean_tree_size": e3["tree_size"], "new_tokens": PROMPTS * TOKENS})
+    bench.write_text(json.dumps(b))
+    out = tmp_path / "o"
+    base = ["--bench", str(bench), "--traces", str(traces), "--latency", str(lat), "--requests", "30",
+            "--n-seeds", "1", "--tree-pool", "512", "--out", str(out)]
+    assert sf.main(base) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert any(s["method"] == "eagle3" and "no drafter 'eagle3'" in s["reason"] for s in res["skipped"])
+    assert sf.main(base + ["--latency-from", "traces"]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    row = next(r for r in res["rows"] if r["method"] == "eagle3")
+    assert row["sim_method"]["depth"] == 4 and row["sim_method"]["top_k"] == 3  # from the drafter's config
+    assert row["latency_fit"]["draft_ms_per_forward"] == pytest.approx(1.5, rel=0.02)
+    assert row["draft_ms_sim"] == pytest.approx(row["draft_ms_meas"], rel=0.05)
+    assert abs(row["tau_err"]) < sf.TAU_TOL and abs(row["spd_err"]) < sf.SPD_TOL
