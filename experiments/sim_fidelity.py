@@ -102,7 +102,7 @@ def bench_sets(cfg: dict, method: str) -> dict:
 def sim_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
     """The sim's ``method`` section with the settings the runtime engine used, and notes."""
     name, sets, notes = SIM_METHOD[method.split("@")[0]], bench_sets(cfg, method), []
-    budget = int(cfg.get("budget", RunConfig.model_fields["budget"].default))
+    budget = int(sets.get("budget", cfg.get("budget", RunConfig.model_fields["budget"].default)))
     if name == "lookup":  # the replay carries the runtime's ngram / lookup_depth / branches as run
         return {"name": "lookup"}, notes
     if name != "specblock":  # the runtime's serving settings: bench --set, else the drafter's config

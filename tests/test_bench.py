@@ -22,3 +22,13 @@ def test_bench_writes_table_and_files(tmp_path, capsys):
     for suffix in (".csv", ".md", ".png"):
         assert out.with_suffix(suffix).stat().st_size > 0
     assert "| lookup |" in capsys.readouterr().out
+
+
+def test_per_method_engine_budget(tmp_path):
+    save_tiny(tmp_path / "t", "llama", vocab=96, ctx=2048)
+    out = tmp_path / "b"
+    assert main(["bench", "--target", str(tmp_path / "t"), "--methods", "random,random@b2", "--domains", "code",
+                 "--prompts", "1", "--max-new-tokens", "6", "--runs", "1", "--dtype", "float32", "--budget", "12",
+                 "--set", "random@b2:budget=2", "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert rows["random@b2"]["mean_tree_size"] <= 3 < rows["random"]["mean_tree_size"]  # root + at most 2 nodes

@@ -78,6 +78,8 @@ def test_runtime_settings_are_read_from_the_bench_config(tmp_path):
     m, notes = sf.sim_method("specblock", cfg)
     assert (m["M"], m["max_seeds"], m["widths"], m["budget"], m["K"]) == (3, 2, [1, 2, 3, 0], 16, 4)
     assert notes and "K=4 assumed" in notes[0]  # no config.json there
+    m, _ = sf.sim_method("specblock@b8", dict(cfg, set=["specblock@b8:budget=8"]))
+    assert m["budget"] == 8  # a per-method engine budget from the bench's --set
 
 
 def test_fixed_acceptance_round_trip(tmp_path):

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget", type=int, default=24)
     ap.add_argument("--drafter-dir", type=Path, help="directory of trained drafters (default: the shipped assets)")
     ap.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE",
-                    help="per-method option, e.g. specblock:M=3 or specblock:drafter=DIR")
+                    help="per-method option, e.g. specblock:M=3, specblock:drafter=DIR, eagle3:budget=16 (engine node budget)")
     ap.add_argument("--trace-dir", type=Path, help="write per-iteration JSONL traces per method and domain (run 1)")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench"))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
@@ -110,8 +110,10 @@ def run_bench(args) -> dict:
             except peers.PeerUnavailable as e:
                 skipped[m] = str(e)
         else:
-            engines[m] = Engine(target, drafters.build(m.split("@")[0], target, _options(m, args)), GreedyVerifier(),
-                                args.budget, eos)
+            opts = _options(m, args)
+            # "budget" is the engine's node budget: each tree method at its own best budget in one run
+            budget = int(opts.pop("budget", args.budget))
+            engines[m] = Engine(target, drafters.build(m.split("@")[0], target, opts), GreedyVerifier(), budget, eos)
     methods = [m for m in methods if m in engines]
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
     prompts = {d: [tok(p.text)["input_ids"] for p in load_prompts(d, args.prompts)] for d in domains}
