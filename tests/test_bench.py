@@ -32,3 +32,48 @@ def test_per_method_engine_budget(tmp_path):
                  "--set", "random@b2:budget=2", "--out", str(out)]) == 0
     rows = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
     assert rows["random@b2"]["mean_tree_size"] <= 3 < rows["random"]["mean_tree_size"]  # root + at most 2 nodes
+
+
+def test_best_budgets_picks_the_fastest_budget_per_method(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "best_budgets.py"
+    spec = importlib.util.spec_from_file_location("best_budgets", path)
+    bb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bb)
+    row = lambda m, d, s, dec: {"method": m, "domain": d, "speedup": s, "speedup_decode": dec}
+    bench = {"rows": [row("ar", "code", 1, 1), row("eagle3@b8", "code", 0.9, 0.8), row("eagle3@b8", "chat", 0.9, 0.8),
+                      row("eagle3@b16", "code", 0.8, 0.9), row("eagle3@b16", "chat", 0.8, 0.95),
+                      row("specblock@b24", "code", 1.1, 1.2)]}
+    best, means = bb.best_budgets(bench)
+    assert best == {"eagle3": 16, "specblock": 24}  # decode-loop Spd decides, not the wall-clock one
+    f = tmp_path / "b.json"
+    f.write_text(json.dumps(bench))
+    assert bb.main([str(f)]) == 0
+    assert capsys.readouterr().out.split() == ["--set", "eagle3:budget=16", "--set", "specblock:budget=24"]
+    assert bb.main([str(tmp_path / "none.json")]) == 2
+
+
+def test_bench_adapt_row_is_lossless_and_restarts_from_theta0_each_run(tmp_path):
+    from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
+    from specblock.runtime.target import default_taps
+    from tiny import tiny_model
+
+    save_tiny(tmp_path / "t", "llama", vocab=96, ctx=2048)
+    net = SpecBlockNet(SpecBlockConfig(vocab_size=96, hidden_size=32, num_heads=4, intermediate_size=64,
+                                       tap_layers=default_taps(2)))
+    net.tie_to_target(tiny_model("llama", vocab=96, ctx=2048))
+    net.save(tmp_path / "d")
+    out = tmp_path / "b"
+    assert main(["bench", "--target", str(tmp_path / "t"), "--methods", "specblock,specblock+adapt", "--domains", "code",
+                 "--prompts", "2", "--max-new-tokens", "12", "--runs", "2", "--dtype", "float32",
+                 "--set", f"specblock:drafter={tmp_path / 'd'}", "--set", f"specblock+adapt:drafter={tmp_path / 'd'}",
+                 "--set", "specblock+adapt:adapt_window=3", "--out", str(out)]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    rows = {r["method"]: r for r in res["rows"]}
+    assert rows["specblock+adapt"]["match_rate"] == 1.0 and rows["specblock+adapt"]["tau"] >= 1.0
+    summary = res["adapt"]["specblock+adapt"]
+    # the last run's adapter only: windows of one run's 2 prompts, not of both runs
+    iters_per_run = rows["specblock+adapt"]["new_tokens"] / rows["specblock+adapt"]["tau"]
+    assert 1 <= summary["adapt_windows"] <= iters_per_run / 3 + 1

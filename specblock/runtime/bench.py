@@ -7,6 +7,12 @@ that run), tokens/s, tau and T_D%, plus the match rate against AR's tokens. bf16
 differ from plain decoding at near-ties (the shapes of the computation differ); every such
 divergence is reported with the target's top-2 logit gap at the diverging position.
 
+``specblock+adapt`` wraps the SpecBlock drafter in ``runtime/adapt.py``'s Adapter. It adapts
+over the prompts of one run and starts every run from the pretrained weights (serving a prompt it
+has already trained on would flatter it). An update still in flight when its query ends is
+waited for, and the wait is charged to that query, so no other method's timing shares the CPU
+with it.
+
 External peers (``runtime/peers.py``): ``hf-assisted`` and ``hf-lookup`` run HuggingFace's own
 ``generate`` with an assistant model or prompt lookup on the same target, interleaved and timed
 like the others; their tau, T_D% and tree sizes are not observable and are reported as null. A
@@ -19,6 +25,7 @@ import argparse
 import csv
 import json
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +45,7 @@ from specblock.runtime.verify import GreedyVerifier
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m specblock.runtime bench", description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path)
-    ap.add_argument("--methods", default="ar,lookup,specblock", help="comma-separated; NAME@VARIANT for a second setting; hf-assisted, hf-lookup: HF generate peers")
+    ap.add_argument("--methods", default="ar,lookup,specblock", help="comma-separated; NAME@VARIANT for a second setting; specblock+adapt: serving-time adaptation (restarts from the pretrained drafter every run); hf-assisted, hf-lookup: HF generate peers")
     ap.add_argument("--domains", default="code,math,chat,qa,mtbench")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per domain (the first N of each set)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -62,10 +69,17 @@ class Cell:
     tokens: list[list[int]] = field(default_factory=list)
 
 
+ADAPT = "+adapt"  # "specblock+adapt": the SpecBlock drafter wrapped in runtime/adapt.py's Adapter
+
+
+def _base(method: str) -> str:
+    return method.split("@")[0].removesuffix(ADAPT)
+
+
 def _options(method: str, args) -> dict:
-    base = RunConfig(method=method.split("@")[0]).drafter_options()
+    base = RunConfig(method=_base(method)).drafter_options()
     if args.drafter_dir is not None:
-        base["drafter"] = args.drafter_dir / method.split("@")[0]
+        base["drafter"] = args.drafter_dir / _base(method)
     for item in args.set:
         m, _, kv = item.partition(":")
         k, _, v = kv.partition("=")
@@ -84,6 +98,21 @@ def divergence(target: TargetModel, prompt: list[int], ar: list[int], other: lis
         logits = target.model(torch.tensor([prompt + ar[:diff]], device=target.device)).logits[0, -1].float()
     top = logits.topk(2).values
     return {"position": diff, "gap": round(float(top[0] - top[1]), 5)}
+
+
+def _engine(m: str, target: TargetModel, args, eos: frozenset[int]) -> Engine:
+    opts = _options(m, args)
+    # "budget" is the engine's node budget: each tree method at its own best budget in one run
+    budget = int(opts.pop("budget", args.budget))
+    drafter = drafters.build(_base(m), target, opts)
+    if ADAPT in m:
+        from specblock.runtime.adapt import AdaptSettings, Adapter
+
+        if _base(m) != "specblock":
+            raise SpecBlockError(f"{m}: adaptation adapts the SpecBlock drafter; use specblock{ADAPT}")
+        window = int(opts.get("adapt_window", RunConfig.model_fields["adapt_window"].default))
+        drafter = Adapter(drafter, AdaptSettings(window=window))
+    return Engine(target, drafter, GreedyVerifier(), budget, eos)
 
 
 def run_bench(args) -> dict:
@@ -110,10 +139,7 @@ def run_bench(args) -> dict:
             except peers.PeerUnavailable as e:
                 skipped[m] = str(e)
         else:
-            opts = _options(m, args)
-            # "budget" is the engine's node budget: each tree method at its own best budget in one run
-            budget = int(opts.pop("budget", args.budget))
-            engines[m] = Engine(target, drafters.build(m.split("@")[0], target, opts), GreedyVerifier(), budget, eos)
+            engines[m] = _engine(m, target, args, eos)
     methods = [m for m in methods if m in engines]
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
     prompts = {d: [tok(p.text)["input_ids"] for p in load_prompts(d, args.prompts)] for d in domains}
@@ -121,13 +147,20 @@ def run_bench(args) -> dict:
         for ids in ps:
             if len(ids) + args.max_new_tokens > target.max_context:
                 raise SpecBlockError(f"a {d} prompt has {len(ids)} tokens: too long for {args.max_new_tokens} new ones")
-    for eng in engines.values():  # untimed warm-up
+    for m, eng in engines.items():  # untimed warm-up
         eng.generate(prompts[domains[0]][0][-16:], 8)
+        if ADAPT in m:
+            eng.drafter.clear()  # the warm-up is no query to learn from
 
     cells = {(m, d): Cell() for m in methods for d in domains}
     total = args.runs * sum(len(p) for p in prompts.values()) * len(methods)
     bar = tqdm(total=total, desc="bench", dynamic_ncols=True)
     for r in range(args.runs):
+        if r > 0:  # an adapting drafter starts every run from its pretrained weights: runs 2+ must
+            for m in methods:  # not serve prompts it has already trained on
+                if ADAPT in m:
+                    engines[m].drafter.close()
+                    engines[m] = _engine(m, target, args, eos)
         order = methods[r % len(methods):] + methods[: r % len(methods)]  # rotate who goes first
         per_run = {k: DecodeStats() for k in cells}
         for d in domains:
@@ -140,6 +173,12 @@ def run_bench(args) -> dict:
                         trace = (args.trace_dir / f"{m}.{d}.jsonl").open("a")
                     eng.trace, eng.trace_domain = trace, d
                     res = eng.generate(ids, args.max_new_tokens)
+                    if ADAPT in m:  # an update still running would share the CPU with the next method:
+                        t0 = time.perf_counter()  # let it land, and charge the wait to this query
+                        eng.drafter.wait()
+                        waited = time.perf_counter() - t0
+                        res.stats.wall_s += waited
+                        res.stats.loop_s += waited
                     if trace is not None:
                         trace.close()
                         eng.trace = None
@@ -150,7 +189,12 @@ def run_bench(args) -> dict:
         for k, st in per_run.items():
             cells[k].runs.append(st)
     bar.close()
-    return {**summarize(cells, methods, domains, prompts, target, args), "skipped": skipped}
+    adapt = {}
+    for m in methods:
+        if ADAPT in m:  # what the last run's adapter did (each run starts from theta_0)
+            adapt[m] = engines[m].drafter.summary()
+            engines[m].drafter.close()
+    return {**summarize(cells, methods, domains, prompts, target, args), "skipped": skipped, "adapt": adapt}
 
 
 def summarize(cells, methods, domains, prompts, target, args) -> dict:
