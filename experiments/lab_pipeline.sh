@@ -53,18 +53,40 @@ if [[ $step == all || $step == baselines ]]; then
       --max-minutes 14 --max-steps 3000 --lr 1e-3 --eval-every 100 --threads "$T"
 fi
 if [[ $step == all || $step == measure ]]; then
-  # On a quiet machine: every figure below is a timing.
+  # On a quiet machine: every figure below is a timing (op counts and acceptance excepted).
   rm -rf runs/traces
   $PY -m specblock.runtime calibrate --out specblock/sim/data/latency_cpu.json --reps 45
-  $PY -m specblock.runtime bench --methods ar,lookup,specblock,specblock@m1,specblock@topk2 \
-      --set specblock@m1:M=1 --set specblock@topk2:widths=2,2,2,2 \
-      --prompts 3 --runs 3 --max-new-tokens 64 --out experiments/results/bench_specblock --trace-dir runs/traces
+  # 1. each tree method's node budget on this CPU (2 prompts per domain, 2 runs, 48 tokens)
+  SWEEP=""; SETS=()
+  for m in specblock specblock@m1 eagle3 medusa parallelspec falcon; do
+    for b in 8 16 24 40; do
+      SWEEP+="$m@b$b,"; SETS+=(--set "$m@b$b:budget=$b")
+      [[ $m == specblock@m1 ]] && SETS+=(--set "$m@b$b:M=1")
+    done
+  done
+  $PY -m specblock.runtime bench --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts 2 --runs 2 \
+      --max-new-tokens 48 --out experiments/results/bench_budgets
+  read -r -a BEST <<< "$($PY experiments/best_budgets.py experiments/results/bench_budgets.json)"
+  # 2. the main table: every method at its best budget, medians of 3 interleaved runs
+  $PY -m specblock.runtime bench \
+      --methods ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt \
+      "${BEST[@]}" --set specblock@m1:M=1 --prompts 3 --runs 3 --max-new-tokens 64 \
+      --out experiments/results/bench_main --trace-dir runs/traces
+  # 3. the trained ablations (experiments/specblock_ablations.sh) and fixed top-k branching, same prompts
+  A=runs/ablations
+  $PY -m specblock.runtime bench --methods ar,specblock@full,specblock@no-shift,specblock@no-prefix-broadcast,specblock@no-valid-prefix,specblock@topk2 \
+      --set specblock@full:drafter=$A/full/drafter --set specblock@no-shift:drafter=$A/no-shift/drafter \
+      --set specblock@no-prefix-broadcast:drafter=$A/no-prefix-broadcast/drafter \
+      --set specblock@no-valid-prefix:drafter=$A/no-valid-prefix/drafter \
+      --set specblock@topk2:drafter=$A/full/drafter --set specblock@topk2:widths=2,2,2,2 \
+      --prompts 3 --runs 3 --max-new-tokens 64 --out experiments/results/bench_ablations
+  $PY experiments/drafter_cost.py --methods ar,lookup,sps,medusa,parallelspec,falcon,eagle3,specblock
   $PY experiments/engine_overhead.py --reps 300
   $PY experiments/target_speed.py --reps 7
-  $PY experiments/specblock_eval.py --bench experiments/results/bench_specblock.json \
+  $PY experiments/specblock_eval.py --bench experiments/results/bench_main.json \
       --latency specblock/sim/data/latency_cpu.json --windows 8
-  $PY experiments/sim_fidelity.py --latency-from traces --out experiments/results/sim_fidelity_tracelat
-  $PY experiments/sim_fidelity.py
-  $PY experiments/sim_fidelity.py --draft-overhead traces --out experiments/results/sim_fidelity_draftfit
+  $PY experiments/sim_fidelity.py --bench experiments/results/bench_main.json --latency-from traces \
+      --out experiments/results/sim_fidelity_tracelat
+  $PY experiments/sim_fidelity.py --bench experiments/results/bench_main.json
   $PY experiments/target_card.py --windows 12
 fi

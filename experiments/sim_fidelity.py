@@ -415,7 +415,8 @@ def markdown(res: dict) -> str:
                              f"{1e3 * c:.2f}e-3 | {fz['ar_ms_a_c'][0]:.2f} / {1e3 * fz['ar_ms_a_c'][1]:.2f}e-3 "
                              f"| {fz['glue_ms']:.2f} | {oh} |")
     for s in res["skipped"]:
-        lines.append(f"\nSkipped {s['method']}/{s['domain']} (measured {s['spd_meas']:.3f}x / tau {s['tau_meas']:.3f}): {s['reason']}")
+        tau = "-" if s["tau_meas"] is None else f"{s['tau_meas']:.3f}"
+        lines.append(f"\nSkipped {s['method']}/{s['domain']} (measured {s['spd_meas']:.3f}x / tau {tau}): {s['reason']}")
     basis = {r.get("spd_basis", "wall") for r in res["rows"]}
     judged = ("the bench's decode-loop Spd (speedup_decode: prefill excluded, median of its runs)" if basis == {"decode"}
               else "the bench's wall-clock Spd (prefill included: this bench JSON has no speedup_decode)")
@@ -469,7 +470,7 @@ def write_outputs(res: dict, out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bench", type=Path, default=ROOT / "experiments/results/bench_specblock.json")
+    ap.add_argument("--bench", type=Path, default=ROOT / "experiments/results/bench_main.json")
     ap.add_argument("--traces", type=Path, default=ROOT / "runs/traces")
     ap.add_argument("--latency", type=Path, default=ROOT / "specblock/sim/data/latency_cpu.json")
     ap.add_argument("--out", type=Path, default=ROOT / "experiments/results/sim_fidelity")
