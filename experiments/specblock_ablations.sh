@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Trained ablations of the SpecBlock drafter (issue 4), each with the same budget: the same
-# selfgen data, seed, fresh init, number of steps and the shipped recipe (--shared-norm) (the LR schedule follows steps: the minute
-# cap is set out of reach), then held-out per-position acceptance from each run's final eval.
+# selfgen data, seed, fresh init, number of steps and the shipped recipe (--shared-norm); the LR
+# schedule follows steps (the minute cap is set out of reach), then held-out per-position
+# acceptance from each run's final eval.
 # Acceptance is not a timing, so the figures hold on a busy machine; only the wall time does not.
 #
 #   bash experiments/specblock_ablations.sh [STEPS]        # default 250 steps per variant
+#   VARIANTS="no-cross-block" THREADS=1 bash experiments/specblock_ablations.sh   # some only
 #
 # Resumable: a variant whose run already ended (a "final" line in its metrics) is skipped, and
 # an interrupted one resumes from its checkpoint. Writes experiments/results/specblock_ablations.{json,md}.
@@ -16,8 +18,9 @@ DATA=${DATA:-runs/selfgen/lab_greedy.jsonl}
 if [[ ! -f $DATA ]]; then
   $PY -m specblock.training.selfgen --target specblock/assets/target --out "$DATA" --n 768 --batch 32 --threads 1
 fi
-declare -A FLAGS=([full]="" [no-shift]="--no-shift" [no-prefix-broadcast]="--no-prefix-broadcast" [no-valid-prefix]="--no-valid-prefix")
-for name in full no-shift no-prefix-broadcast no-valid-prefix; do
+declare -A FLAGS=([full]="" [no-shift]="--no-shift" [no-prefix-broadcast]="--no-prefix-broadcast"
+                  [no-valid-prefix]="--no-valid-prefix" [no-cross-block]="--no-cross-block")
+for name in ${VARIANTS:-full no-shift no-prefix-broadcast no-valid-prefix no-cross-block}; do
   dir=runs/ablations/$name
   if [[ -f $dir/metrics.jsonl ]] && grep -q '"final": true' "$dir/metrics.jsonl"; then continue; fi
   # shellcheck disable=SC2086
@@ -30,9 +33,13 @@ $PY - <<'PYEOF'
 import json
 from pathlib import Path
 rows = []
-for name in ("full", "no-shift", "no-prefix-broadcast", "no-valid-prefix"):
-    recs = [json.loads(l) for l in Path(f"runs/ablations/{name}/metrics.jsonl").read_text().splitlines()]
-    fin = [r for r in recs if r.get("final")][-1]
+for name in ("full", "no-shift", "no-prefix-broadcast", "no-valid-prefix", "no-cross-block"):
+    f = Path(f"runs/ablations/{name}/metrics.jsonl")
+    fin = [r for r in map(json.loads, f.read_text().splitlines()) if r.get("final")] if f.is_file() else []
+    if not fin:
+        print(f"{name}: not finished, left out of the table")
+        continue
+    fin = fin[-1]
     acc = fin["block1_acc"]
     # block1_acc[k] is chain acceptance (positions 1..k+1 all top-1 right, the valid-prefix rule),
     # so their sum is the expected accepted length of block 1's top-1 chain: a tau proxy.
