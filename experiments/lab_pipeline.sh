@@ -74,10 +74,11 @@ if [[ $step == all || $step == measure ]]; then
       --out experiments/results/bench_main --trace-dir runs/traces
   # 3. the trained ablations (experiments/specblock_ablations.sh) and fixed top-k branching, same prompts
   A=runs/ablations
-  $PY -m specblock.runtime bench --methods ar,specblock@full,specblock@no-shift,specblock@no-prefix-broadcast,specblock@no-valid-prefix,specblock@topk2 \
+  $PY -m specblock.runtime bench --methods ar,specblock@full,specblock@no-shift,specblock@no-prefix-broadcast,specblock@no-valid-prefix,specblock@no-cross-block,specblock@topk2 \
       --set specblock@full:drafter=$A/full/drafter --set specblock@no-shift:drafter=$A/no-shift/drafter \
       --set specblock@no-prefix-broadcast:drafter=$A/no-prefix-broadcast/drafter \
       --set specblock@no-valid-prefix:drafter=$A/no-valid-prefix/drafter \
+      --set specblock@no-cross-block:drafter=$A/no-cross-block/drafter \
       --set specblock@topk2:drafter=$A/full/drafter --set specblock@topk2:widths=2,2,2,2 \
       --prompts 3 --runs 3 --max-new-tokens 64 --out experiments/results/bench_ablations
   $PY experiments/drafter_cost.py --methods ar,lookup,sps,medusa,parallelspec,falcon,eagle3,specblock
