@@ -64,7 +64,7 @@ def physical_limit(bench: dict, latency: dict) -> list[dict]:
     lat = CalibratedLatency(LatencyMeasurements.model_validate(latency))
     rows = []
     for r in bench["rows"]:
-        if r["method"] == "ar":
+        if r["method"] == "ar" or r.get("tau") is None:  # peers: HF's generate reports no tau
             continue
         ctx = 256  # the prompts' typical context; T(1) and T(n) are read at the same ctx
         t1, tn = lat.target_ms(1, ctx), lat.target_ms(max(1, round(r["mean_tree_size"])), ctx)
