@@ -6,11 +6,15 @@ Spd over the bench's domains (decode-loop Spd when the bench has it: prefill doe
 the budget). Prints ``--set METHOD:budget=N`` per method on one line, for the main bench, and the
 table behind the choice on stderr.
 
-    python experiments/best_budgets.py experiments/results/bench_budgets.json
+    python experiments/best_budgets.py experiments/results/bench_budgets.json [--alias NEW=METHOD ...]
+
+``--alias specblock+adapt=specblock`` also prints ``--set specblock+adapt:budget=N`` with
+specblock's best N: a variant that was not swept runs at its family's budget.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -32,13 +36,23 @@ def best_budgets(bench: dict) -> tuple[dict[str, int], dict[str, dict[int, float
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or not Path(argv[0]).is_file():
-        print("usage: best_budgets.py BENCH.json (a bench with METHOD@bN variants)", file=sys.stderr)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bench", type=Path, help="a bench JSON with METHOD@bN variants")
+    ap.add_argument("--alias", action="append", default=[], metavar="NEW=METHOD")
+    args = ap.parse_args(argv)
+    if not args.bench.is_file():
+        print(f"error: no bench JSON at {args.bench}", file=sys.stderr)
         return 2
-    best, means = best_budgets(json.loads(Path(argv[0]).read_text()))
+    best, means = best_budgets(json.loads(args.bench.read_text()))
     if not best:
-        print(f"error: no METHOD@bN rows in {argv[0]}", file=sys.stderr)
+        print(f"error: no METHOD@bN rows in {args.bench}", file=sys.stderr)
         return 2
+    for item in args.alias:
+        new, _, fam = item.partition("=")
+        if fam not in best:
+            print(f"error: --alias {item}: {fam!r} was not swept", file=sys.stderr)
+            return 2
+        best[new] = best[fam]
     for k, d in means.items():
         print(f"{k}: " + ", ".join(f"b{b} {v:.3f}x" for b, v in d.items()) + f" -> {best[k]}", file=sys.stderr)
     print(" ".join(f"--set {k}:budget={b}" for k, b in best.items()))

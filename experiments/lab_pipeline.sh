@@ -66,7 +66,8 @@ if [[ $step == all || $step == measure ]]; then
   done
   $PY -m specblock.runtime bench --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts 2 --runs 2 \
       --max-new-tokens 48 --out experiments/results/bench_budgets
-  read -r -a BEST <<< "$($PY experiments/best_budgets.py experiments/results/bench_budgets.json)"
+  read -r -a BEST <<< "$($PY experiments/best_budgets.py experiments/results/bench_budgets.json \
+      --alias specblock+adapt=specblock)"
   # 2. the main table: every method at its best budget, medians of 3 interleaved runs
   $PY -m specblock.runtime bench \
       --methods ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt \

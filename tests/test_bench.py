@@ -52,6 +52,9 @@ def test_best_budgets_picks_the_fastest_budget_per_method(tmp_path, capsys):
     f.write_text(json.dumps(bench))
     assert bb.main([str(f)]) == 0
     assert capsys.readouterr().out.split() == ["--set", "eagle3:budget=16", "--set", "specblock:budget=24"]
+    assert bb.main([str(f), "--alias", "specblock+adapt=specblock"]) == 0  # an unswept variant: its family's
+    assert capsys.readouterr().out.split()[-2:] == ["--set", "specblock+adapt:budget=24"]
+    assert bb.main([str(f), "--alias", "x=medusa"]) == 2
     assert bb.main([str(tmp_path / "none.json")]) == 2
 
 

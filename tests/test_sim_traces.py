@@ -149,3 +149,27 @@ def test_check_traces_puts_runtime_and_sim_side_by_side(tmp_path, capsys):
     assert out["method"]["max_seeds"] == 2 and out["method"]["budget"] == 24  # the runtime's defaults
     assert abs(out["tau_err"]) < 0.05 and abs(out["tree_err"]) < 0.12 and out["runtime"]["iterations"] == 800
     assert main(["check-traces", str(path), "--set", "K=4"]) == 2  # only method.* settings
+
+
+def test_depthwise_runtime_traces_key_each_depth_as_a_position():
+    """The runtime logs an EAGLE-3 / SpS depth as its own one-position block; the sim's
+    depth-by-depth model reads key (0, depth - 1). A chain whose depth-d acceptance falls
+    0.9, 0.6, 0.3 must come back as that, not as depth 1's acceptance at every depth."""
+    from specblock.sim.traces import TraceRecord, fit_rank_model, observations
+
+    rng = np.random.default_rng(0)
+    acc = [0.9, 0.6, 0.3]
+    recs = []
+    for i in range(3000):
+        correct, ok = [1], True
+        for a in acc:
+            ok = ok and rng.random() < a
+            correct.append(int(ok) if ok else int(rng.random() < 0.0))
+        recs.append(TraceRecord.model_validate({
+            "iter": i, "ctx": 10, "tree_size": 4, "depth": 3, "accepted": sum(correct[1:]), "draft_s": 0.0,
+            "verify_s": 0.0, "commit_s": 0.0, "nodes": {"parent": [-1, 0, 1, 2], "depth": [0, 1, 2, 3],
+                                                       "rank": [-1, 0, 0, 0], "bucket": [-1] * 4,
+                                                       "block": [-1, 0, 1, 2], "correct": correct}}))
+    rm = fit_rank_model(observations(recs))
+    assert rm.pmf.shape[:2] == (1, 3)
+    np.testing.assert_allclose(rm.pmf[0, :, 0], acc, atol=0.04)

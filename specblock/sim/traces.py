@@ -148,7 +148,12 @@ def observations(recs: list[TraceRecord]) -> dict[str, np.ndarray]:
             for p, b, blk_c in zip(r.cuts.parent, r.cuts.bucket, r.cuts.block):
                 if 0 <= p < n:
                     add(blk_c, pos[p] + 1 if p > 0 and blk[p] == blk_c else 0, reach[p], False, 0, b)
-    return {k: np.asarray(v, dtype=bool if k in ("reach", "obs") else np.int64) for k, v in cols.items()}
+    out = {k: np.asarray(v, dtype=bool if k in ("reach", "obs") else np.int64) for k, v in cols.items()}
+    if out["pos"].size and out["pos"].max() == 0 and out["block"].max() > 0:
+        # Depth-by-depth drafters (EAGLE-3, SpS) log each depth's forward as its own block, one
+        # position long; the sim keys them (0, depth - 1) (acceptance.py), so the block is the position.
+        out["block"], out["pos"] = np.zeros_like(out["block"]), out["block"]
+    return out
 
 
 def fit_rank_model(o: dict[str, np.ndarray], iters: int = 40, prior: float = 1.0, kappa: float = 2.0) -> RankModel:
