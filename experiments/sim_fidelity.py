@@ -33,8 +33,8 @@ Choices, and why:
   call, not the host work around it in ``propose`` (tree building, seed selection and gather,
   the first block's pending positions). ``draft_overhead_ms_traces`` is that gap, per forward,
   by least squares over the SpecBlock rows' traces (forwards per iteration inferred with the
-  runtime's rule, ``traces.specblock_forwards``): 1.8 ms on the traces behind the shipped
-  bench_specblock.json, next to 5.3 ms for the forward itself. ``--draft-overhead traces``
+  runtime's rule, ``traces.specblock_forwards``): 1.1 ms on the traces behind
+  bench_main.json, next to 4.0 ms for the forward itself. ``--draft-overhead traces``
   charges it in the sim (the Spd comparison then leans on the same traces for drafting cost
   too: say so next to any number it produces);
 * latency from traces (``--latency-from traces``, issue 7): calibrate's isolated timings run

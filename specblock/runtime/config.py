@@ -20,7 +20,7 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     target: Path | None = None
-    method: str = "auto"  # the best shipped drafter by measurement (experiments/results/bench_specblock.md)
+    method: str = "auto"  # the best shipped method by measurement (experiments/results/bench_main.md)
     prompt: str | None = None
     prompt_file: Path | None = None
     max_new_tokens: int = Field(128, ge=1)
