@@ -15,10 +15,11 @@ Choices, and why:
   ``prompt_len = mean ctx - tokens / 2``: the sim then sees the same mean context per iteration;
 * tokens per request: the bench row's ``new_tokens`` (run 1, the traced run) over its prompts;
 * which Spd: the sim's is the decode loop's (DESIGN.md: ``E[tau] T_target(1) / E[T_iter]``), the
-  bench's headline Spd is wall time with prefill. Prefill is 10-25% of a 64-token request here
-  and differs by domain (prompt length), so judging the sim against wall time charged it with a
-  cost it does not model. Judged (``spd_meas``): the bench's ``speedup_decode``, the decode
-  loops' tokens/s ratio with the same runs and medians as its Spd. Also shown: the wall-clock Spd
+  bench's headline Spd is wall time with prefill. Prefill (``prefill_ms``: 10-22 ms, 2-5% of a
+  64-token request here) differs by method (drafters prefill too) and domain (prompt length), so
+  judging the sim against wall time charged it with a cost it does not model. Judged
+  (``spd_meas``): the bench's ``speedup_decode``, the decode loops' tokens/s ratio with the same
+  runs and medians as its Spd. Also shown: the wall-clock Spd
   (``spd_wall_meas``) and ``spd_dec_meas`` (decode loop, run-1 traces only). A bench JSON written
   before ``speedup_decode`` existed is judged on wall time, with a warning;
 * per-iteration diagnostics (drafting, verification, glue ms; tree size; AR ms per token) sit
