@@ -170,6 +170,8 @@ def test_depthwise_runtime_traces_key_each_depth_as_a_position():
             "verify_s": 0.0, "commit_s": 0.0, "nodes": {"parent": [-1, 0, 1, 2], "depth": [0, 1, 2, 3],
                                                        "rank": [-1, 0, 0, 0], "bucket": [-1] * 4,
                                                        "block": [-1, 0, 1, 2], "correct": correct}}))
-    rm = fit_rank_model(observations(recs))
+    rm = fit_rank_model(observations(recs, by_depth=True))
     assert rm.pmf.shape[:2] == (1, 3)
     np.testing.assert_allclose(rm.pmf[0, :, 0], acc, atol=0.04)
+    # read as blocks (a SpecBlock drafter with K = 1 logs this very shape), keys stay (block, 0)
+    assert fit_rank_model(observations(recs)).pmf.shape[:2] == (3, 1)

@@ -61,6 +61,8 @@ def _parse(argv):
     f.add_argument("--iterations", type=int, default=2000)
     t = sub.add_parser("fit-traces", help="fit an acceptance model from runtime JSONL traces")
     t.add_argument("traces", nargs="+")
+    t.add_argument("--method", choices=METHODS, default="specblock",
+                   help="the drafter that wrote them (sps, medusa, eagle3 are keyed by depth)")
     c = sub.add_parser("check-traces", help="runtime trace vs sim: tree size and tau (no timings)")
     c.add_argument("traces", nargs="+")
     c.add_argument("--method", choices=["specblock", "lookup"], default="specblock")
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
         if a.cmd == "fit-traces":
             from specblock.sim.traces import describe, fit_traces
 
-            print(json.dumps(describe(fit_traces(a.traces)), indent=1))
+            print(json.dumps(describe(fit_traces(a.traces, a.method)), indent=1))
             return 0
     except ValidationError as e:
         errs = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'config'}: {x['msg']}" for x in e.errors())

@@ -113,10 +113,19 @@ def has_cuts(recs: list[TraceRecord]) -> bool:
     return any(r.cuts is not None for r in recs) or not any(max(r.nodes.bucket, default=-1) >= 0 for r in recs)
 
 
-def observations(recs: list[TraceRecord]) -> dict[str, np.ndarray]:
+#: Methods the sim models depth by depth (``methods.DepthwiseDrafter``): key ``(0, depth - 1)``.
+BY_DEPTH = frozenset({"sps", "medusa", "eagle3"})
+
+
+def observations(recs: list[TraceRecord], by_depth: bool = False) -> dict[str, np.ndarray]:
     """One row per drafted position (children offered under one parent in one block, or a cut):
     key (block, pos), whether its parent is reachable, whether the rank is observed, the rank or
-    censoring point (0 for a cut: nothing known) and the predicted bucket (-1 when none)."""
+    censoring point (0 for a cut: nothing known) and the predicted bucket (-1 when none).
+
+    ``by_depth`` (the methods in ``BY_DEPTH``): every drafted node counts as block 0, so the key
+    is ``(0, depth - 1)`` as the sim's depth-by-depth model reads it. The runtime's EAGLE-3 and
+    SpS number each depth's forward as its own block; read as blocks, every depth would be keyed
+    like depth 1."""
     cols: dict[str, list[int]] = {k: [] for k in ("block", "pos", "reach", "obs", "value", "pred")}
 
     def add(b: int, q: int, re: bool, ob: bool, v: int, pr: int) -> None:
@@ -126,6 +135,8 @@ def observations(recs: list[TraceRecord]) -> dict[str, np.ndarray]:
     for r in recs:
         nd = r.nodes
         par, rank, bkt, blk, cor = (np.asarray(x) for x in (nd.parent, nd.rank, nd.bucket, nd.block, nd.correct))
+        if by_depth:
+            blk = np.minimum(blk, 0)
         n = par.size
         reach = np.zeros(n, bool)
         pos = np.zeros(n, np.int64)
@@ -148,12 +159,7 @@ def observations(recs: list[TraceRecord]) -> dict[str, np.ndarray]:
             for p, b, blk_c in zip(r.cuts.parent, r.cuts.bucket, r.cuts.block):
                 if 0 <= p < n:
                     add(blk_c, pos[p] + 1 if p > 0 and blk[p] == blk_c else 0, reach[p], False, 0, b)
-    out = {k: np.asarray(v, dtype=bool if k in ("reach", "obs") else np.int64) for k, v in cols.items()}
-    if out["pos"].size and out["pos"].max() == 0 and out["block"].max() > 0:
-        # Depth-by-depth drafters (EAGLE-3, SpS) log each depth's forward as its own block, one
-        # position long; the sim keys them (0, depth - 1) (acceptance.py), so the block is the position.
-        out["block"], out["pos"] = np.zeros_like(out["block"]), out["block"]
-    return out
+    return {k: np.asarray(v, dtype=bool if k in ("reach", "obs") else np.int64) for k, v in cols.items()}
 
 
 def fit_rank_model(o: dict[str, np.ndarray], iters: int = 40, prior: float = 1.0, kappa: float = 2.0) -> RankModel:
@@ -246,8 +252,8 @@ def specblock_forwards(rec: TraceRecord, K: int, M: int, max_seeds: int, budget:
 
 
 def fit_traces(paths, method: str | None = None, domain: str | None = None) -> RankModel:
-    """Read JSONL traces and fit the acceptance model (``method`` is informational)."""
-    return fit_rank_model(observations(read_traces(paths, domain)))
+    """Read JSONL traces and fit the acceptance model of ``method`` (keys by depth for ``BY_DEPTH``)."""
+    return fit_rank_model(observations(read_traces(paths, domain), by_depth=method in BY_DEPTH))
 
 
 def describe(rm: RankModel) -> dict:
