@@ -119,8 +119,14 @@ def sim_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
             if name == "eagle3":  # Eagle3Config's serving defaults when the config omits them
                 d.setdefault("depth", int(raw.get("depth", 6)))
                 d.setdefault("top_k", int(raw.get("top_k", 8)))
-            elif name == "medusa" and "heads" in raw:
-                d["heads"] = int(raw["heads"])
+            elif name == "medusa":  # the static tree the runtime verified: its heads, top-k and table
+                d.update({k: int(raw[k]) for k in ("heads",) if k in raw})
+                if "top_k" in raw:
+                    d["medusa_top_k"] = int(raw["top_k"])
+                if raw.get("rank_acc") is not None:
+                    d["rank_acc"] = raw["rank_acc"]
+                else:
+                    notes.append(f"{conf} has no rank_acc: the sim's static tree comes from the fitted rank pmf")
         return d, notes
     rc = RunConfig(method="specblock")
     ddir = sets.get("drafter") or (Path(cfg["drafter_dir"]) / "specblock" if cfg.get("drafter_dir") else DEFAULT_DRAFTERS / "specblock")

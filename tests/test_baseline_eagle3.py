@@ -59,6 +59,35 @@ def test_tree_is_eagle2_shaped_and_within_budget():
     assert short.max_depth <= 2
 
 
+def test_traces_log_each_expanded_nodes_candidates_and_the_targets_rank():
+    """Per expanded node the trace holds the drafter's whole top-k and the target's rank among it
+    (the sim's position pool); a correct child's rank is that rank."""
+    import io
+    import json
+
+    model, target, net = make("llama", seed=2, noise=0.3)
+    buf = io.StringIO()
+    eng = Engine(target, Eagle3Drafter(net, depth=4, top_k=3), budget=8, trace=buf)
+    eng.generate(np.arange(2, 14), 24)
+    recs = [json.loads(x) for x in buf.getvalue().splitlines()]
+    assert recs and all("positions" in r for r in recs if r["tree_size"] > 1)
+    seen = 0
+    for r in recs:
+        if "positions" not in r:
+            continue
+        nd, pos = r["nodes"], r["positions"]
+        assert all(len(row) == 3 and row == sorted(row, reverse=True) for row in pos["logp"])
+        for node, tr in zip(pos["node"], pos["target_rank"]):
+            kids = [i for i, p in enumerate(nd["parent"]) if p == node]
+            hit = [nd["rank"][i] for i in kids if nd["correct"][i]]
+            if hit:
+                assert tr == hit[0]
+                seen += 1
+            elif kids:
+                assert tr not in [nd["rank"][i] for i in kids]
+    assert seen > 0
+
+
 def test_serving_chain_equals_training_steps():
     """A top-1 chain drafted at serving time has, at every depth, the log-probs that the
     training-time test computes at the same rows: TTT teaches exactly what serving runs."""

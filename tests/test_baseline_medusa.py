@@ -7,7 +7,8 @@ import torch
 
 from specblock.errors import SpecBlockError
 from specblock.runtime.drafters.base import DraftRequest
-from specblock.runtime.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaNet, static_tree
+from specblock.policies.static_tree import static_tree
+from specblock.runtime.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaNet
 from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel
 from specblock.training.medusa_step import medusa_pass, medusa_step, rank_accuracy

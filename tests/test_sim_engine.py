@@ -124,3 +124,30 @@ def test_domain_shift_on_schedule_changes_acceptance():
     code, nq = run("humaneval"), run("nq")
     mixed = run("humaneval", [{"at_request": 4, "benchmark": "nq"}])
     assert nq < mixed < code
+
+
+def test_medusa_sim_verifies_the_runtime_static_tree():
+    """The sim's Medusa builds the tree the runtime drafter verifies, from the same table, and a
+    drafter whose heads are always right accepts every depth."""
+    torch = pytest.importorskip("torch")
+    from specblock.runtime.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaNet
+    from specblock.sim.acceptance import R, RankModel
+
+    rng = np.random.default_rng(3)
+    acc = np.sort(rng.uniform(0.01, 0.6, (3, 5)), axis=1)[:, ::-1] * np.array([[1.0], [0.7], [0.5]])
+    torch.manual_seed(0)
+    runtime = MedusaDrafter(MedusaNet(MedusaConfig(vocab_size=32, hidden_size=8, heads=3, top_k=5,
+                                                   rank_acc=acc.round(5).tolist())))
+    parent, depth, rank = runtime.tree_shape(12)
+    sim = build_method(SimConfig.model_validate({"method": {"name": "medusa", "heads": 3, "medusa_top_k": 5,
+                                                            "rank_acc": acc.round(5).tolist(), "budget": 12}}).method)
+    pmf = np.zeros((1, 3, R + 1))
+    pmf[..., 0] = 1.0
+    tree, _ = sim.tree_for(RankModel(pmf=pmf))
+    assert np.array_equal(tree.parent, parent) and np.array_equal(tree.rank, rank) and np.array_equal(tree.depth, depth)
+    assert tree.max_depth == 2 and sim.draft(rng, RankModel(pmf=pmf)).acceptance.accepted == 2
+    # without a table the tree follows the acceptance model: rank 1 more likely than rank 0 at depth 1
+    pmf2 = np.zeros((1, 1, R + 1))
+    pmf2[0, 0, :3] = [0.2, 0.5, 0.3]
+    own, _ = methods.medusa(heads=2, top_k=3, budget=1).tree_for(RankModel(pmf=pmf2))
+    assert own.size == 2 and own.rank[1] == 1

@@ -175,3 +175,37 @@ def test_depthwise_runtime_traces_key_each_depth_as_a_position():
     np.testing.assert_allclose(rm.pmf[0, :, 0], acc, atol=0.04)
     # read as blocks (a SpecBlock drafter with K = 1 logs this very shape), keys stay (block, 0)
     assert fit_rank_model(observations(recs)).pmf.shape[:2] == (3, 1)
+
+
+def _chain_record(i: int, target_rank: list[int], logp: list[list[float]]) -> dict:
+    """A depth-3 chain trace whose every node is an expanded position; node d+1 is correct iff
+    the target's rank at node d is 0."""
+    ok = [1] + [int(r == 0) for r in target_rank]
+    return {"iter": i, "ctx": 10, "tree_size": 4, "depth": 3, "accepted": 0, "draft_s": 0.0, "verify_s": 0.0,
+            "commit_s": 0.0, "nodes": {"parent": [-1, 0, 1, 2], "depth": [0, 1, 2, 3], "rank": [-1, 0, 0, 0],
+                                       "bucket": [-1] * 4, "block": [-1, 0, 1, 2], "correct": ok},
+            "positions": {"node": [0, 1, 2], "logp": logp, "target_rank": target_rank}}
+
+
+def test_position_pool_decides_depthwise_trees(tmp_path):
+    """Logged positions drive EAGLE-3's simulated trees: a drafter whose top-1 is always the
+    target's accepts every depth, one whose candidates never hold it accepts none, and rows are
+    drawn by depth and reachability (with fallbacks for keys the log lacks)."""
+    from specblock.sim.config import MethodCfg, build_method
+    from specblock.sim.traces import TraceRecord, fit_acceptance
+
+    lp = [[-0.1, -2.5]] * 3
+    model = build_method(MethodCfg(name="eagle3", depth=3, top_k=2, budget=6))
+    rng = np.random.default_rng(0)
+    for ranks, want in (([0, 0, 0], 3), ([-1, -1, -1], 0)):
+        recs = [TraceRecord.model_validate(_chain_record(i, ranks, lp)) for i in range(5)]
+        rm = fit_acceptance(recs, "eagle3")
+        assert rm.pool is not None and rm.pool.depths == 3
+        assert {model.draft(rng, rm).acceptance.accepted for _ in range(20)} == {want}
+    recs = [TraceRecord.model_validate(_chain_record(0, [0, 1, -1], [[-0.1, -2.5], [-0.7, -0.9], [-1.0, -1.2]]))]
+    pool = fit_acceptance(recs, "eagle3").pool
+    assert pool.reach.tolist() == [True, True, False]  # node 2 hangs under a rank-1 miss
+    rank, logp = pool.sample(rng, 1, np.array([True, False]), 3, 16)  # no unreachable row at depth 1: the reachable one
+    assert rank.tolist() == [1, 1] and logp.shape == (2, 3) and (logp[:, 2] < -20).all()
+    assert pool.sample(rng, 9, np.array([True]), 2, 16)[0].tolist() == [16]  # deeper than logged: depth 2, its one row
+    assert fit_acceptance(recs, "specblock").pool is None  # block drafters keep their tables

@@ -74,6 +74,20 @@ def test_subtree_and_prune_keep_structure(t, budget):
     assert pruned.tokens[0] == t.tokens[0]
 
 
+@given(trees(), st.data())
+def test_subtree_remaps_logged_positions(t, data):
+    """meta["positions"] follows its nodes through a cut: each row keeps its own node's token."""
+    node = np.array(data.draw(st.lists(st.integers(0, t.size - 1), max_size=t.size, unique=True)), dtype=np.int64)
+    t.meta["positions"] = {"node": node, "tok": t.tokens[node], "logp": np.zeros((node.size, 3))}
+    keep = np.array(data.draw(st.lists(st.booleans(), min_size=t.size, max_size=t.size)))
+    keep[0] = True
+    keep = ~(t.ancestor_mask & ~keep[None, :]).any(axis=1)  # ancestor-closed
+    cut, idx = t.subtree(keep)
+    pos = cut.meta["positions"]
+    assert pos["node"].size == keep[node].sum() == pos["logp"].shape[0]
+    assert (cut.tokens[pos["node"]] == pos["tok"]).all() and (idx[pos["node"]] == node[keep[node]]).all()
+
+
 @given(st.integers(1, 6), st.integers(1, 8), st.integers(0, 30), st.data())
 def test_fit_budget_keeps_sorted_prefixes(p, k, budget, data):
     w = np.array(data.draw(st.lists(st.integers(0, k), min_size=p, max_size=p)))

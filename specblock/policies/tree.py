@@ -45,7 +45,11 @@ class DraftTree:
     rank: np.ndarray  # 0-based rank among its parent's draft candidates (-1 when unknown)
     bucket: np.ndarray  # predicted rank bucket b0..b3 of the position (NO_BUCKET when none)
     block: np.ndarray  # block iteration that drafted the node (-1 at the root)
-    meta: dict = field(default_factory=dict)  # drafter-private per-tree data (e.g. hidden states)
+    # Drafter-private per-tree data (e.g. hidden states). One key is shared: ``meta["positions"]``,
+    # per expanded node the drafter's whole candidate list there (``node`` [E] plus [E, ...] arrays,
+    # e.g. ``ids`` and ``logp``), which engine traces log with the target's rank among them; it is
+    # the one meta entry :meth:`subtree` remaps (rows of dropped nodes go).
+    meta: dict = field(default_factory=dict)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -166,6 +170,11 @@ class DraftTree:
             block=self.block[idx],
             meta=dict(self.meta),
         )
+        pos = self.meta.get("positions")
+        if pos is not None:
+            node = np.asarray(pos["node"], dtype=np.int64)
+            live = remap[node] >= 0
+            t.meta["positions"] = {k: (remap[node[live]] if k == "node" else np.asarray(v)[live]) for k, v in pos.items()}
         return t, idx
 
     # ----------------------------------------------------------------- derived views

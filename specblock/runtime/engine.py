@@ -111,7 +111,7 @@ class Engine:
             stats.tree_depth.append(tree.max_depth)
             stats.tree_size.append(tree.size)
             if self.trace is not None:
-                self._write_trace(stats, tree, verdict, len(tokens) - 1, tb - ta, tc - tb, td - tc)
+                self._write_trace(stats, tree, verdict, len(tokens) - 1, tb - ta, tc - tb, td - tc, out.logits)
 
             for i, tok in enumerate(emitted):
                 if tok in self.eos_ids:
@@ -135,7 +135,7 @@ class Engine:
         stats.new_tokens = len(new)
         return GenerationResult(token_ids=new, stats=stats, stopped=stopped)
 
-    def _write_trace(self, stats, tree: DraftTree, verdict: Verdict, ctx: int, ds, vs, cs) -> None:
+    def _write_trace(self, stats, tree: DraftTree, verdict: Verdict, ctx: int, ds, vs, cs, logits) -> None:
         rec = {
             "iter": stats.iterations - 1,
             "ctx": ctx,
@@ -157,6 +157,13 @@ class Engine:
         }
         if "cuts" in tree.meta:  # positions the drafter's rank head ended (not on the tree)
             rec["cuts"] = tree.meta["cuts"]
+        pos = tree.meta.get("positions")
+        if pos is not None and len(pos["node"]):  # the target's rank among each expanded node's candidates
+            node = np.asarray(pos["node"], dtype=np.int64)
+            target = logits[torch.as_tensor(node, device=logits.device)].max(-1).indices.cpu().numpy()  # verify's tie rule
+            hit = np.asarray(pos["ids"]) == target[:, None]
+            rec["positions"] = {"node": node.tolist(), "logp": np.round(np.asarray(pos["logp"], np.float64), 4).tolist(),
+                                "target_rank": np.where(hit.any(1), hit.argmax(1), -1).tolist()}
         self.trace.write(json.dumps(rec) + "\n")
 
 

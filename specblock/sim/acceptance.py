@@ -72,6 +72,7 @@ class RankModel:
     kappa: float = 2.0
     joint: np.ndarray | None = None  # [blocks, positions, R + 1, 4]
     pred_off: np.ndarray | None = None  # [blocks, positions, 4]
+    pool: object | None = None  # a pool.PositionPool (trace fits): depth-by-depth drafters draw from it
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -171,7 +172,9 @@ class RankModel:
 
     def mix(self, other: "RankModel", w: float) -> "RankModel":
         """``(1 - w) * self + w * other`` (the sim's adaptation state interpolates a drafter's
-        static pmf towards its adapted one). Tables are broadcast to the larger shape."""
+        static pmf towards its adapted one). Tables are broadcast to the larger shape. A position
+        pool has no such knob: mixed and lifted models (adaptation what-ifs) drop it and draw from
+        their tables."""
         if w <= 0:
             return self
         if w >= 1:
@@ -263,9 +266,12 @@ def iid_rank_model(a: float, kappa: float = 2.0) -> RankModel:
 #: sibling of the target (near-iid). SpecBlock: in-block decay is stronger than EAGLE-3's per-step
 #: decay (positions share one forward) and each later block pays a little for drafter-state
 #: inheritance.
+#: Medusa's tail (misses outside the top R) is 0.6, not 0.3: on its 63-node static tree, which
+#: offers all ten head candidates at depth 1, a 0.3 tail gives tau >= 2.1 even at a1 = 0.05, above
+#: the digest's NQ tau of 2.00, so no a1 could fit it.
 METHOD_SHAPES = {
     "sps": ParametricShape(decay=0.98, spread=0.5),
-    "medusa": ParametricShape(decay=0.80, spread=0.7),
+    "medusa": ParametricShape(decay=0.80, spread=0.6, tail=0.6),
     "eagle3": ParametricShape(decay=0.96, spread=0.6),
     "specblock": ParametricShape(decay=0.93, block_decay=0.95, spread=0.6),
 }

@@ -52,7 +52,11 @@ class MethodCfg(_Strict):
     depth: int = Field(7, ge=1, le=16)
     top_k: int = Field(10, ge=1, le=16)
     heads: int = Field(4, ge=1, le=8)
-    medusa_top_k: int = Field(4, ge=1, le=16)
+    medusa_top_k: int = Field(10, ge=1, le=16)
+    # Medusa's calibrated accuracy table [heads][top_k] (the runtime drafter's config.json
+    # ``rank_acc``): the sim then builds the very static tree the runtime verifies; None: the
+    # table comes from the acceptance model's rank pmf (``methods.StaticTreeDrafter``)
+    rank_acc: list[list[float]] | None = None
     gamma: int = Field(5, ge=1, le=16)
     # Prompt lookup (a replay of runtime traces, ``lookup.py``): truncate the replayed trees to
     # this depth; a fixed n-gram search cost instead of each record's measured draft time
@@ -68,6 +72,12 @@ class MethodCfg(_Strict):
     def _widths(self) -> "MethodCfg":
         if min(self.widths) < 0 or max(self.widths) > 16:
             raise ValueError("method.widths: four widths (b0..b3) in 0..16")
+        if self.rank_acc is not None:
+            a = self.rank_acc
+            if len(a) < self.heads or any(len(r) < self.medusa_top_k for r in a[: self.heads]) or \
+                    any(not 0 <= x <= 1 for r in a for x in r):
+                raise ValueError(f"method.rank_acc: a [heads={self.heads}][medusa_top_k={self.medusa_top_k}] table "
+                                 "of accuracies in [0, 1]")
         return self
 
 
@@ -243,10 +253,11 @@ def build_method(m: MethodCfg):
     if m.name == "sps":
         return mm.sps(m.gamma)
     if m.name == "medusa":
-        d = mm.medusa(heads=m.heads, top_k=m.medusa_top_k, budget=m.budget or 63)
-        if m.policy_class:
-            d.policy = tree_policy(m)
-        return d
+        if m.policy_class:  # a user's branching over the heads' candidates instead of the static tree
+            return mm.DepthwiseDrafter(policy=tree_policy(m), seeds=seed_policy(m) if m.seed_class else mm.TopScoreSeeds(),
+                                       depth=m.heads, n_cand=m.medusa_top_k, max_frontier=8, budget=m.budget or 63,
+                                       forward_per_depth=False, drafter="medusa", name="medusa")
+        return mm.medusa(heads=m.heads, top_k=m.medusa_top_k, budget=m.budget or 63, rank_acc=m.rank_acc)
     if m.name == "eagle3":
         d = mm.eagle3(depth=m.depth, top_k=m.top_k, budget=m.budget or 60)
         if m.policy_class:

@@ -72,14 +72,14 @@ class AcceptanceSource:
 
             return TraceReplay.from_traces(a.traces)
         if a.kind == "traces":
-            from specblock.sim.traces import BY_DEPTH, fit_rank_model, has_cuts, observations, read_traces
+            from specblock.sim.traces import fit_acceptance, has_cuts, read_traces
 
             recs = read_traces(a.traces)
             mc = self.cfg.method
             if m == "specblock" and mc.branching == "rank" and 0 in mc.widths and not has_cuts(recs):
                 self.notes.append("traces have no rank-head cuts (written before the runtime logged them): "
                                   "P(b3) is unseen, so simulated trees and tau come out too large")
-            return fit_rank_model(observations(recs, by_depth=m in BY_DEPTH))
+            return fit_acceptance(recs, m)
         shape = METHOD_SHAPES[m]
         over = {k: v for k, v in (("head_accuracy", a.head_accuracy), ("kappa", a.kappa), ("decay", a.decay))
                 if v is not None}

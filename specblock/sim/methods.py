@@ -28,6 +28,7 @@ from specblock.policies.branching import (
     grow_block,
 )
 from specblock.policies.seeds import DeepestConfidentSeeds, SeedPolicy, TopScoreSeeds
+from specblock.policies.static_tree import static_tree
 from specblock.policies.tree import DraftTree
 from specblock.sim.acceptance import R, RankModel
 
@@ -112,8 +113,12 @@ class DepthwiseDrafter(MethodModel):
 
     * SpS: ChainBranching, one drafter forward per depth (``forward_per_depth``);
     * EAGLE-3: DynamicBranching + TopScoreSeeds (EAGLE-2's dynamic tree), one forward per depth;
-    * Medusa: TopKBranching, all positions from one forward of the heads (depth = heads). Our
-      reading of Medusa's sparse tree: grow the best-scoring frontier, prune to the budget.
+    * with a position pool in the rank model (traces that log positions, ``pool.py``), each
+      expanded position draws a logged row of its depth and reachability instead of the
+      parametric confidence;
+    * Medusa with a user's ``policy_class`` (``config.build_method``): all positions from one
+      forward of the heads (depth = heads), the frontier grown by that policy. Plain Medusa is
+      :class:`StaticTreeDrafter`.
     """
 
     policy: TreePolicy = field(default_factory=DynamicBranching)
@@ -133,11 +138,17 @@ class DepthwiseDrafter(MethodModel):
         forwards: list[int] = []
         k = min(self.n_cand, R)
         f = self.max_frontier
-        pos = np.repeat(np.arange(self.depth), f)
-        all_rank, all_logp, _ = rm.sample(rng, 0, pos, k, pos.size)  # every position it may need
+        pool = rm.pool
+        if pool is None:
+            pos = np.repeat(np.arange(self.depth), f)
+            all_rank, all_logp, _ = rm.sample(rng, 0, pos, k, pos.size)  # every position it may need
         for d in range(self.depth):
             p = frontier.size
-            rank, logp = all_rank[d * f: d * f + p], all_logp[d * f: d * f + p]
+            if pool is None:
+                rank, logp = all_rank[d * f: d * f + p], all_logp[d * f: d * f + p]
+            else:  # logged positions of this depth, as reachable as the frontier node (pool.py)
+                live = book.reachable(tree)[frontier] if d else np.ones(1, bool)
+                rank, logp = pool.sample(rng, d, live, k, R)
             book.set(frontier, rank)
             if self.forward_per_depth:
                 forwards.append(p)
@@ -151,6 +162,53 @@ class DepthwiseDrafter(MethodModel):
         if not self.forward_per_depth:
             forwards.append(1)
         return _finish(tree, book, forwards, self.policy, self.budget)
+
+
+@dataclass
+class StaticTreeDrafter(MethodModel):
+    """Medusa: one forward of the heads, verified on Medusa's static tree (``policies.static_tree``,
+    the runtime's own function), chosen per budget from an accuracy table ``acc[head, rank]``.
+
+    The table is ``rank_acc`` when given (the runtime drafter's calibrated table, so the sim
+    verifies the very tree the runtime did), else the acceptance model's own rank pmf by depth:
+    the accuracies Medusa would measure on held-out data if the model were the drafter. Every
+    internal node is a position whose target rank the model draws (key ``(0, depth)``); a child is
+    correct iff its head rank equals it, as in :class:`DepthwiseDrafter`.
+    """
+
+    heads: int = 4
+    top_k: int = 10
+    budget: int = 63
+    rank_acc: np.ndarray | None = None
+    drafter: str = "medusa"
+    name: str = "medusa"
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def tree_for(self, rm: RankModel) -> tuple[DraftTree, np.ndarray]:
+        """The static tree and its internal nodes (cached: the table changes only with ``rm``)."""
+        key = None if self.rank_acc is not None else id(rm)
+        hit = self._cache.get(key)
+        if hit is not None and (key is None or hit[2] is rm):
+            return hit[0], hit[1]
+        if self.rank_acc is not None:
+            acc = np.asarray(self.rank_acc, dtype=np.float64)[: self.heads, : self.top_k]
+        else:
+            b, p = rm._key(0, np.arange(self.heads))
+            acc = rm.pmf[b, p, : min(self.top_k, R)]
+        parent, depth, rank = static_tree(np.clip(acc, 1e-6, 1.0), self.budget)  # the runtime clips so too
+        tree = DraftTree.from_parents(rank.clip(0), parent, rank=rank, block=np.where(depth > 0, 0, -1),
+                                      logprob=np.where(depth > 0, np.log(np.clip(acc[depth - 1, rank.clip(0)], 1e-9, 1)), 0))
+        inner = np.unique(parent[1:])
+        self._cache = {key: (tree, inner, rm)}
+        return tree, inner
+
+    def draft(self, rng, rm):
+        tree, inner = self.tree_for(rm)
+        book = _RankBook()
+        rank, _, _ = rm.sample(rng, 0, tree.depth[inner], 1, inner.size)
+        book.set(inner, rank)
+        correct = book.correct(tree)
+        return Drafted(tree, correct, accept_longest(tree, correct), [1])
 
 
 @dataclass
@@ -244,10 +302,11 @@ def sps(gamma: int = 5) -> DepthwiseDrafter:
                             max_frontier=1, budget=gamma, drafter="sps", name="sps")
 
 
-def medusa(heads: int = 4, top_k: int = 4, frontier: int = 8, budget: int = 63) -> DepthwiseDrafter:
-    return DepthwiseDrafter(policy=TopKBranching(k=top_k), seeds=TopScoreSeeds(), depth=heads, n_cand=top_k,
-                            max_frontier=frontier, budget=budget, forward_per_depth=False,
-                            drafter="medusa", name="medusa")
+def medusa(heads: int = 4, top_k: int = 10, budget: int = 63, rank_acc=None) -> StaticTreeDrafter:
+    """Medusa-1 on its static tree (defaults: 4 heads, top-10 per head as the runtime's config,
+    63 draft nodes as Medusa's released tree)."""
+    return StaticTreeDrafter(heads=heads, top_k=top_k, budget=budget,
+                             rank_acc=None if rank_acc is None else np.asarray(rank_acc, dtype=np.float64))
 
 
 def eagle3(depth: int = 7, top_k: int = 10, budget: int = 60) -> DepthwiseDrafter:

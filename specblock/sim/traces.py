@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from specblock.policies.tree import NUM_BUCKETS
 from specblock.sim.acceptance import R, RankModel, _BUCKET_OF, default_confusion
+from specblock.sim.pool import MISSING_LOGP, PositionPool
 
 
 class TraceNodes(BaseModel):
@@ -71,6 +72,21 @@ class TraceCuts(BaseModel):
     block: list[int]
 
 
+class TracePositions(BaseModel):
+    """Per expanded node (EAGLE-3 traces): the drafter's whole top-k there and the target's rank
+    among it (-1: not among them), logged before the rerank cut any candidate (``pool.py``)."""
+
+    node: list[int]
+    logp: list[list[float]]
+    target_rank: list[int]
+
+    @model_validator(mode="after")
+    def _same_length(self) -> "TracePositions":
+        if not len(self.node) == len(self.logp) == len(self.target_rank):
+            raise ValueError("trace positions: node, logp and target_rank must have the same length")
+        return self
+
+
 class TraceRecord(BaseModel):
     """One decoding iteration of one request (times in seconds)."""
 
@@ -86,6 +102,7 @@ class TraceRecord(BaseModel):
     domain: str | None = None
     nodes: TraceNodes
     cuts: TraceCuts | None = None
+    positions: TracePositions | None = None
 
 
 def read_traces(paths, domain: str | None = None) -> list[TraceRecord]:
@@ -251,9 +268,41 @@ def specblock_forwards(rec: TraceRecord, K: int, M: int, max_seeds: int, budget:
     return out
 
 
+def position_pool(recs: list[TraceRecord]) -> PositionPool | None:
+    """The logged positions of ``recs`` as a :class:`~specblock.sim.pool.PositionPool` (key = the
+    expanded node's depth, reachable = its whole chain correct), or None when none are logged."""
+    key, reach, rank, logp = [], [], [], []
+    width = max((len(row) for r in recs if r.positions for row in r.positions.logp), default=0)
+    for r in recs:
+        if not r.positions or not r.positions.node:
+            continue
+        par, cor = np.asarray(r.nodes.parent), np.asarray(r.nodes.correct, bool)
+        ok = np.ones(par.size, bool)
+        for i in range(1, par.size):  # parents precede children
+            ok[i] = ok[par[i]] and cor[i]
+        node = np.asarray(r.positions.node)
+        key.append(np.asarray(r.nodes.depth)[node])
+        reach.append(ok[node])
+        rank.append(r.positions.target_rank)
+        logp.extend(row + [MISSING_LOGP] * (width - len(row)) for row in r.positions.logp)
+    if not key:
+        return None
+    return PositionPool(key=np.concatenate(key), reach=np.concatenate(reach), rank=np.concatenate(rank), logp=np.asarray(logp))
+
+
+def fit_acceptance(recs: list[TraceRecord], method: str | None = None) -> RankModel:
+    """The acceptance model of ``method`` from its traces: keys by depth for ``BY_DEPTH``, and the
+    position pool where the traces log positions (depth-by-depth drafters draw from it)."""
+    by_depth = method in BY_DEPTH
+    rm = fit_rank_model(observations(recs, by_depth=by_depth))
+    if by_depth:
+        rm.pool = position_pool(recs)
+    return rm
+
+
 def fit_traces(paths, method: str | None = None, domain: str | None = None) -> RankModel:
-    """Read JSONL traces and fit the acceptance model of ``method`` (keys by depth for ``BY_DEPTH``)."""
-    return fit_rank_model(observations(read_traces(paths, domain), by_depth=method in BY_DEPTH))
+    """Read JSONL traces and fit the acceptance model of ``method``."""
+    return fit_acceptance(read_traces(paths, domain), method)
 
 
 def describe(rm: RankModel) -> dict:
@@ -263,4 +312,6 @@ def describe(rm: RankModel) -> dict:
            "pred_reachable": np.round(rm.joint_table.sum(-2), 4).tolist()}
     if rm.pred_off is not None:
         out["pred_unreachable"] = np.round(rm.pred_off, 4).tolist()
+    if rm.pool is not None:
+        out["position_pool"] = rm.pool.summary()
     return out

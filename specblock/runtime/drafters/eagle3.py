@@ -165,8 +165,10 @@ class Eagle3Drafter(Drafter):
         expanded = np.zeros(0, dtype=np.int64)  # nodes whose keys/values sit in the draft cache, in order
         dk = dv = None
         n_ctx = self.cache[0].shape[-2]
+        offered: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # per depth: (nodes, ids, logps)
         for d in range(1, depth + 1):
             ids, lps = self._top(states)
+            offered.append((parents, ids, lps))
             new = expand(tree, parents, ids, lps, self.policy, req.budget, block=d - 1)
             if d == depth:
                 break
@@ -187,4 +189,9 @@ class Eagle3Drafter(Drafter):
             dk, dv = (k, v) if dk is None else (torch.cat([dk, k], -2), torch.cat([dv, v], -2))
             expanded = np.concatenate([expanded, frontier])
             states, parents = out[0, :, 0], frontier
+        # every expanded node's full top-k, before the rerank cuts candidates: traces log the
+        # target's rank among them, which the simulator's trace fit needs uncensored
+        tree.meta["positions"] = {"node": np.concatenate([o[0] for o in offered]),
+                                  "ids": np.concatenate([o[1] for o in offered]),
+                                  "logp": np.concatenate([o[2] for o in offered])}
         return self.policy.prune(tree, req.budget)

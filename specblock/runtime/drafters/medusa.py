@@ -8,10 +8,10 @@ forward; positions are predicted independently of each other.
 
 Tree. Medusa's static tree: node = a path of per-head ranks (r_1, .., r_d); depth d takes head
 d-1's rank-r_d candidate whatever its parent's token. The tree is chosen once per budget by
-best-first search over paths, scoring a path by the product of calibrated per-(head, rank)
-accuracies, which Medusa measures on held-out data; ``rank_acc`` in the config holds them (the
-trainer writes them at export). Verification is the project's lossless one, never Medusa's
-"typical acceptance".
+best-first search over paths (``policies.static_tree``, shared with the simulator), scoring a
+path by the product of calibrated per-(head, rank) accuracies, which Medusa measures on
+held-out data; ``rank_acc`` in the config holds them (the trainer writes them at export).
+Verification is the project's lossless one, never Medusa's "typical acceptance".
 
 Choices: the LM head is the target's, frozen and shared by all heads (Medusa-1 gives each head a
 trainable copy, initialised from it); without calibration the prior accuracy of (head i, rank r)
@@ -21,7 +21,6 @@ tree); the first token of a one-token prompt gets no draft (no target state yet)
 
 from __future__ import annotations
 
-import heapq
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from specblock.policies.static_tree import static_tree
 from specblock.policies.tree import NO_BUCKET, DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
 from specblock.runtime.drafters.netio import load_net, save_net, tie_frozen
@@ -83,27 +83,6 @@ class MedusaNet(nn.Module):
 
     def tie_to_target(self, target_model) -> None:
         tie_frozen(self, target_model, FROZEN)
-
-
-def static_tree(acc: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Best-first choice of ``budget`` rank paths by product accuracy (Medusa's tree search).
-
-    Returns (parent, depth, rank) with the root at index 0 and parents before children. A path
-    scores no more than its prefix, so taking the best paths first keeps the tree prefix-closed.
-    Runs once per budget (cached by the drafter), not per step.
-    """
-    heads, k = acc.shape
-    parent, depth, rank = [-1], [0], [-1]
-    heap = [(-acc[0, r], 0, r, 1) for r in range(k)]  # (-score, parent node, rank, depth)
-    heapq.heapify(heap)
-    while heap and len(parent) <= budget:
-        neg, par, r, d = heapq.heappop(heap)
-        node = len(parent)
-        parent.append(par), depth.append(d), rank.append(r)
-        if d < heads:
-            for r2 in range(k):
-                heapq.heappush(heap, (neg * acc[d, r2], node, r2, d + 1))
-    return np.asarray(parent, np.int64), np.asarray(depth, np.int64), np.asarray(rank, np.int64)
 
 
 class MedusaDrafter(Drafter):
