@@ -112,6 +112,27 @@ def test_fixed_acceptance_round_trip(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "| lookup | code |" in md and "| specblock | code |" in md
     assert out.with_suffix(".png").stat().st_size > 1000
+    assert row["spd_runs"] is None and "Spd runs min-max" in md  # this bench JSON has no per-run Spd
+
+
+def test_measured_spread_and_depthwise_forwards(tmp_path):
+    """Each run's decode Spd from the bench JSON is shown beside the judged median; EAGLE-3 is
+    charged its configured depth in forwards whatever depth its reranked tree kept."""
+    bench, traces, lat = _make_inputs(tmp_path)
+    b = json.loads(bench.read_text())
+    for r in b["rows"]:
+        r["speedup_decode_runs"] = [0.9 * r["speedup_decode"], r["speedup_decode"], 1.2 * r["speedup_decode"]]
+    bench.write_text(json.dumps(b))
+    out = tmp_path / "o"
+    assert sf.main(["--bench", str(bench), "--traces", str(traces), "--latency", str(lat), "--out", str(out),
+                    "--requests", "10", "--n-seeds", "1", "--tree-pool", "128"]) == 0
+    row = next(r for r in json.loads(out.with_suffix(".json").read_text())["rows"] if r["method"] == "specblock")
+    assert row["spd_runs"] == pytest.approx([0.9 * row["spd_meas"], 1.2 * row["spd_meas"]])
+    assert f"{0.9 * row['spd_meas']:.2f}-{1.2 * row['spd_meas']:.2f}x" in out.with_suffix(".md").read_text()
+    rec = _rec(100, 41, 10.0).model_copy(update={"depth": 3})
+    assert sf.depthwise_forwards(rec, {"name": "eagle3", "depth": 6}) == 6
+    assert sf.depthwise_forwards(rec, {"name": "sps", "gamma": 4}) == 3
+    assert sf.depthwise_forwards(rec, {"name": "medusa"}) == 1
 
 
 def test_stale_appends_and_bad_inputs(tmp_path, capsys):

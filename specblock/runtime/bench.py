@@ -213,6 +213,8 @@ def summarize(cells, methods, domains, prompts, target, args) -> dict:
                 "method": m, "domain": d,
                 "speedup": round(statistics.median(spd), 4),
                 "speedup_decode": round(statistics.median(dec), 4) if dec and seen else None,
+                # every run's decode Spd: the measurement's own spread (sim_fidelity shows it)
+                "speedup_decode_runs": [round(x, 4) for x in dec] if dec and seen else None,
                 "prefill_ms": round(1e3 * statistics.median(s.prefill_s for s in c.runs) / len(prompts[d]), 2) if seen else None,
                 "tokens_per_s": round(statistics.median(s.tokens_per_s for s in c.runs), 3),
                 "tau": round(statistics.median(s.tau for s in c.runs), 4) if seen else None,
@@ -233,7 +235,8 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
     files = [out.with_suffix(".json"), out.with_suffix(".csv"), out.with_suffix(".md"), out.with_suffix(".png")]
     files[0].write_text(json.dumps(result, indent=1))
     with files[1].open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k not in ("divergences", "per_depth_acceptance")])
+        w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k not in ("divergences", "per_depth_acceptance",
+                                                                            "speedup_decode_runs")])
         w.writeheader()
         for r in rows:
             w.writerow({k: v for k, v in r.items() if k in w.fieldnames})
