@@ -35,7 +35,11 @@ fixed top-2 traces of the lab drafter (which expand b3 positions too) show its b
 hide the target's top-1 token 21-35% of the time, far from what b3 should mean. To pin it, the
 runtime can log, on a small random share of positions, whether the target's token is in the
 drafter's top 16. Confidence concentration ``kappa`` is not identifiable without draft log-probs
-in the trace; it keeps its default.
+in the trace; it keeps its default. EAGLE-3's traces do log them (``positions``: per expanded
+node its whole top-k and the target's rank among it), and depth-by-depth methods then draw
+whole logged positions instead of a Beta confidence (:func:`position_pool`, ``pool.py``).
+SpecBlock's drafter does not log positions yet: its trees are shaped by the rank head's buckets,
+which the fit above already takes from the traces.
 """
 
 from __future__ import annotations
