@@ -87,7 +87,7 @@ from specblock.runtime.config import DEFAULT_DRAFTERS, RunConfig
 from specblock.sim.config import SimConfig
 from specblock.sim.latency import CalibratedLatency, DrafterTiming, load_measurements
 from specblock.sim.sweep import run_config
-from specblock.sim.tracelat import fit_trace_latency, latency_json
+from specblock.sim.tracelat import fit_trace_latency, latency_json, robust_lstsq
 from specblock.sim.traces import TraceRecord, has_cuts, specblock_forwards
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -261,18 +261,19 @@ def _jobs(rows_in: dict, cfg: dict, trace_dir: Path, meas_lat, prompts: int,
 
 
 def draft_overhead_ms(jobs: list[dict], lat: CalibratedLatency) -> float | None:
-    """Least-squares drafting ms per SpecBlock forward that the latency JSON does not price:
-    measured ``draft_s`` minus the priced forwards, regressed on the number of forwards."""
-    num = den = 0.0
+    """Drafting ms per SpecBlock forward that the latency JSON does not price: measured
+    ``draft_s`` minus the priced forwards, regressed on the number of forwards (robust least
+    squares, ``tracelat.robust_lstsq``: one stalled iteration must not set the price)."""
+    f, y = [], []
     for j in jobs:
         m = j["method_cfg"]
         if m["name"] != "specblock":
             continue
         for rec in j["recs"]:
             fw = specblock_forwards(rec, m["K"], m["M"], m["max_seeds"], m["budget"])
-            resid = 1e3 * rec.draft_s - sum(lat.draft_ms("specblock", q, rec.ctx) for q in fw)
-            num, den = num + len(fw) * resid, den + len(fw) ** 2
-    return num / den if den else None
+            f.append(len(fw))
+            y.append(1e3 * rec.draft_s - sum(lat.draft_ms("specblock", q, rec.ctx) for q in fw))
+    return float(robust_lstsq(np.asarray(f, float)[:, None], np.asarray(y))[0]) if f else None
 
 
 def depthwise_forwards(rec: TraceRecord, method_cfg: dict) -> int:
@@ -289,14 +290,13 @@ def depthwise_forwards(rec: TraceRecord, method_cfg: dict) -> int:
 
 
 def depthwise_ms_per_forward(jobs: list[dict]) -> float | None:
-    """Least squares ``draft_ms = a * forwards`` over the jobs' iterations: the whole drafting
-    cost per forward (network and host work), for drafters calibrate does not time."""
-    num = den = 0.0
-    for j in jobs:
-        for rec in j["recs"]:
-            f = depthwise_forwards(rec, j["method_cfg"])
-            num, den = num + f * 1e3 * rec.draft_s, den + f * f
-    return num / den if den else None
+    """``draft_ms = a * forwards`` over the jobs' iterations by robust least squares: the whole
+    drafting cost per forward (network and host work), for drafters calibrate does not time. The
+    robust refit matters: one SpS run stalled to 296 ms in a 9 ms iteration and, by plain least
+    squares, doubled the price every other domain was charged."""
+    f = [depthwise_forwards(rec, j["method_cfg"]) for j in jobs for rec in j["recs"]]
+    y = [1e3 * rec.draft_s for j in jobs for rec in j["recs"]]
+    return float(robust_lstsq(np.asarray(f, float)[:, None], np.asarray(y))[0]) if f else None
 
 
 def trace_latencies(jobs: list[dict], trace_dir: Path, meas_lat, prompts: int, tmp: Path,

@@ -289,3 +289,17 @@ def test_depthwise_drafter_without_calibrate_timing_is_priced_from_its_traces(tm
     assert row["latency_fit"]["draft_ms_per_forward"] == pytest.approx(1.5, rel=0.02)
     assert row["draft_ms_sim"] == pytest.approx(row["draft_ms_meas"], rel=0.05)
     assert abs(row["tau_err"]) < sf.TAU_TOL and abs(row["spd_err"]) < sf.SPD_TOL
+
+
+def test_robust_fit_drops_a_stall_that_moved_the_first_fit():
+    """Eight stalled iterations (30x) among ninety: the first least-squares line lies above the
+    bulk, and the refit must measure residuals from the bulk's centre to drop only the stall."""
+    import numpy as np
+
+    from specblock.sim.tracelat import robust_lstsq
+
+    rng = np.random.default_rng(1)
+    f = np.full(95, 4.0)
+    y = 4.0 * 2.2 * rng.normal(1, 0.03, 95)
+    y[30:38] = 290.0
+    assert robust_lstsq(f[:, None], y)[0] == pytest.approx(2.2, rel=0.02)

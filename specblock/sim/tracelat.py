@@ -42,7 +42,8 @@ def robust_lstsq(x: np.ndarray, y: np.ndarray, k_sigma: float = 4.0) -> np.ndarr
     """Least squares, refit once without points whose residual exceeds ``k_sigma`` robust sigmas."""
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
     r = y - x @ coef
-    sigma = 1.4826 * float(np.median(np.abs(r - np.median(r))))
+    r = r - np.median(r)  # outliers pull the first fit off the bulk: measure from the bulk's centre
+    sigma = 1.4826 * float(np.median(np.abs(r)))
     keep = np.abs(r) <= k_sigma * sigma if sigma > 0 else np.ones(y.size, bool)
     if keep.sum() >= x.shape[1] and not keep.all():
         coef, *_ = np.linalg.lstsq(x[keep], y[keep], rcond=None)
