@@ -174,7 +174,8 @@ class DraftTree:
         if pos is not None:
             node = np.asarray(pos["node"], dtype=np.int64)
             live = remap[node] >= 0
-            t.meta["positions"] = {k: (remap[node[live]] if k == "node" else np.asarray(v)[live]) for k, v in pos.items()}
+            t.meta["positions"] = {k: (remap[node[live]] if k == "node" else np.asarray(v)[live])
+                                   for k, v in pos.items()}
         return t, idx
 
     # ----------------------------------------------------------------- derived views

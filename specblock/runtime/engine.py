@@ -160,9 +160,11 @@ class Engine:
         pos = tree.meta.get("positions")
         if pos is not None and len(pos["node"]):  # the target's rank among each expanded node's candidates
             node = np.asarray(pos["node"], dtype=np.int64)
-            target = logits[torch.as_tensor(node, device=logits.device)].max(-1).indices.cpu().numpy()  # verify's tie rule
+            rows = logits[torch.as_tensor(node, device=logits.device)]
+            target = rows.max(-1).indices.cpu().numpy()  # the verifier's tie rule
             hit = np.asarray(pos["ids"]) == target[:, None]
-            rec["positions"] = {"node": node.tolist(), "logp": np.round(np.asarray(pos["logp"], np.float64), 4).tolist(),
+            rec["positions"] = {"node": node.tolist(),
+                                "logp": np.round(np.asarray(pos["logp"], np.float64), 4).tolist(),
                                 "target_rank": np.where(hit.any(1), hit.argmax(1), -1).tolist()}
         self.trace.write(json.dumps(rec) + "\n")
 

@@ -254,7 +254,8 @@ def build_method(m: MethodCfg):
         return mm.sps(m.gamma)
     if m.name == "medusa":
         if m.policy_class:  # a user's branching over the heads' candidates instead of the static tree
-            return mm.DepthwiseDrafter(policy=tree_policy(m), seeds=seed_policy(m) if m.seed_class else mm.TopScoreSeeds(),
+            seeds = seed_policy(m) if m.seed_class else mm.TopScoreSeeds()
+            return mm.DepthwiseDrafter(policy=tree_policy(m), seeds=seeds,
                                        depth=m.heads, n_cand=m.medusa_top_k, max_frontier=8, budget=m.budget or 63,
                                        forward_per_depth=False, drafter="medusa", name="medusa")
         return mm.medusa(heads=m.heads, top_k=m.medusa_top_k, budget=m.budget or 63, rank_acc=m.rank_acc)

@@ -196,8 +196,8 @@ class StaticTreeDrafter(MethodModel):
             b, p = rm._key(0, np.arange(self.heads))
             acc = rm.pmf[b, p, : min(self.top_k, R)]
         parent, depth, rank = static_tree(np.clip(acc, 1e-6, 1.0), self.budget)  # the runtime clips so too
-        tree = DraftTree.from_parents(rank.clip(0), parent, rank=rank, block=np.where(depth > 0, 0, -1),
-                                      logprob=np.where(depth > 0, np.log(np.clip(acc[depth - 1, rank.clip(0)], 1e-9, 1)), 0))
+        logprob = np.where(depth > 0, np.log(np.clip(acc[depth - 1, rank.clip(0)], 1e-9, 1)), 0)
+        tree = DraftTree.from_parents(rank.clip(0), parent, rank=rank, block=np.where(depth > 0, 0, -1), logprob=logprob)
         inner = np.unique(parent[1:])
         self._cache = {key: (tree, inner, rm)}
         return tree, inner

@@ -91,6 +91,7 @@ class PositionPool:
         for d in range(self.depths):
             g = self._groups[d, True]
             out["by_depth"].append({"depth": d, "reachable_rows": int(g.size),
-                                    "mean_top1_prob": round(float(np.exp(self.logp[g, 0]).mean()), 4) if g.size else None,
+                                    "mean_top1_prob": round(float(np.exp(self.logp[g, 0]).mean()), 4)
+                                    if g.size else None,
                                     "top1_acc": round(float((self.rank[g] == 0).mean()), 4) if g.size else None})
         return out

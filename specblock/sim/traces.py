@@ -291,7 +291,8 @@ def position_pool(recs: list[TraceRecord]) -> PositionPool | None:
         logp.extend(row + [MISSING_LOGP] * (width - len(row)) for row in r.positions.logp)
     if not key:
         return None
-    return PositionPool(key=np.concatenate(key), reach=np.concatenate(reach), rank=np.concatenate(rank), logp=np.asarray(logp))
+    return PositionPool(key=np.concatenate(key), reach=np.concatenate(reach), rank=np.concatenate(rank),
+                        logp=np.asarray(logp))
 
 
 def fit_acceptance(recs: list[TraceRecord], method: str | None = None) -> RankModel:
