@@ -93,8 +93,7 @@ if [[ $step == all || $step == measure ]]; then
   # 4. the simulator's check on a bench of its own methods with 5 runs (steadier medians than 3)
   rm -rf runs/traces_fidelity
   $PY -m specblock.runtime bench --methods ar,lookup,sps,medusa,eagle3,specblock,specblock@m1 \
-      --set specblock:budget=8 --set specblock@m1:budget=24 --set specblock@m1:M=1 --set eagle3:budget=40 \
-      --set medusa:budget=16 --prompts 3 --runs 5 --max-new-tokens 64 \
+      "${BEST[@]}" --set specblock@m1:M=1 --prompts 3 --runs 5 --max-new-tokens 64 \
       --out experiments/results/bench_fidelity --trace-dir runs/traces_fidelity
   $PY experiments/sim_fidelity.py --bench experiments/results/bench_fidelity.json --traces runs/traces_fidelity \
       --latency-from traces --out experiments/results/sim_fidelity_runs5
