@@ -17,13 +17,13 @@ if [[ $step == all || $step == target ]]; then
 fi
 if [[ $step == all || $step == drafter ]]; then
   # As shipped: the target's own greedy text (selfgen), then one run from scratch with the
-  # shared loss normalisation (--shared-norm: see the drafter's card). The LR schedule follows
-  # wall time, so a rerun gives a different drafter.
+  # shared loss normalisation (--shared-norm: see the drafter's card), 60 minutes. The LR schedule
+  # follows wall time, so a rerun gives a different drafter.
   $PY -m specblock.training.selfgen --target specblock/assets/target --out runs/selfgen/lab_greedy.jsonl \
       --n 768 --batch 32 --threads 1
   $PY -m specblock.training drafter --method specblock --target specblock/assets/target \
-      --run-dir runs/drafter_specblock_shared --out specblock/assets/drafters/specblock \
-      --data runs/selfgen/lab_greedy.jsonl --shared-norm --max-minutes 23 --max-steps 5000 \
+      --run-dir runs/drafter_specblock_long --out specblock/assets/drafters/specblock \
+      --data runs/selfgen/lab_greedy.jsonl --shared-norm --max-minutes 60 --max-steps 5000 \
       --lr 1e-3 --intermediate 1024 --eval-every 100 --threads 2
   $PY -m specblock.training drafter --method eagle3 --target specblock/assets/target \
       --run-dir runs/drafter_eagle3 --out specblock/assets/drafters/eagle3 \
