@@ -55,8 +55,9 @@ Choices, and why:
   fit is in-sample and a warning says so. Tried and left out: pricing the target from the row's
   own time window instead (the same domain's other methods and ``ar``, which the bench
   interleaves prompt by prompt, with the method's own costs scaled by the window's ``ar`` speed):
-  22 of 30 rows met the goal against 24 for this split on bench_main.json, because EAGLE-3's
-  41-node trees lie beyond every other method's tree sizes and its window's line extrapolates.
+  22 of 30 rows met the goal against 24 for this split (bench_main.json of commit 3dc7489), as
+  EAGLE-3's 41-node trees lie beyond every other method's tree sizes and its window's line
+  extrapolates.
   A drift that slows a whole domain's window cancels in its measured Spd (AR and the method ran
   in it alike), so this split is not thrown by it; what no latency fit follows is one method
   timed slow or fast against AR inside a window, which ``Spd runs min-max`` shows;
