@@ -59,8 +59,8 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _resolve_method(self) -> "RunConfig":
         if self.method == "auto":
-            # lookup measured 1.54x mean Spd on the lab target, the shipped SpecBlock drafter 0.66x
-            # (0.96x at M=1): auto picks lookup until a trained drafter beats it in that benchmark.
+            # lookup measured 1.51x mean Spd on the lab target, the shipped SpecBlock drafter 1.22x
+            # (1.26x at M=1, bench_main.md): auto picks lookup until a trained drafter beats it there.
             self.method = "lookup"
         return self
 
