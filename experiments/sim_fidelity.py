@@ -34,8 +34,8 @@ Choices, and why:
   call, not the host work around it in ``propose`` (tree building, seed selection and gather,
   the first block's pending positions). ``draft_overhead_ms_traces`` is that gap, per forward,
   by least squares over the SpecBlock rows' traces (forwards per iteration inferred with the
-  runtime's rule, ``traces.specblock_forwards``): 1.1 ms on the traces behind
-  bench_main.json, next to 4.0 ms for the forward itself. ``--draft-overhead traces``
+  runtime's rule, ``traces.specblock_forwards``; ``draft_overhead_ms_traces`` in the output JSON,
+  a few tenths of a ms to ~1 ms next to 3-4 ms for the forward itself). ``--draft-overhead traces``
   charges it in the sim (the Spd comparison then leans on the same traces for drafting cost
   too: say so next to any number it produces);
 * latency from traces (``--latency-from traces``, issue 7): calibrate's isolated timings run
@@ -126,11 +126,14 @@ def sim_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
             raw = json.loads(conf.read_text()) if conf.is_file() else {}
             if not raw:
                 notes.append(f"{conf} not found: the sim's defaults for {name}")
-            if name == "eagle3":  # Eagle3Config's serving defaults when the config omits them
-                d.setdefault("depth", int(raw.get("depth", 6)))
-                d.setdefault("top_k", int(raw.get("top_k", 8)))
+            if name == "eagle3":  # the drafter's serving settings, else Eagle3Config's defaults
+                from specblock.runtime.drafters.eagle3 import Eagle3Config
+
+                for k in ("depth", "top_k"):
+                    d.setdefault(k, int(raw.get(k, Eagle3Config.model_fields[k].default)))
             elif name == "medusa":  # the static tree the runtime verified: its heads, top-k and table
-                d.update({k: int(raw[k]) for k in ("heads",) if k in raw})
+                if "heads" in raw:
+                    d["heads"] = int(raw["heads"])
                 if "top_k" in raw:
                     d["medusa_top_k"] = int(raw["top_k"])
                 if raw.get("rank_acc") is not None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specblock.policies.tree import NUM_BUCKETS, rank_to_bucket
+from specblock.sim.pool import PositionPool
 
 #: Ranks 0..R-1 are modelled one by one; index R lumps every rank >= R (bucket b3).
 R = 16
@@ -72,7 +73,7 @@ class RankModel:
     kappa: float = 2.0
     joint: np.ndarray | None = None  # [blocks, positions, R + 1, 4]
     pred_off: np.ndarray | None = None  # [blocks, positions, 4]
-    pool: object | None = None  # a pool.PositionPool (trace fits): depth-by-depth drafters draw from it
+    pool: PositionPool | None = None  # trace fits: depth-by-depth drafters draw logged positions
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -22,7 +22,6 @@ from specblock.policies.acceptance import Acceptance, accept_longest
 from specblock.policies.branching import (
     ChainBranching,
     DynamicBranching,
-    TopKBranching,
     TreePolicy,
     add_candidates,
     grow_block,
@@ -182,14 +181,13 @@ class StaticTreeDrafter(MethodModel):
     rank_acc: np.ndarray | None = None
     drafter: str = "medusa"
     name: str = "medusa"
-    _cache: dict = field(default_factory=dict, repr=False)
+    _cached: tuple | None = field(default=None, repr=False)  # (source of the table, tree, inner nodes)
 
     def tree_for(self, rm: RankModel) -> tuple[DraftTree, np.ndarray]:
-        """The static tree and its internal nodes (cached: the table changes only with ``rm``)."""
-        key = None if self.rank_acc is not None else id(rm)
-        hit = self._cache.get(key)
-        if hit is not None and (key is None or hit[2] is rm):
-            return hit[0], hit[1]
+        """The static tree and its internal nodes, built once per table (``rank_acc``, or ``rm``'s)."""
+        src = self.rank_acc if self.rank_acc is not None else rm
+        if self._cached is not None and self._cached[0] is src:
+            return self._cached[1], self._cached[2]
         if self.rank_acc is not None:
             acc = np.asarray(self.rank_acc, dtype=np.float64)[: self.heads, : self.top_k]
         else:
@@ -199,7 +197,7 @@ class StaticTreeDrafter(MethodModel):
         logprob = np.where(depth > 0, np.log(np.clip(acc[depth - 1, rank.clip(0)], 1e-9, 1)), 0)
         tree = DraftTree.from_parents(rank.clip(0), parent, rank=rank, block=np.where(depth > 0, 0, -1), logprob=logprob)
         inner = np.unique(parent[1:])
-        self._cache = {key: (tree, inner, rm)}
+        self._cached = (src, tree, inner)
         return tree, inner
 
     def draft(self, rng, rm):

@@ -138,6 +138,19 @@ def has_cuts(recs: list[TraceRecord]) -> bool:
 BY_DEPTH = frozenset({"sps", "medusa", "eagle3"})
 
 
+def _walk(par: np.ndarray, cor: np.ndarray, blk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per node of a logged tree (parents precede children): whether its whole root chain is
+    correct, and its in-block position (0 for a block's first node)."""
+    reach = np.zeros(par.size, bool)
+    pos = np.zeros(par.size, np.int64)
+    reach[0] = True
+    for i in range(1, par.size):
+        p = par[i]
+        reach[i] = reach[p] and bool(cor[i])
+        pos[i] = pos[p] + 1 if p > 0 and blk[p] == blk[i] else 0
+    return reach, pos
+
+
 def observations(recs: list[TraceRecord], by_depth: bool = False) -> dict[str, np.ndarray]:
     """One row per drafted position (children offered under one parent in one block, or a cut):
     key (block, pos), whether its parent is reachable, whether the rank is observed, the rank or
@@ -159,13 +172,7 @@ def observations(recs: list[TraceRecord], by_depth: bool = False) -> dict[str, n
         if by_depth:
             blk = np.minimum(blk, 0)
         n = par.size
-        reach = np.zeros(n, bool)
-        pos = np.zeros(n, np.int64)
-        reach[0] = True
-        for i in range(1, n):
-            p = par[i]
-            reach[i] = reach[p] and bool(cor[i])
-            pos[i] = pos[p] + 1 if p > 0 and blk[p] == blk[i] else 0
+        reach, pos = _walk(par, cor, blk)
         groups: dict[tuple, list[int]] = {}
         for i in range(1, n):
             groups.setdefault((par[i], blk[i], pos[i]), []).append(i)
@@ -280,10 +287,7 @@ def position_pool(recs: list[TraceRecord]) -> PositionPool | None:
     for r in recs:
         if not r.positions or not r.positions.node:
             continue
-        par, cor = np.asarray(r.nodes.parent), np.asarray(r.nodes.correct, bool)
-        ok = np.ones(par.size, bool)
-        for i in range(1, par.size):  # parents precede children
-            ok[i] = ok[par[i]] and cor[i]
+        ok, _ = _walk(np.asarray(r.nodes.parent), np.asarray(r.nodes.correct), np.asarray(r.nodes.block))
         node = np.asarray(r.positions.node)
         key.append(np.asarray(r.nodes.depth)[node])
         reach.append(ok[node])
