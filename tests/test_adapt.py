@@ -5,6 +5,7 @@ more than they gain. (Bandit and rollback rules alone: test_bandit.py, test_roll
 
 import json
 import logging
+import threading
 import time
 
 import numpy as np
@@ -36,13 +37,30 @@ def make_net(target_model, taps, seed=0) -> SpecBlockNet:
     return net.eval()
 
 
-def setup(seed=0, **kw):
+def setup(seed=0, clock=time.perf_counter, **kw):
     model = tiny_model("llama", vocab=V, seed=seed, layers=3)
     target = TargetModel(model)
     drafter = SpecBlockDrafter(make_net(model, target.tap_layers, seed), policy=RankBucketBranching((2, 4, 10, 0)))
     settings = AdaptSettings(**{"window": 3, "steps": 1, "batch": 2, "buffer": 8, "max_ctx": 64, "top_k": 8, **kw})
-    adapter = Adapter(drafter, settings)
+    adapter = Adapter(drafter, settings, clock=clock)
     return model, target, adapter, Engine(target, adapter, budget=16)
+
+
+class VirtualClock:
+    """Time that moves by ``tick`` per reading and by whatever a fake update spends: the
+    bandit's costs are then the same on every machine."""
+
+    def __init__(self, tick: float = 0.01) -> None:
+        self.now, self.tick, self._lock = 0.0, tick, threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            self.now += self.tick
+            return self.now
+
+    def spend(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
 
 
 def prompts(n=4, seed=0):
@@ -139,14 +157,18 @@ def test_harmful_update_is_rolled_back_within_three_windows(monkeypatch):
 
 
 def test_bandit_skips_updates_that_cost_more_than_they_gain(monkeypatch):
+    clock = VirtualClock(tick=0.01)  # one window of 2 iterations: ~0.01 virtual seconds
+
     def slow_and_useless(self, arm):
-        time.sleep(0.15)  # measured cost: many windows of wall time; no change to the drafter
+        clock.spend(0.15)  # measured cost: many windows of wall time; no change to the drafter
         return {}
 
     monkeypatch.setattr(Adapter, "train_step", slow_and_useless)
-    model, target, adapter, engine = setup(window=2)
+    model, target, adapter, engine = setup(window=2, clock=clock)
+    # Waiting in the serving thread lands each update right after it was chosen, so which
+    # windows judge it does not depend on thread timing either.
     for p in prompts(8, seed=4):
-        engine.generate(p, 30)
+        engine.generate(p, 30, on_tokens=lambda _: adapter.wait(10))
     adapter.wait(10)
     adapter.close()
     b = adapter.bandit
@@ -154,6 +176,8 @@ def test_bandit_skips_updates_that_cost_more_than_they_gain(monkeypatch):
     played = adapter.played
     assert played["heads"] >= 1 and played["full"] >= 1  # each explored once
     assert played["skip"] > 2 * (played["heads"] + played["full"])
+    judged = [w for w in adapter.windows if w["judged"] in ("heads", "full")]
+    assert judged and all(w["cost"] > 5 for w in judged)  # the update outlasted several windows
 
 
 # ---------------------------------------------------------------------------------- CLI

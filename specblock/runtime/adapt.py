@@ -37,13 +37,14 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specblock.policies import loading
 from specblock.policies.bandit import ARMS, CostAwareBandit, FixedArm
 from specblock.policies.rollback import ThreeWindowRollback
 from specblock.policies.tree import DraftTree
@@ -81,10 +82,35 @@ class AdaptSettings:
     gain: str = "tau"  # "tau" or "tps": the metric whose relative change is the bandit's gain
     threads: int = 1  # torch threads of the worker (OpenMP: per thread; serving keeps its own)
     seed: int = 0
+    # A user's bandit / rollback rule ("package.module:Class", CostAwareBandit / ThreeWindowRollback
+    # subclasses; --adapt-policy / --rollback-policy), built by the loader the simulator uses too.
+    bandit_class: str | None = None
+    bandit_kwargs: dict = field(default_factory=dict)
+    rollback_class: str | None = None
+    rollback_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.arms or set(self.arms) - set(ARMS) or self.gain not in ("tau", "tps") or self.window < 1:
             raise ValueError(f"bad adaptation settings: arms {self.arms} (of {ARMS}), gain {self.gain!r}, window {self.window}")
+
+
+def adaptation_policies(c: AdaptSettings) -> tuple[CostAwareBandit, ThreeWindowRollback]:
+    """The bandit and rollback rule for ``c``: the user's classes when named (the settings here
+    are their defaults, their kwargs override them), else ours."""
+    arms = tuple(c.arms)
+    if c.bandit_class:
+        bandit = loading.build(c.bandit_class, c.bandit_kwargs, CostAwareBandit, "--adapt-policy",
+                               defaults={"arms": arms, "seed": c.seed, "explore": c.explore, "cost_weight": c.cost_weight})
+    elif len(arms) == 1:
+        bandit = FixedArm(arms=arms, arm=arms[0], seed=c.seed)
+    else:
+        bandit = CostAwareBandit(arms=arms, explore=c.explore, cost_weight=c.cost_weight, seed=c.seed)
+    if c.rollback_class:
+        rollback = loading.build(c.rollback_class, c.rollback_kwargs, ThreeWindowRollback, "--rollback-policy",
+                                 defaults={"tolerance": c.tolerance})
+    else:
+        rollback = ThreeWindowRollback(tolerance=c.tolerance)
+    return bandit, rollback
 
 
 @dataclass
@@ -111,8 +137,12 @@ class Adapter(Drafter):
     needs_features = True
 
     def __init__(self, drafter: SpecBlockDrafter, settings: AdaptSettings | None = None,
-                 on_window: Callable[[dict], None] | None = None) -> None:
+                 on_window: Callable[[dict], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """``clock`` times windows and updates (the bandit's cost); a test passes a virtual one
+        so that the bandit's choices do not depend on how fast the machine is."""
         self.inner, self.cfg, self.on_window = drafter, settings or AdaptSettings(), on_window
+        self.clock = clock
         self.name = f"{drafter.name}+adapt"
         self.tap_layers = drafter.tap_layers
         self.theta_inf = drafter.net
@@ -122,9 +152,7 @@ class Adapter(Drafter):
         self.master = {n: p.detach().clone() for n, p in self.theta_0.named_parameters() if n in self.names}
         c = self.cfg
         arms = tuple(c.arms)
-        self.bandit = (FixedArm(arms=arms, arm=arms[0], seed=c.seed) if len(arms) == 1 else
-                       CostAwareBandit(arms=arms, explore=c.explore, cost_weight=c.cost_weight, seed=c.seed))
-        self.rollback = ThreeWindowRollback(tolerance=c.tolerance)
+        self.bandit, self.rollback = adaptation_policies(c)
         self.buffer: deque[QueryRecord] = deque(maxlen=c.buffer)
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -171,7 +199,7 @@ class Adapter(Drafter):
         with self._lock:
             self.buffer.append(self.record)
         if self._t_win is None:
-            self._t_win = time.perf_counter()
+            self._t_win = self.clock()
         self.inner.prefill(prompt, features)
 
     def propose(self, req: DraftRequest) -> DraftTree:
@@ -261,7 +289,7 @@ class Adapter(Drafter):
         return False
 
     def _close_window(self) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         wall = now - (self._t_win or now)
         tau, tps = self._w_tokens / self._w_iters, self._w_tokens / max(wall, 1e-9)
         metric = tau if self.cfg.gain == "tau" else tps
@@ -312,15 +340,15 @@ class Adapter(Drafter):
         stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         while (job := self._jobs.get()) is not None:
             arm, generation = job
-            t0 = time.perf_counter()
+            t0 = self.clock()
             try:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     state = self.train_step(arm)
                     if stream is not None:
                         stream.synchronize()  # the worker waits for its kernels, never serving
-                self._results.put(_Result(arm, generation, time.perf_counter() - t0, state))
+                self._results.put(_Result(arm, generation, self.clock() - t0, state))
             except Exception as e:  # noqa: BLE001 - any failure must leave serving running
-                self._results.put(_Result(arm, generation, time.perf_counter() - t0, error=f"{type(e).__name__}: {e}"))
+                self._results.put(_Result(arm, generation, self.clock() - t0, error=f"{type(e).__name__}: {e}"))
 
     def _samples(self) -> tuple[list[Sample], np.ndarray, dict, int]:
         """Frozen samples of the buffered queries, their replay weights (the error signal s)
