@@ -8,7 +8,7 @@ PY=${PY:-.venv/bin/python}
 step=${1:-all}
 
 if [[ $step == all || $step == target ]]; then
-  # ~100 minutes of training steps; resumes from runs/target/ckpt/latest.pt
+  # ~100 minutes of training steps; resumes from runs/target/ckpt/latest.safetensors
   $PY -m specblock.training.target train --batch 16 --lr 1.5e-3 --warmup 100 --max-steps 2400 \
       --max-minutes 100 --eval-every 100 --ckpt-every 50
   $PY -m specblock.training.target export specblock/assets/target

@@ -34,7 +34,10 @@ from tqdm import tqdm
 from specblock.errors import SpecBlockError
 from specblock.runtime.target import load_causal_lm
 from specblock.training import recipes
+from specblock.training.checkpoint import load_checkpoint, refuse_pickles, save_checkpoint
 from specblock.training.windows import WindowSource
+
+CKPT = "ckpt.safetensors"  # tensors + JSON header, never a pickle (training/checkpoint.py)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,13 +103,8 @@ def lr_at(step: int, progress: float, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def _save(path: Path, state: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
 def train(args) -> None:
+    refuse_pickles(args.run_dir / "ckpt.pt")  # before anything runs
     ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if ddp:
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
@@ -127,14 +125,18 @@ def train(args) -> None:
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_path = args.run_dir / "ckpt.pt"
+    ckpt_path = args.run_dir / CKPT
     step, train_s = 0, 0.0
     if ckpt_path.is_file():
-        st = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        st = load_checkpoint(ckpt_path)
         if st.get("method", "specblock") != args.method:
             raise SpecBlockError(f"{args.run_dir} holds a {st.get('method', 'specblock')} run; use another --run-dir")
-        net.load_state_dict(st["net"])
-        opt.load_state_dict(st["opt"])
+        try:
+            net.load_state_dict(st["net"])
+            opt.load_state_dict(st["opt"])
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise SpecBlockError(f"{ckpt_path} was trained with other settings ({str(e).splitlines()[0][:160]}); "
+                                 "resume with the same flags, or pass another --run-dir") from e
         step, train_s = st["step"], st["train_s"]
         if main_proc:
             print(f"resumed from step {step}", flush=True)
@@ -186,7 +188,7 @@ def train(args) -> None:
                             tok_s=f"{tokens.numel() / dt:.0f}")
             bar.update(1)
             if step % args.ckpt_every == 0:
-                _save(ckpt_path, state())
+                save_checkpoint(ckpt_path, state())
             if step % args.eval_every == 0:
                 rec = {"step": step, "train_s": round(train_s, 1), "loss": round(res.loss.item(), 4),
                        **recipe.evaluate(net, target, heldout, args)}
@@ -197,7 +199,7 @@ def train(args) -> None:
     if ddp:
         dist.barrier()  # every rank leaves the loop before rank 0's final evaluation
     if main_proc:
-        _save(ckpt_path, state())
+        save_checkpoint(ckpt_path, state())
         rec = {"step": step, "train_s": round(train_s, 1), "final": True, **recipe.evaluate(net, target, heldout, args)}
         log.write(json.dumps(rec) + "\n")
         log.close()

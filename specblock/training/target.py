@@ -6,7 +6,7 @@
     python -m specblock.training.target export OUT_DIR
 
 Everything lives in ``--run-dir`` (default ``runs/target``, gitignored): the tokenizer, a
-uint16 token cache per domain and split (built once, so restarts are fast), ``ckpt/latest.pt``
+uint16 token cache per domain and split (built once, so restarts are fast), ``ckpt/latest.safetensors``
 (written atomically every ``--ckpt-every`` steps and on SIGTERM/SIGINT; ``train`` resumes from
 it) and ``metrics.jsonl`` (train loss, tokens/s, held-out loss per domain).
 
@@ -24,7 +24,6 @@ import math
 import os
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -32,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specblock.errors import SpecBlockError
+from specblock.training.checkpoint import load_checkpoint, refuse_pickles, save_checkpoint
 from specblock.training.corpus import DOMAINS, MIX_WEIGHTS, SPLITS, iter_documents
 from specblock.training.tokenizer import load_tokenizer, train_tokenizer
 
@@ -188,13 +189,6 @@ def lr_at(step: int, progress: float, args) -> float:
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def _save(path: Path, state: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
 def _optimizer(model, args) -> torch.optim.Optimizer:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -211,14 +205,15 @@ def train(args, bench: bool = False) -> None:
     streams = ensure_cache(run_dir)
     for d in DOMAINS:
         print(f"  {d}: train {streams[d, 'train'].size:,} heldout {streams[d, 'heldout'].size:,} tokens")
-    ckpt_path = run_dir / "ckpt" / "latest.pt"
+    ckpt_path = run_dir / "ckpt" / "latest.safetensors"
+    refuse_pickles(run_dir / "ckpt" / "latest.pt")
     torch.manual_seed(args.seed)
     model = _build_model(8192)
     opt = _optimizer(model, args)
     rng = np.random.default_rng(args.seed)
     step, train_seconds, tokens = 0, 0.0, 0
     if ckpt_path.is_file() and not bench:
-        st = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        st = load_checkpoint(ckpt_path)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optim"])
         rng.bit_generator.state = st["np_rng"]
@@ -284,7 +279,7 @@ def train(args, bench: bool = False) -> None:
             log.write(json.dumps(rec) + "\n")
             log.flush()
         if not bench and (step % args.ckpt_every == 0 or stop["flag"] or progress() >= 1.0):
-            _save(ckpt_path, state())
+            save_checkpoint(ckpt_path, state())
     bar.close()
     if bench:
         rates = [json.loads(x)["tok_s"] for x in open(run_dir / "bench.jsonl")][-max(1, args.steps - 2):]
@@ -298,10 +293,12 @@ def train(args, bench: bool = False) -> None:
 # ----------------------------------------------------------------------------- sample / export
 
 def load_checkpoint_model(run_dir: Path, ckpt: str | None = None):
-    path = Path(ckpt) if ckpt else run_dir / "ckpt" / "latest.pt"
+    path = Path(ckpt) if ckpt else run_dir / "ckpt" / "latest.safetensors"
+    if path.suffix == ".pt":
+        refuse_pickles(path)
     if not path.is_file():
-        sys.exit(f"no checkpoint at {path}; run `python -m specblock.training.target train` first")
-    st = torch.load(path, map_location="cpu", weights_only=False)
+        raise SpecBlockError(f"no checkpoint at {path}; run `python -m specblock.training target train` first")
+    st = load_checkpoint(path)
     model = _build_model(8192)
     model.load_state_dict(st["model"])
     return model.eval(), st
