@@ -27,7 +27,7 @@ from specblock.runtime.verify import GreedyVerifier, Verdict, Verifier
 class GenerationResult:
     token_ids: list[int]  # new tokens only
     stats: DecodeStats
-    stopped: str  # "eos", "max_new_tokens" or "context"
+    stopped: str  # "eos", "max_new_tokens", "context" or "cancelled" (on_tokens returned False)
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Engine:
         prompt_ids: list[int] | np.ndarray,
         max_new_tokens: int,
         seed: int = 0,
-        on_tokens: Callable[[list[int]], None] | None = None,
+        on_tokens: Callable[[list[int]], bool | None] | None = None,
     ) -> GenerationResult:
         prompt = np.asarray(prompt_ids, dtype=np.int64)
         if prompt.size == 0:
@@ -122,8 +122,11 @@ class Engine:
             emitted = emitted[:room]
             new.extend(emitted)
             tokens.extend(emitted)
-            if on_tokens is not None and emitted:
-                on_tokens(emitted)
+            # The one cancellation seam: a caller that returns False (a client gone, a stop string
+            # matched) ends the loop between iterations, leaving the engine ready for the next prompt.
+            if on_tokens is not None and emitted and on_tokens(emitted) is False:
+                stopped = "cancelled"
+                break
             if stopped == "eos" or len(new) >= max_new_tokens:
                 break
             if len(tokens) >= limit:

@@ -1,0 +1,1 @@
+"""An OpenAI-compatible HTTP server over the runtime's engine (imports point down into runtime/)."""

@@ -1,0 +1,5 @@
+import sys
+
+from specblock.serve.cli import main
+
+sys.exit(main())
