@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget", type=int, default=24)
     ap.add_argument("--drafter-dir", type=Path, help="directory of trained drafters (default: the shipped assets)")
     ap.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE",
-                    help="per-method option, e.g. specblock:M=3, specblock:drafter=DIR, eagle3:budget=16 (engine node budget)")
+                    help="per-method option, e.g. specblock:M=3, specblock:drafter=DIR, eagle3:budget=16 (engine node "
+                    "budget); your own classes: specblock:policy=pkg.mod:Class, specblock:policy_kwargs=JSON, "
+                    "seed_policy, adapt_policy, rollback_policy likewise (loading a class runs its code)")
     ap.add_argument("--trace-dir", type=Path, help="write per-iteration JSONL traces per method and domain (run 1)")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench"))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
@@ -111,7 +113,10 @@ def _engine(m: str, target: TargetModel, args, eos: frozenset[int]) -> Engine:
         if _base(m) != "specblock":
             raise SpecBlockError(f"{m}: adaptation adapts the SpecBlock drafter; use specblock{ADAPT}")
         window = int(opts.get("adapt_window", RunConfig.model_fields["adapt_window"].default))
-        drafter = Adapter(drafter, AdaptSettings(window=window))
+        user = {k: opts.get(o) for k, o in (("bandit_class", "adapt_policy"), ("bandit_kwargs", "adapt_policy_kwargs"),
+                                             ("rollback_class", "rollback_policy"),
+                                             ("rollback_kwargs", "rollback_policy_kwargs")) if opts.get(o)}
+        drafter = Adapter(drafter, AdaptSettings(window=window, **user))
     return Engine(target, drafter, GreedyVerifier(), budget, eos)
 
 

@@ -78,7 +78,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapt-lambda", type=float, default=0.1, help="adapt: weight of the KL anchor to the pretrained drafter")
     p.add_argument("--adapt-arms", type=lambda t: tuple(a.strip() for a in t.split(",")), default=("skip", "heads", "full"),
                    help="adapt: arms the bandit picks from, e.g. skip,heads,full (one arm: always that one)")
+    user = p.add_argument_group(
+        "your own policies", "CLASS is package.module:Class (importable from here) or path/to/file.py:Class; "
+        "KWARGS a JSON object for its constructor. Loading a class runs its module's code: name only code you trust. "
+        "The simulator takes the same classes (method.policy_class, method.seed_class, adapt.policy_class, "
+        "adapt.rollback_class); README: Write your own policy")
+    user.add_argument("--policy", metavar="CLASS", help="a TreePolicy subclass: widths per parent (replaces --widths)")
+    user.add_argument("--policy-kwargs", type=_json_object, default={}, metavar="KWARGS")
+    user.add_argument("--seed-policy", metavar="CLASS", help="a SeedPolicy subclass: which nodes start the next block")
+    user.add_argument("--seed-policy-kwargs", type=_json_object, default={}, metavar="KWARGS")
+    user.add_argument("--adapt-policy", metavar="CLASS", help="with --adapt: a CostAwareBandit subclass picking the arm")
+    user.add_argument("--adapt-policy-kwargs", type=_json_object, default={}, metavar="KWARGS")
+    user.add_argument("--rollback-policy", metavar="CLASS", help="with --adapt: a ThreeWindowRollback subclass")
+    user.add_argument("--rollback-policy-kwargs", type=_json_object, default={}, metavar="KWARGS")
     return p
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}); give an object, e.g. '{{\"threshold\": 0.2}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("give a JSON object of keyword arguments, e.g. '{\"threshold\": 0.2}'")
+    return value
 
 
 def _widths(text: str) -> tuple[int, int, int, int]:

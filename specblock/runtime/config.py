@@ -47,6 +47,16 @@ class RunConfig(BaseModel):
     adapt_window: int = Field(128, ge=2)  # decoding iterations per adaptation window
     adapt_lambda: float = Field(0.1, ge=0.0)  # weight of the KL anchor to the pretrained drafter
     adapt_arms: tuple[str, ...] = ("skip", "heads", "full")  # one arm: always play it
+    # A user's classes, "package.module:Class" or "path/file.py:Class" (specblock.policies.loading,
+    # the simulator's loader too); kwargs are JSON objects. Loading one runs its module's code.
+    policy: str | None = None  # TreePolicy subclass: widths per parent (replaces --widths)
+    policy_kwargs: dict = Field(default_factory=dict)
+    seed_policy: str | None = None  # SeedPolicy subclass: which nodes start the next block
+    seed_policy_kwargs: dict = Field(default_factory=dict)
+    adapt_policy: str | None = None  # CostAwareBandit subclass: the adaptation arm per window
+    adapt_policy_kwargs: dict = Field(default_factory=dict)
+    rollback_policy: str | None = None  # ThreeWindowRollback subclass: keep / rollback / commit
+    rollback_policy_kwargs: dict = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> "RunConfig":
@@ -78,8 +88,33 @@ class RunConfig(BaseModel):
             raise ValueError("--adapt adapts the SpecBlock drafter; use it with --method specblock")
         return self
 
+    @model_validator(mode="after")
+    def _user_policies(self) -> "RunConfig":
+        """Load and build every named class now, so a bad name fails before any model loads."""
+        for name in ("policy", "seed_policy", "adapt_policy", "rollback_policy"):
+            if getattr(self, f"{name}_kwargs") and not getattr(self, name):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag}-kwargs without {flag}: name the class they are for")
+        if (self.adapt_policy or self.rollback_policy) and not self.adapt:
+            raise ValueError("--adapt-policy / --rollback-policy replace parts of --adapt; add --adapt")
+        if self.policy or self.seed_policy:
+            from specblock.runtime.drafters.user_policies import user_policies
+
+            user_policies(self.method, self.policy_options())
+        if self.adapt_policy or self.rollback_policy:
+            from specblock.runtime.adapt import AdaptSettings, adaptation_policies
+
+            adaptation_policies(AdaptSettings(**self.adapt_settings()))
+        return self
+
+    def policy_options(self) -> dict:
+        return {"policy": self.policy, "policy_kwargs": self.policy_kwargs,
+                "seed_policy": self.seed_policy, "seed_policy_kwargs": self.seed_policy_kwargs}
+
     def adapt_settings(self) -> dict:
-        return {"window": self.adapt_window, "lam": self.adapt_lambda, "arms": self.adapt_arms, "seed": self.seed}
+        return {"window": self.adapt_window, "lam": self.adapt_lambda, "arms": self.adapt_arms, "seed": self.seed,
+                "bandit_class": self.adapt_policy, "bandit_kwargs": self.adapt_policy_kwargs,
+                "rollback_class": self.rollback_policy, "rollback_kwargs": self.rollback_policy_kwargs}
 
     @property
     def target_dir(self) -> Path:
@@ -93,6 +128,7 @@ class RunConfig(BaseModel):
         return {
             "ngram": self.ngram, "lookup_depth": self.lookup_depth, "branches": self.branches, "seed": self.seed,
             "drafter": self.drafter, "M": self.M, "max_seeds": self.max_seeds, "widths": self.widths,
+            **self.policy_options(),
         }
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from specblock.errors import SpecBlockError
 from specblock.sim.config import METHODS, SimConfig
 
 
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
         errs = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'config'}: {x['msg']}" for x in e.errors())
         print(f"error: invalid configuration: {errs}", file=sys.stderr)
     except (FileNotFoundError, KeyError, ValueError, TypeError, ImportError, UsageError, yaml.YAMLError,
-            json.JSONDecodeError) as e:
+            json.JSONDecodeError, SpecBlockError) as e:
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
         print(f"error: {msg.splitlines()[0] if msg else type(e).__name__}", file=sys.stderr)
     return 2

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specblock.policies import loading
 from specblock.policies.bandit import CostAwareBandit, FixedArm
 from specblock.policies.rollback import ThreeWindowRollback
 
@@ -41,12 +42,22 @@ class Adapter:
         self.rng = np.random.default_rng(seed_seq)
         seed = int(self.rng.integers(2**31))
         arms = ("skip", "full") if self.cfg.no_heads_arm else ("skip", "heads", "full")
-        if self.cfg.always:
+        if self.cfg.policy_class:  # a user's bandit, loaded as the runtime's --adapt-policy is
+            self.bandit = loading.build(self.cfg.policy_class, self.cfg.policy_kwargs, CostAwareBandit,
+                                        "adapt.policy_class", kwargs_flag="adapt.policy_kwargs",
+                                        defaults={"arms": arms, "seed": seed, "ewma": self.cfg.ewma,
+                                                  "explore": self.cfg.explore})
+        elif self.cfg.always:
             self.bandit = FixedArm(arms=arms if self.cfg.always in arms else ("skip", self.cfg.always),
                                    arm=self.cfg.always, seed=seed)
         else:
             self.bandit = CostAwareBandit(arms=arms, ewma=self.cfg.ewma, explore=self.cfg.explore, seed=seed)
-        self.rollback = ThreeWindowRollback(tolerance=self.cfg.rollback_tolerance)
+        if self.cfg.rollback_class:
+            self.rollback = loading.build(self.cfg.rollback_class, self.cfg.rollback_kwargs, ThreeWindowRollback,
+                                          "adapt.rollback_class", kwargs_flag="adapt.rollback_kwargs",
+                                          defaults={"tolerance": self.cfg.rollback_tolerance})
+        else:
+            self.rollback = ThreeWindowRollback(tolerance=self.cfg.rollback_tolerance)
         self.busy = False
         self.pending: _Pending | None = None
         self.win = 0

@@ -8,12 +8,12 @@ lives here, seeds included.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from specblock.policies import loading
 from specblock.policies.branching import (
     ChainBranching,
     DynamicBranching,
@@ -153,6 +153,14 @@ class AdaptCfg(_Strict):
     ewma: float = Field(0.3, gt=0, le=1)
     explore: float = Field(1.0, ge=0)
     rollback_tolerance: float = Field(0.06, ge=0)
+    # A user's bandit (CostAwareBandit subclass) and rollback rule (ThreeWindowRollback subclass),
+    # "package.module:Class": the classes the runtime's --adapt-policy / --rollback-policy take.
+    # The sim passes arms, seed, ewma and explore (tolerance for the rollback) where the class
+    # takes them; ``*_kwargs`` override those.
+    policy_class: str | None = None
+    policy_kwargs: dict = Field(default_factory=dict)
+    rollback_class: str | None = None
+    rollback_kwargs: dict = Field(default_factory=dict)
     pool: int = Field(256, ge=0)  # trees pooled per drafter state (states change with every update)
 
 
@@ -213,17 +221,10 @@ def config_hash(cfg: SimConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _load_class(path: str, base: type):
-    mod, _, name = path.partition(":")
-    cls = getattr(importlib.import_module(mod), name)
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise TypeError(f"{path} is not a {base.__name__} subclass")
-    return cls
-
-
 def tree_policy(m: MethodCfg) -> TreePolicy:
-    if m.policy_class:
-        return _load_class(m.policy_class, TreePolicy)(**m.policy_kwargs)
+    if m.policy_class:  # the runtime's --policy goes through the same loader
+        return loading.build(m.policy_class, m.policy_kwargs, TreePolicy, "method.policy_class",
+                             kwargs_flag="method.policy_kwargs")
     return {
         "rank": lambda: RankBucketBranching(widths_by_bucket=tuple(m.widths)),
         "topk": lambda: TopKBranching(k=m.topk),
@@ -234,7 +235,7 @@ def tree_policy(m: MethodCfg) -> TreePolicy:
 
 def seed_policy(m: MethodCfg) -> SeedPolicy:
     if m.seed_class:
-        return _load_class(m.seed_class, SeedPolicy)(**m.seed_kwargs)
+        return loading.build(m.seed_class, m.seed_kwargs, SeedPolicy, "method.seed_class", kwargs_flag="method.seed_kwargs")
     if m.seeds == "top-score":
         return TopScoreSeeds()
     return DeepestConfidentSeeds(min_prob=m.min_prob)

@@ -287,8 +287,9 @@ def _rank_policy() -> TreePolicy:
 
 
 def _max_width(policy: TreePolicy) -> int:
-    """How many candidates per position the drafter must offer the policy."""
-    for attr in ("widths_by_bucket", "k", "top_k"):
+    """How many candidates per position the drafter must offer the policy (a user's policy
+    declares ``max_width``; without any of these it is offered R)."""
+    for attr in ("widths_by_bucket", "k", "top_k", "max_width"):
         v = getattr(policy, attr, None)
         if v is not None:
             return int(max(v)) if isinstance(v, (tuple, list)) else int(v)

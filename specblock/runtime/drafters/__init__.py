@@ -8,6 +8,7 @@ from specblock.errors import SpecBlockError
 from specblock.runtime.drafters.base import ARDrafter, DraftRequest, Drafter
 from specblock.runtime.drafters.lookup import LookupDrafter
 from specblock.runtime.drafters.random_tree import RandomDrafter
+from specblock.runtime.drafters.user_policies import TAKES_POLICY, user_policies
 
 __all__ = ["Drafter", "DraftRequest", "ARDrafter", "LookupDrafter", "RandomDrafter", "register", "build", "METHODS"]
 
@@ -35,7 +36,7 @@ def _specblock(target, opt: dict) -> Drafter:
     path = opt.get("drafter") or DEFAULT_DRAFTERS / "specblock"
     return SpecBlockDrafter.load(
         path, target, M=opt.get("M", 2), max_seeds=opt.get("max_seeds", 2),
-        policy=RankBucketBranching(tuple(opt.get("widths", (2, 4, 10, 0)))),
+        **{"policy": RankBucketBranching(tuple(opt.get("widths", (2, 4, 10, 0)))), **user_policies("specblock", opt)},
     )
 
 
@@ -44,7 +45,7 @@ def _eagle3(target, opt: dict) -> Drafter:
     from specblock.runtime.drafters.eagle3 import Eagle3Drafter
 
     path = opt.get("drafter") or DEFAULT_DRAFTERS / "eagle3"
-    return Eagle3Drafter.load(path, target, depth=opt.get("depth"), top_k=opt.get("top_k"))
+    return Eagle3Drafter.load(path, target, depth=opt.get("depth"), top_k=opt.get("top_k"), **user_policies("eagle3", opt))
 
 
 def _medusa(target, opt: dict) -> Drafter:
@@ -59,7 +60,8 @@ def _sps(target, opt: dict) -> Drafter:
     from specblock.runtime.drafters.sps import SpsDrafter
 
     path = opt.get("drafter") or DEFAULT_DRAFTERS / "sps"
-    return SpsDrafter.load(path, target, gamma=opt.get("gamma") or 4, top_k=opt.get("top_k") or 1)
+    return SpsDrafter.load(path, target, gamma=opt.get("gamma") or 4, top_k=opt.get("top_k") or 1,
+                           **user_policies("sps", opt))
 
 
 def _parallelspec(target, opt: dict) -> Drafter:
@@ -67,7 +69,7 @@ def _parallelspec(target, opt: dict) -> Drafter:
     from specblock.runtime.drafters.parallelspec import ParallelSpecDrafter
 
     path = opt.get("drafter") or DEFAULT_DRAFTERS / "parallelspec"
-    return ParallelSpecDrafter.load(path, target, top_k=opt.get("top_k"))
+    return ParallelSpecDrafter.load(path, target, top_k=opt.get("top_k"), **user_policies("parallelspec", opt))
 
 
 def _falcon(target, opt: dict) -> Drafter:
@@ -76,7 +78,7 @@ def _falcon(target, opt: dict) -> Drafter:
 
     path = opt.get("drafter") or DEFAULT_DRAFTERS / "falcon"
     return FalconDrafter.load(path, target, forwards=opt.get("forwards"), top_k=opt.get("top_k"),
-                              max_seeds=opt.get("falcon_seeds"))
+                              max_seeds=opt.get("falcon_seeds"), **user_policies("falcon", opt))
 
 
 def register(name: str, factory: Callable) -> None:
@@ -86,4 +88,6 @@ def register(name: str, factory: Callable) -> None:
 def build(name: str, target, options: dict | None = None) -> Drafter:
     if name not in METHODS:
         raise SpecBlockError(f"unknown method {name!r}; choose one of {', '.join(sorted(METHODS))}")
+    if name not in TAKES_POLICY:
+        user_policies(name, options or {})  # a policy named for a method without one: refused
     return METHODS[name](target, options or {})
