@@ -196,22 +196,54 @@ def load_causal_lm(
         raise SpecBlockError(f"attention {attn!r} cannot run tree masks; use sdpa or eager")
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except ValueError as e:  # e.g. unknown model_type, or remote code needed
-        raise SpecBlockError(f"cannot read {path}/config.json: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # noqa: BLE001 - bad JSON, unknown model_type, sizes that do not fit, remote code
+        raise SpecBlockError(f"cannot read {path}/config.json: {_first_line(e)}") from None
     archs = getattr(config, "architectures", None) or []
     if archs and not any(a.endswith("ForCausalLM") for a in archs):
         raise SpecBlockError(f"{path} holds a {archs[0]}, not a causal LM (…ForCausalLM)")
+    read_generation_eos(path)  # a corrupt generation_config.json is refused before the weights load
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        # Mismatched shapes are let through here only to be named below, with the missing and
+        # unexpected weights that transformers would otherwise just log and initialise randomly.
+        model, info = AutoModelForCausalLM.from_pretrained(
             path,
+            config=config,
             dtype=DTYPES[dtype],
             attn_implementation=attn,
             use_safetensors=True,
             trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
         )
-    except ValueError as e:
-        raise SpecBlockError(f"cannot load {path} as a causal LM: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # noqa: BLE001 - truncated or empty safetensors, unsupported architecture, ...
+        raise SpecBlockError(f"cannot load {path} as a causal LM: {_first_line(e)}") from None
+    _check_loading(path, info)
     return model.to(resolve_device(device))
+
+
+def _first_line(e: Exception) -> str:
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()] or [""]
+    text = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "validation error for ...:" says nothing alone
+    return f"{type(e).__name__}: {text}"[:300]
+
+
+def _check_loading(path: Path, info: dict) -> None:
+    """Refuse a model whose weights do not fit its config: silently random tensors decode garbage
+    with status 0 (issue 15: 30 layers of weights under a 32-layer config)."""
+    from specblock.runtime.drafters.netio import name_keys
+
+    problems = []
+    if info.get("missing_keys"):
+        problems.append(f"missing {name_keys(info['missing_keys'])}")
+    if info.get("unexpected_keys"):
+        problems.append(f"unexpected {name_keys(info['unexpected_keys'])}")
+    if info.get("mismatched_keys"):
+        k, got, want = sorted(info["mismatched_keys"])[0]
+        more = len(info["mismatched_keys"]) - 1
+        problems.append(f"{k} has shape {tuple(got)} but config.json says {tuple(want)}{f' ({more} more)' if more else ''}")
+    if problems:
+        raise SpecBlockError(f"the weights in {path} do not fit its config.json ({'; '.join(problems)}); "
+                             "fix config.json or use the matching weights")
 
 
 def read_generation_eos(path: str | Path) -> set[int]:
@@ -220,8 +252,15 @@ def read_generation_eos(path: str | Path) -> set[int]:
     for name in ("generation_config.json", "config.json"):
         f = Path(path) / name
         if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            if eos is not None:
-                ids.update(eos if isinstance(eos, list) else [eos])
+            try:
+                raw = json.loads(f.read_bytes())
+                eos = raw.get("eos_token_id")
+                eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+                if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
+                    raise ValueError(f"eos_token_id {raw.get('eos_token_id')!r} is not a token id or a list of them")
+            except (ValueError, UnicodeDecodeError, AttributeError) as e:
+                raise SpecBlockError(f"{f} is not a valid model config ({_first_line(e)}); fix or delete it") from None
+            if eos:
+                ids.update(eos)
                 break
     return ids

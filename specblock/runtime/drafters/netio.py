@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -46,14 +46,53 @@ def save_net(net: nn.Module, cfg: BaseModel, kind: str, path: str | Path, frozen
     (path / "config.json.tmp").replace(path / "config.json")
 
 
+def name_keys(keys) -> str:
+    """A few weight names and how many more: enough to see what is wrong, still one line."""
+    keys = sorted(keys)
+    return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+
 def read_config(path: str | Path, kind: str, cfg_cls: type[BaseModel], label: str) -> BaseModel:
     path = Path(path)
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise SpecBlockError(f"no {label} drafter at {path} (need config.json and model.safetensors)")
-    raw = json.loads((path / "config.json").read_text())
-    if raw.pop("kind", None) != kind:
+    try:
+        raw = json.loads((path / "config.json").read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SpecBlockError(f"{path / 'config.json'} is not valid JSON ({e}); re-export the drafter") from None
+    if not isinstance(raw, dict) or raw.pop("kind", None) != kind:
         raise SpecBlockError(f"{path} is not a {label} drafter")
-    return cfg_cls(**raw)
+    try:
+        return cfg_cls(**raw)
+    except (ValidationError, TypeError, ValueError) as e:
+        first = e.errors()[0] if isinstance(e, ValidationError) else {"loc": (), "msg": str(e)}
+        where = ".".join(str(x) for x in first["loc"])
+        raise SpecBlockError(f"{path / 'config.json'}: {where + ': ' if where else ''}{first['msg']}; "
+                             "re-export the drafter") from None
+
+
+def load_weights(net: nn.Module, path: str | Path, extra: dict[str, torch.Tensor], label: str) -> None:
+    """Fill ``net`` from ``path/model.safetensors`` plus ``extra`` (tensors taken from the target).
+    Missing, unexpected or misshapen weights are refused by name: a net that silently kept its
+    random init would still decode losslessly, only slowly, and nobody would notice."""
+    f = Path(path) / "model.safetensors"
+    try:
+        state = load_file(str(f))
+    except Exception as e:  # noqa: BLE001 - truncated, empty or not safetensors at all
+        raise SpecBlockError(f"cannot read {f} ({type(e).__name__}: {e}); re-export the {label} drafter") from None
+    state.update(extra)
+    own = net.state_dict()
+    missing, unexpected = set(own) - set(state), set(state) - set(own)
+    if missing or unexpected:
+        what = "; ".join(x for x in (missing and f"missing {name_keys(missing)}",
+                                     unexpected and f"unexpected {name_keys(unexpected)}") if x)
+        raise SpecBlockError(f"{f} does not fit its config.json ({what}); re-export the {label} drafter")
+    bad = [k for k, v in state.items() if tuple(v.shape) != tuple(own[k].shape)]
+    if bad:
+        k = bad[0]
+        raise SpecBlockError(f"{f}: {k} has shape {tuple(state[k].shape)}, config.json says {tuple(own[k].shape)}"
+                             f"{f' ({len(bad) - 1} more)' if len(bad) > 1 else ''}; re-export the {label} drafter")
+    net.load_state_dict(state)
 
 
 def load_net(net_cls, cfg_cls, path: str | Path, kind: str, label: str, target_model, frozen: tuple[str, ...]):
@@ -66,9 +105,7 @@ def load_net(net_cls, cfg_cls, path: str | Path, kind: str, label: str, target_m
             f"the target has {emb.shape[0]} / {emb.shape[1]}; train a drafter for this target"
         )
     net = net_cls(cfg)
-    state = load_file(str(Path(path) / "model.safetensors"))
-    state.update({name: TARGET_TENSORS[name](target_model).detach().float() for name in frozen})
-    net.load_state_dict(state)
+    load_weights(net, path, {name: TARGET_TENSORS[name](target_model).detach().float() for name in frozen}, label)
     for name, p in net.named_parameters():
         if name in frozen:
             p.requires_grad_(False)

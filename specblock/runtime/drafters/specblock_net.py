@@ -25,11 +25,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from specblock.errors import SpecBlockError
 from specblock.runtime.drafters.layers import DecoderLayer, RMSNorm, flat_kv, rope_cos_sin
+from specblock.runtime.drafters.netio import load_weights, read_config
 
 N_STATS = 15
 FROZEN_FROM_TARGET = ("embed.weight", "lm_head.weight")
@@ -188,21 +189,15 @@ class SpecBlockNet(nn.Module):
     @classmethod
     def load(cls, path: str | Path, target_embed: torch.Tensor, target_lm_head: torch.Tensor) -> "SpecBlockNet":
         path = Path(path)
-        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-            raise SpecBlockError(f"no SpecBlock drafter at {path} (need config.json and model.safetensors)")
-        raw = json.loads((path / "config.json").read_text())
-        if raw.pop("kind", None) != "specblock":
-            raise SpecBlockError(f"{path} is not a SpecBlock drafter")
-        cfg = SpecBlockConfig(**raw)
+        cfg = read_config(path, "specblock", SpecBlockConfig, "SpecBlock")
         if cfg.vocab_size != target_embed.shape[0] or cfg.hidden_size != target_embed.shape[1]:
             raise SpecBlockError(
                 f"drafter at {path} was trained for vocab {cfg.vocab_size} / hidden {cfg.hidden_size}, "
                 f"the target has {target_embed.shape[0]} / {target_embed.shape[1]}; train a drafter for this target"
             )
         net = cls(cfg)
-        state = load_file(str(path / "model.safetensors"))
-        state.update({"embed.weight": target_embed.detach().float(), "lm_head.weight": target_lm_head.detach().float()})
-        net.load_state_dict(state)
+        load_weights(net, path, {"embed.weight": target_embed.detach().float(),
+                                 "lm_head.weight": target_lm_head.detach().float()}, "SpecBlock")
         return net.eval()
 
     def init_from_target(self, target_model) -> None:
