@@ -2,9 +2,12 @@
 
 Domains mirror the paper's benchmarks: ``code`` (HumanEval), ``math`` (GSM8K test), ``chat``
 (AlpacaEval instructions never trained on), ``qa`` (Spec-Bench natural questions: a domain the
-target never trained on) and ``mtbench`` (Spec-Bench MT-Bench first turns). Prompts are
-formatted with the same functions that built the training corpus, so the target continues
-them in-domain.
+target never trained on) and ``mtbench`` (Spec-Bench MT-Bench first turns).
+
+Each prompt carries two renderings of the same question. ``text`` is the lab model's plain-text
+format (the functions that built its corpus, so it continues in-domain); ``instruction`` is the
+user message for a model with a chat template (code prompts framed by ``data.code_instruction``).
+``runtime.chat.encode_prompt`` picks by the tokenizer, so every method of a run decodes the same ids.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from specblock.training.corpus import chat_prompt, data_file, math_prompt
+from specblock.data import chat_prompt, code_instruction, data_file, math_prompt
 
 DOMAINS: tuple[str, ...] = ("code", "math", "chat", "qa", "mtbench")
 
@@ -25,11 +28,12 @@ MTBENCH_CATEGORIES = frozenset(
 
 @dataclass(frozen=True)
 class Prompt:
-    """One evaluation prompt: a stable id, its domain and the exact text fed to the model."""
+    """One evaluation prompt: a stable id, its domain, the lab model's text and a chat model's message."""
 
     id: str
     domain: str
     text: str
+    instruction: str
 
 
 def _rows(*parts: str) -> list[dict]:
@@ -39,21 +43,22 @@ def _rows(*parts: str) -> list[dict]:
 
 
 def _code() -> list[Prompt]:
-    return [Prompt(r["task_id"], "code", r["prompt"]) for r in _rows("humaneval", "HumanEval.jsonl")]
+    return [Prompt(r["task_id"], "code", r["prompt"], code_instruction(r["prompt"]))
+            for r in _rows("humaneval", "HumanEval.jsonl")]
 
 
 def _math() -> list[Prompt]:
-    return [Prompt(f"gsm8k/test/{i}", "math", math_prompt(r["question"]))
+    return [Prompt(f"gsm8k/test/{i}", "math", math_prompt(r["question"]), r["question"].strip())
             for i, r in enumerate(_rows("gsm8k", "test.jsonl"))]
 
 
 def _chat() -> list[Prompt]:
-    return [Prompt(f"alpaca_eval/{r['id']}", "chat", chat_prompt(r["instruction"]))
+    return [Prompt(f"alpaca_eval/{r['id']}", "chat", chat_prompt(r["instruction"]), r["instruction"].strip())
             for r in _rows("alpaca_eval", "eval_prompts.jsonl")]
 
 
 def _spec_bench(domain: str, keep) -> list[Prompt]:
-    return [Prompt(f"spec_bench/{r['question_id']}", domain, chat_prompt(r["turns"][0]))
+    return [Prompt(f"spec_bench/{r['question_id']}", domain, chat_prompt(r["turns"][0]), r["turns"][0].strip())
             for r in _rows("spec_bench", "question.jsonl") if keep(r["category"])]
 
 
@@ -72,3 +77,4 @@ def load_prompts(domain: str, n: int | None = None) -> list[Prompt]:
         raise ValueError(f"unknown prompt domain {domain!r}; expected one of {DOMAINS}")
     prompts = _LOADERS[domain]()
     return prompts if n is None else prompts[:n]
+

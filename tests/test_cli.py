@@ -72,7 +72,7 @@ def test_bad_input_is_one_line_and_status_2(model_dir, capsys, args, needle):
 
 def test_bad_model_dirs(tmp_path, capsys):
     code, _, err = run(capsys, "--target", tmp_path / "missing")
-    assert code == 2 and "no model directory" in err
+    assert code == 2 and "neither a model directory nor a known name" in err
     (tmp_path / "empty").mkdir()
     code, _, err = run(capsys, "--target", tmp_path / "empty")
     assert code == 2 and "no config.json" in err

@@ -60,9 +60,9 @@ def test_bench_rows_for_peers(tmp_path, capsys):
 
 
 def test_bench_skips_hf_assisted_without_a_draft_model(tmp_path, capsys, monkeypatch):
-    import specblock.runtime.config as config
+    import specblock.models as models
 
-    monkeypatch.setattr(config, "DEFAULT_DRAFTERS", tmp_path / "none")
+    monkeypatch.setattr(models, "drafters_dir", lambda target_dir: tmp_path / "none")
     save_tiny(tmp_path / "t", "llama", vocab=96, ctx=2048)
     out = tmp_path / "bench"
     code = main(["bench", "--target", str(tmp_path / "t"), "--methods", "hf-assisted", "--domains", "chat",

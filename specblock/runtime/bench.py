@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from specblock.errors import SpecBlockError
-from specblock.runtime import drafters, peers
+from specblock.runtime import chat, drafters, peers
 from specblock.runtime.config import RunConfig, validate
 from specblock.runtime.engine import Engine
 from specblock.runtime.metrics import DecodeStats
@@ -44,7 +44,7 @@ from specblock.runtime.verify import GreedyVerifier
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m specblock.runtime bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--target", type=Path)
+    ap.add_argument("--target", help="a model name (see `models`) or an HF model directory (default: the real chat model)")
     ap.add_argument("--methods", default="ar,lookup,specblock", help="comma-separated; NAME@VARIANT for a second setting; specblock+adapt: serving-time adaptation (restarts from the pretrained drafter every run); hf-assisted, hf-lookup: HF generate peers")
     ap.add_argument("--domains", default="code,math,chat,qa,mtbench")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per domain (the first N of each set)")
@@ -130,7 +130,7 @@ def run_bench(args) -> dict:
     path = cfg.target_dir
     target = TargetModel.load(path, args.dtype, "auto")
     tok = load_tokenizer(path, False)
-    eos = frozenset(read_generation_eos(path))
+    eos = chat.stop_ids(tok, read_generation_eos(path))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if "ar" not in methods:
         methods.insert(0, "ar")
@@ -147,7 +147,9 @@ def run_bench(args) -> dict:
             engines[m] = _engine(m, target, args, eos)
     methods = [m for m in methods if m in engines]
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
-    prompts = {d: [tok(p.text)["input_ids"] for p in load_prompts(d, args.prompts)] for d in domains}
+    # A chat model gets each prompt as one user turn through its template (code framed by
+    # data.code_instruction); the lab model its plain-text format. Same ids for every method.
+    prompts = {d: [chat.encode_prompt(tok, p) for p in load_prompts(d, args.prompts)] for d in domains}
     for d, ps in prompts.items():
         for ids in ps:
             if len(ids) + args.max_new_tokens > target.max_context:

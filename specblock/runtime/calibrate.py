@@ -20,7 +20,8 @@ import torch
 from tqdm import tqdm
 
 from specblock.policies.tree import DraftTree
-from specblock.runtime.config import DEFAULT_DRAFTERS, validate
+from specblock.models import drafters_dir
+from specblock.runtime.config import validate
 from specblock.runtime.drafters.base import DraftRequest
 from specblock.runtime.target import TargetModel
 from specblock.runtime.verify import GreedyVerifier
@@ -136,15 +137,16 @@ def time_specblock(target: TargetModel, path: Path, reps: int, rng) -> dict:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m specblock.runtime calibrate", description=__doc__.splitlines()[0])
-    ap.add_argument("--target", type=Path)
+    ap.add_argument("--target", help="a model name (see `models`) or an HF model directory (default: the real chat model)")
     ap.add_argument("--out", type=Path, default=Path("specblock/sim/data/latency_cpu.json"))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--ctx", default=",".join(map(str, CTX_GRID)))
-    ap.add_argument("--drafter-dir", type=Path, default=DEFAULT_DRAFTERS)
+    ap.add_argument("--drafter-dir", type=Path, help="drafters to time (default: those shipped for the target)")
     args = ap.parse_args(argv)
     cfg = validate({"target": args.target, "dtype": args.dtype})
     target = TargetModel.load(cfg.target_dir, args.dtype, "auto")
+    drafter_dir = args.drafter_dir or drafters_dir(cfg.target_dir)
     rng = np.random.default_rng(0)
     ctxs = [c for c in (int(x) for x in args.ctx.split(",")) if c + 64 < target.max_context]
     ms, glue = [], []
@@ -159,8 +161,8 @@ def main(argv: list[str]) -> int:
                 bar.update(1)
             ms.append(row)
     drafters = {}
-    if (args.drafter_dir / "specblock" / "config.json").is_file():
-        drafters["specblock"] = time_specblock(target, args.drafter_dir / "specblock", args.reps, rng)
+    if (drafter_dir / "specblock" / "config.json").is_file():
+        drafters["specblock"] = time_specblock(target, drafter_dir / "specblock", args.reps, rng)
     device = f"{target.device.type}: {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
     result = {"version": 1, "device": device, "dtype": args.dtype,
               "target": {"ctx": ctxs, "n": N_GRID, "ms": ms}, "drafters": drafters,

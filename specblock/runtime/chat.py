@@ -80,3 +80,12 @@ def parse_messages(obj, where: str) -> tuple[Message, ...]:
         out.append({"role": m["role"], "content": m["content"]})
     return tuple(out)
 
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """An evaluation prompt (``specblock.prompts.Prompt``): its ``instruction`` as one user turn
+    where the tokenizer has a chat template (the model's default system message included), its
+    lab-format ``text`` otherwise."""
+    if has_template(tokenizer):
+        return encode(tokenizer, ChatRequest(prompt=prompt.instruction))
+    return encode(tokenizer, ChatRequest(prompt=prompt.text, raw=True))

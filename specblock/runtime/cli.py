@@ -14,13 +14,15 @@ from pathlib import Path
 from typing import Callable
 
 from specblock.errors import SpecBlockError
-from specblock.runtime import drafters
+from specblock.runtime import chat, drafters
 from specblock.runtime.config import RunConfig, read_prompt_file, validate
 from specblock.runtime.engine import Engine, GenerationResult
 from specblock.runtime.metrics import DecodeStats, speedup
 from specblock.runtime.target import TargetModel, read_generation_eos
 from specblock.runtime.verify import GreedyVerifier, SamplingVerifier
 
+#: What ``make run`` asks when no prompt is given: a chat question for a chat model, code otherwise.
+DEMO_CHAT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
 DEMO_PROMPT = "def fibonacci(n):\n    "
 
 def _bench(argv: list[str]) -> int:
@@ -35,8 +37,14 @@ def _calibrate(argv: list[str]) -> int:
     return calibrate_main(argv)
 
 
-#: Subcommands: name -> main(argv) -> exit status (imported lazily: decoding needs neither).
-SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"bench": _bench, "calibrate": _calibrate}
+def _models(argv: list[str]) -> int:
+    from specblock.models.cli import main as models_main
+
+    return models_main(argv)
+
+
+#: Subcommands: name -> main(argv) -> exit status (imported lazily: decoding needs none of them).
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"bench": _bench, "calibrate": _calibrate, "models": _models}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,12 +55,15 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m specblock.runtime", description="Lossless speculative decoding with an HF causal LM.")
-    p.add_argument("--target", type=Path, help="HF model directory (default: the shipped small model)")
+    p.add_argument("--target", help="a model name (see `models`: smollm2-135m-instruct, the default, built on first "
+                   "use; lab, the small model) or an HF model directory")
     p.add_argument("--method", default="auto",
                    help=f"drafting method: {', '.join(sorted(drafters.METHODS))}, or auto (the best shipped drafter)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", type=Path, help="JSONL with a 'prompt' field per line")
+    src.add_argument("--prompt-file", type=Path, help="JSONL with a 'prompt' or OpenAI-style 'messages' per line")
+    p.add_argument("--system", help="system message before the prompt (models with a chat template)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -127,7 +138,7 @@ class Session:
         path = cfg.target_dir
         target = TargetModel.load(path, cfg.dtype, cfg.device, cfg.attn, cfg.trust_remote_code)
         tokenizer = load_tokenizer(path, cfg.trust_remote_code)
-        eos = frozenset(read_generation_eos(path) or {tokenizer.eos_token_id} - {None})
+        eos = chat.stop_ids(tokenizer, read_generation_eos(path))
 
         def verifier():
             if cfg.temperature == 0:
@@ -143,8 +154,11 @@ class Session:
         baseline = Engine(target, drafters.ARDrafter(), verifier(), 0, eos) if cfg.compare else None
         return cls(cfg, target, tokenizer, engine, baseline, adapter)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
+    def encode(self, row: dict) -> list[int]:
+        """One prompt-file row (or ``--prompt``) through the chat template unless ``--raw``."""
+        req = chat.ChatRequest(prompt=row.get("prompt"), messages=row.get("messages"), system=self.cfg.system,
+                               raw=self.cfg.raw)
+        return chat.encode(self.tokenizer, req)
 
     def warmup(self, ids: list[int]) -> None:
         for eng in filter(None, (self.engine, self.baseline)):
@@ -192,11 +206,13 @@ def result_record(s: Session, res: GenerationResult, base: GenerationResult | No
 
 
 def run(cfg: RunConfig) -> int:
-    rows = read_prompt_file(cfg.prompt_file) if cfg.prompt_file else [{"prompt": cfg.prompt or DEMO_PROMPT}]
+    rows = read_prompt_file(cfg.prompt_file) if cfg.prompt_file else [{"prompt": cfg.prompt}]
     with contextlib.ExitStack() as stack:
         trace = stack.enter_context(cfg.trace.open("w")) if cfg.trace else None
         s = Session.open(cfg, trace)
-        encoded = [s.encode(r["prompt"]) for r in rows]
+        if not cfg.prompt_file and cfg.prompt is None:  # no prompt given: the demo question
+            rows[0]["prompt"] = DEMO_CHAT if chat.has_template(s.tokenizer) and not cfg.raw else DEMO_PROMPT
+        encoded = [s.encode(r) for r in rows]
         for i, ids in enumerate(encoded):
             if len(ids) >= s.target.max_context:
                 where = f"prompt {i + 1}" if cfg.prompt_file else "the prompt"

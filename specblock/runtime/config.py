@@ -9,19 +9,24 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specblock.errors import SpecBlockError
+from specblock.models import MODELS, resolve_target
+from specblock.runtime.chat import parse_messages
 
-#: The shipped default target (issue: the small lab model).
+#: The lab model and its drafters (the fast fixture); the default target is a name in
+#: specblock.models (the real chat model), resolved by ``RunConfig.target_dir``.
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-DEFAULT_TARGET = ASSETS / "target"
-DEFAULT_DRAFTERS = ASSETS / "drafters"
+DEFAULT_TARGET = MODELS["lab"].shipped
+DEFAULT_DRAFTERS = MODELS["lab"].drafters
 
 
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    target: Path | None = None
+    target: str | None = None  # a name in specblock.models (default: the real chat model) or a directory
     method: str = "auto"  # the best shipped method by measurement (experiments/results/bench_main.md)
     prompt: str | None = None
+    system: str | None = None  # a system message before --prompt (chat templates only)
+    raw: bool = False  # send --prompt as is, without the chat template
     prompt_file: Path | None = None
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0)
@@ -70,7 +75,8 @@ class RunConfig(BaseModel):
     def _resolve_method(self) -> "RunConfig":
         if self.method == "auto":
             # lookup measured 1.51x mean Spd on the lab target, the shipped SpecBlock drafter 1.22x
-            # (1.26x at M=1, bench_main.md): auto picks lookup until a trained drafter beats it there.
+            # (1.26x at M=1, bench_main.md); on the real model lookup is the only method with no
+            # training and no drafter is shipped for it yet (bench_real.md): auto picks lookup on both.
             self.method = "lookup"
         return self
 
@@ -118,11 +124,8 @@ class RunConfig(BaseModel):
 
     @property
     def target_dir(self) -> Path:
-        if self.target is not None:
-            return self.target
-        if not (DEFAULT_TARGET / "config.json").is_file():
-            raise SpecBlockError(f"no shipped model at {DEFAULT_TARGET}; pass --target DIR")
-        return DEFAULT_TARGET
+        """The model directory: a name is built on first use (specblock.models)."""
+        return resolve_target(self.target)
 
     def drafter_options(self) -> dict:
         return {
@@ -145,7 +148,8 @@ def validate(values: dict) -> RunConfig:
 
 
 def read_prompt_file(path: Path) -> list[dict]:
-    """JSONL, one object per line with a ``prompt`` (and optionally ``domain``, ``id``)."""
+    """JSONL, one object per line with a ``prompt`` or OpenAI-style ``messages`` (and optionally
+    ``domain``, ``id``); messages are checked here and kept as a tuple under ``messages``."""
     if not path.is_file():
         raise SpecBlockError(f"no prompt file at {path}")
     rows = []
@@ -156,8 +160,10 @@ def read_prompt_file(path: Path) -> list[dict]:
             obj = json.loads(line)
         except json.JSONDecodeError:
             raise SpecBlockError(f"{path}:{i}: not valid JSON; each line must be an object with a 'prompt'") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
-            raise SpecBlockError(f"{path}:{i}: each line needs a non-empty string field 'prompt'")
+        if isinstance(obj, dict) and "messages" in obj:
+            obj["messages"] = parse_messages(obj["messages"], f"{path}:{i}")
+        elif not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+            raise SpecBlockError(f"{path}:{i}: each line needs a non-empty string 'prompt' or a 'messages' list")
         rows.append(obj)
     if not rows:
         raise SpecBlockError(f"{path} holds no prompts")

@@ -93,14 +93,14 @@ class HFPeer:
         return GenerationResult(token_ids=new, stats=stats, stopped=stopped)
 
 
-def _assistant_dir(opt: dict) -> Path | None:
+def _assistant_dir(opt: dict, target: TargetModel) -> Path | None:
     """The SpS draft model: ``drafter`` as given (``--set hf-assisted:drafter=DIR`` or
-    ``--drafter-dir``/hf-assisted), then ``sps`` beside it, then the shipped ``assets/drafters/sps``."""
-    from specblock.runtime.config import DEFAULT_DRAFTERS
+    ``--drafter-dir``/hf-assisted), then ``sps`` beside it, then the one shipped for this target."""
+    from specblock.models import drafters_dir
 
     given = opt.get("drafter")
     tries = [Path(given), Path(given).parent / "sps"] if given else []
-    tries.append(DEFAULT_DRAFTERS / "sps")
+    tries.append(drafters_dir(Path(target.model.name_or_path or ".")) / "sps")
     return next((p for p in tries if (p / "config.json").is_file()), None)
 
 
@@ -111,7 +111,7 @@ def build(method: str, target: TargetModel, opt: dict, eos_ids: frozenset[int]) 
         return HFPeer(target, eos_ids, lookup_tokens=int(opt.get("lookup_depth") or 8), ngram=int(opt.get("ngram") or 3))
     if name != "hf-assisted":
         raise SpecBlockError(f"unknown peer {method!r}; choose one of {', '.join(PEERS)}")
-    path = _assistant_dir(opt)
+    path = _assistant_dir(opt, target)
     if path is None:
         raise PeerUnavailable(
             "hf-assisted skipped: no SpS draft model (none is shipped); train one with "

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+
+from specblock.data import chat_prompt, data_file, data_root, math_prompt  # noqa: F401  (re-exported)
 
 DOMAINS: tuple[str, ...] = ("code", "math", "chat", "prose")
 SPLITS: tuple[str, ...] = ("train", "heldout")
@@ -38,35 +39,6 @@ HOLDOUT_FRACTION: dict[str, float] = {"code": 0.02, "math": 0.03, "chat": 0.03, 
 _CODE_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
                    "pydoc_data", "encodings", "ensurepip", "turtledemo", "unittest/test"}
 _CODE_MAX_BYTES = 200_000
-
-
-def data_root() -> Path:
-    """The shared data directory: ``$SPECBLOCK_DATA`` or ``<repo>/../shared/data``."""
-    env = os.environ.get("SPECBLOCK_DATA")
-    root = Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared" / "data"
-    if not root.is_dir():
-        raise FileNotFoundError(
-            f"shared data not found at {root}; set SPECBLOCK_DATA to the folder holding "
-            "gsm8k/, alpaca_eval/, tinyshakespeare/, humaneval/, spec_bench/")
-    return root
-
-
-def data_file(*parts: str) -> Path:
-    """A file under :func:`data_root`, with a one-line error if it is missing."""
-    path = data_root().joinpath(*parts)
-    if not path.is_file():
-        raise FileNotFoundError(f"missing data file {path} (SPECBLOCK_DATA={data_root()})")
-    return path
-
-
-def chat_prompt(instruction: str) -> str:
-    """The one chat template, used for training text and for every chat-style eval prompt."""
-    return f"### Instruction:\n{instruction.strip()}\n\n### Response:\n"
-
-
-def math_prompt(question: str) -> str:
-    """GSM8K question framing; the model continues with a worked solution ending '#### n'."""
-    return f"Question: {question.strip()}\nAnswer:\n"
 
 
 _CALC = re.compile(r"<<[^>]*>>")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 from specblock.errors import SpecBlockError
@@ -28,12 +29,20 @@ METHODS: dict[str, Callable] = {
 }
 
 
+def _path(opt: dict, method: str, target) -> Path:
+    """``--drafter`` if given, else the drafter shipped for this target (``specblock.models``)."""
+    if opt.get("drafter"):
+        return Path(opt["drafter"])
+    from specblock.models import drafters_dir
+
+    return drafters_dir(Path(target.model.name_or_path or ".")) / method
+
+
 def _specblock(target, opt: dict) -> Drafter:
     from specblock.policies.branching import RankBucketBranching
-    from specblock.runtime.config import DEFAULT_DRAFTERS
     from specblock.runtime.drafters.specblock import SpecBlockDrafter
 
-    path = opt.get("drafter") or DEFAULT_DRAFTERS / "specblock"
+    path = _path(opt, "specblock", target)
     return SpecBlockDrafter.load(
         path, target, M=opt.get("M", 2), max_seeds=opt.get("max_seeds", 2),
         **{"policy": RankBucketBranching(tuple(opt.get("widths", (2, 4, 10, 0)))), **user_policies("specblock", opt)},
@@ -41,42 +50,37 @@ def _specblock(target, opt: dict) -> Drafter:
 
 
 def _eagle3(target, opt: dict) -> Drafter:
-    from specblock.runtime.config import DEFAULT_DRAFTERS
     from specblock.runtime.drafters.eagle3 import Eagle3Drafter
 
-    path = opt.get("drafter") or DEFAULT_DRAFTERS / "eagle3"
+    path = _path(opt, "eagle3", target)
     return Eagle3Drafter.load(path, target, depth=opt.get("depth"), top_k=opt.get("top_k"), **user_policies("eagle3", opt))
 
 
 def _medusa(target, opt: dict) -> Drafter:
-    from specblock.runtime.config import DEFAULT_DRAFTERS
     from specblock.runtime.drafters.medusa import MedusaDrafter
 
-    return MedusaDrafter.load(opt.get("drafter") or DEFAULT_DRAFTERS / "medusa", target)
+    return MedusaDrafter.load(_path(opt, "medusa", target), target)
 
 
 def _sps(target, opt: dict) -> Drafter:
-    from specblock.runtime.config import DEFAULT_DRAFTERS
     from specblock.runtime.drafters.sps import SpsDrafter
 
-    path = opt.get("drafter") or DEFAULT_DRAFTERS / "sps"
+    path = _path(opt, "sps", target)
     return SpsDrafter.load(path, target, gamma=opt.get("gamma") or 4, top_k=opt.get("top_k") or 1,
                            **user_policies("sps", opt))
 
 
 def _parallelspec(target, opt: dict) -> Drafter:
-    from specblock.runtime.config import DEFAULT_DRAFTERS
     from specblock.runtime.drafters.parallelspec import ParallelSpecDrafter
 
-    path = opt.get("drafter") or DEFAULT_DRAFTERS / "parallelspec"
+    path = _path(opt, "parallelspec", target)
     return ParallelSpecDrafter.load(path, target, top_k=opt.get("top_k"), **user_policies("parallelspec", opt))
 
 
 def _falcon(target, opt: dict) -> Drafter:
-    from specblock.runtime.config import DEFAULT_DRAFTERS
     from specblock.runtime.drafters.falcon import FalconDrafter
 
-    path = opt.get("drafter") or DEFAULT_DRAFTERS / "falcon"
+    path = _path(opt, "falcon", target)
     return FalconDrafter.load(path, target, forwards=opt.get("forwards"), top_k=opt.get("top_k"),
                               max_seeds=opt.get("falcon_seeds"), **user_policies("falcon", opt))
 
