@@ -91,21 +91,29 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def open_service(cfg: RunConfig, opts: ServeOptions, trace=None):
+    """Load target, drafter and engine once (the CLI's Session) and wrap them for HTTP."""
+    from specblock.serve.app import ServeSettings, Service
+
+    session = Session.open(cfg, trace)
+    if cfg.warmup:
+        session.warmup(list(session.tokenizer(WARMUP_TEXT)["input_ids"]))
+    if session.adapter is not None:
+        session.adapter.clear()  # the warm-up is not served traffic
+    name, aliases = model_names(cfg, opts)
+    return Service(session, ServeSettings(model_name=name, aliases=aliases, max_queue=opts.max_queue))
+
+
 def serve(cfg: RunConfig, opts: ServeOptions) -> int:
     import uvicorn
 
-    from specblock.serve.app import ServeSettings, Service, create_app
+    from specblock.serve.app import create_app
 
     sock = listen(opts.host, opts.port)  # before loading: a taken port fails in a second, not a minute
     trace = cfg.trace.open("w") if cfg.trace else None
     try:
-        session = Session.open(cfg, trace)
-        if cfg.warmup:
-            session.warmup(list(session.tokenizer(WARMUP_TEXT)["input_ids"]))
-        if session.adapter is not None:
-            session.adapter.clear()  # the warm-up is not served traffic
-        name, aliases = model_names(cfg, opts)
-        service = Service(session, ServeSettings(model_name=name, aliases=aliases, max_queue=opts.max_queue))
+        service = open_service(cfg, opts, trace)
+        name = service.settings.model_name
         app = create_app(service)
         config = uvicorn.Config(app, log_level=opts.log_level, timeout_graceful_shutdown=opts.shutdown_timeout,
                                 lifespan="on", access_log=opts.log_level in ("info", "debug"))
