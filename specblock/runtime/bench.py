@@ -28,11 +28,13 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from specblock.atomic import AtomicFiles, check_output
 from specblock.errors import SpecBlockError
 from specblock.runtime import chat, drafters, peers
 from specblock.runtime.config import RunConfig, validate
@@ -120,7 +122,8 @@ def _engine(m: str, target: TargetModel, args, eos: frozenset[int]) -> Engine:
     return Engine(target, drafter, GreedyVerifier(), budget, eos)
 
 
-def run_bench(args) -> dict:
+def run_bench(args, traces: AtomicFiles | None = None) -> dict:
+    """``traces``: where run 1's per-iteration traces go (``--trace-dir``), committed by the caller."""
     from specblock.prompts import load_prompts
     from specblock.runtime.cli import load_tokenizer
 
@@ -174,10 +177,7 @@ def run_bench(args) -> dict:
             for i, ids in enumerate(prompts[d]):
                 for m in order:
                     eng = engines[m]
-                    trace = None
-                    if args.trace_dir is not None and r == 0:
-                        args.trace_dir.mkdir(parents=True, exist_ok=True)
-                        trace = (args.trace_dir / f"{m}.{d}.jsonl").open("a")
+                    trace = traces.get(f"{m}.{d}.jsonl") if traces is not None and r == 0 else None
                     eng.trace, eng.trace_domain = trace, d
                     res = eng.generate(ids, args.max_new_tokens)
                     if ADAPT in m:  # an update still running would share the CPU with the next method:
@@ -186,9 +186,7 @@ def run_bench(args) -> dict:
                         waited = time.perf_counter() - t0
                         res.stats.wall_s += waited
                         res.stats.loop_s += waited
-                    if trace is not None:
-                        trace.close()
-                        eng.trace = None
+                    eng.trace = None
                     per_run[m, d] = per_run[m, d].merge(res.stats)
                     if r == 0:
                         cells[m, d].tokens.append(res.token_ids)
@@ -236,19 +234,39 @@ def summarize(cells, methods, domains, prompts, target, args) -> dict:
             "device": str(target.device), "threads": torch.get_num_threads(), "rows": rows}
 
 
+RESULT_SUFFIXES = (".json", ".csv", ".md", ".png")
+
+
+def output_files(out: Path) -> list[Path]:
+    """``--out`` is a stem whose own dots are kept: replacing its suffix made ``bench_v1.5`` and
+    ``bench_v1.6`` write the same files. A result suffix (``bench.json``) is dropped."""
+    stem = out.with_suffix("") if out.suffix in RESULT_SUFFIXES else out
+    return [stem.with_name(stem.name + sfx) for sfx in RESULT_SUFFIXES]
+
+
+def check_outputs(args) -> None:
+    """Before the bench runs: a place it cannot write would lose every measurement at the end."""
+    for f in output_files(args.out):
+        check_output(f, "--out", make_parents=True)
+    if args.trace_dir is not None:
+        check_output(args.trace_dir / "probe.jsonl", "--trace-dir", make_parents=True)
+
+
 def write_outputs(result: dict, out: Path) -> list[Path]:
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """All four files replace their old versions together, or none does (Ctrl-C, a full disk)."""
     rows = result["rows"]
-    files = [out.with_suffix(".json"), out.with_suffix(".csv"), out.with_suffix(".md"), out.with_suffix(".png")]
-    files[0].write_text(json.dumps(result, indent=1))
-    with files[1].open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k not in ("divergences", "per_depth_acceptance",
-                                                                            "speedup_decode_runs")])
+    files = output_files(out)
+    files[0].parent.mkdir(parents=True, exist_ok=True)
+    with AtomicFiles(files[0].parent) as group:
+        group.get(files[0].name).write(json.dumps(result, indent=1))
+        w = csv.DictWriter(group.get(files[1].name, newline=""),
+                           fieldnames=[k for k in rows[0] if k not in ("divergences", "per_depth_acceptance",
+                                                                      "speedup_decode_runs")])
         w.writeheader()
         for r in rows:
             w.writerow({k: v for k, v in r.items() if k in w.fieldnames})
-    files[2].write_text(markdown_table(rows) + "".join(f"\nNote: {why}\n" for why in result.get("skipped", {}).values()))
-    plot(rows, files[3])
+        group.get(files[2].name).write(markdown_table(rows) + "".join(f"\nNote: {why}\n" for why in result.get("skipped", {}).values()))
+        plot(rows, group.get(files[3].name, "wb"))
     return files
 
 
@@ -272,7 +290,7 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path | IO[bytes]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -291,7 +309,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("speedup over AR (median)")
     ax.legend(fontsize=8, ncols=min(4, len(methods)))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -299,8 +317,10 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.runs < 1 or args.prompts < 1 or args.max_new_tokens < 1:
         raise SpecBlockError("--runs, --prompts and --max-new-tokens must be at least 1")
-    result = run_bench(args)
-    files = write_outputs(result, args.out)
+    check_outputs(args)
+    with AtomicFiles(args.trace_dir) as traces:
+        result = run_bench(args, traces)
+        files = write_outputs(result, args.out)
     print(markdown_table(result["rows"]), end="")
     for why in result.get("skipped", {}).values():
         print(f"note: {why}")

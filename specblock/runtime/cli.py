@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from specblock.atomic import atomic_open, check_output
 from specblock.errors import SpecBlockError
 from specblock.runtime import chat, drafters
 from specblock.runtime.config import RunConfig, read_prompt_file, validate
@@ -206,9 +207,12 @@ def result_record(s: Session, res: GenerationResult, base: GenerationResult | No
 
 
 def run(cfg: RunConfig) -> int:
+    if cfg.trace:
+        check_output(cfg.trace, "--trace")
     rows = read_prompt_file(cfg.prompt_file) if cfg.prompt_file else [{"prompt": cfg.prompt}]
     with contextlib.ExitStack() as stack:
-        trace = stack.enter_context(cfg.trace.open("w")) if cfg.trace else None
+        # A failed or interrupted run leaves an existing trace file as it was.
+        trace = stack.enter_context(atomic_open(cfg.trace, "w", encoding="utf-8")) if cfg.trace else None
         s = Session.open(cfg, trace)
         if not cfg.prompt_file and cfg.prompt is None:  # no prompt given: the demo question
             rows[0]["prompt"] = DEMO_CHAT if chat.has_template(s.tokenizer) and not cfg.raw else DEMO_PROMPT

@@ -1,0 +1,97 @@
+"""Every file the project writes goes through here: checked before the work, written atomically.
+
+Why: a run that fails (a bad flag, a model that does not load, Ctrl-C, a full disk) must leave
+what an earlier run wrote exactly as it was, and a long bench must not learn only at the end that
+it cannot write its results (issue 15). So output paths are checked first (:func:`check_output`),
+and the data goes to a temporary file in the same directory that replaces the target in one
+``os.replace`` only when it is complete (:func:`atomic_open`, :func:`write_atomic`). Torch-free:
+the simulator uses it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import IO, Iterator
+
+from specblock.errors import SpecBlockError
+
+
+def check_output(path: str | Path, flag: str, make_parents: bool = False) -> Path:
+    """Refuse, before any work, an output path that cannot be written: a directory, a missing or
+    read-only parent. ``make_parents`` creates missing parents (bench results, sweep caches)."""
+    path = Path(path)
+    if path.is_dir():
+        raise SpecBlockError(f"{flag} {path} is a directory; give a file name")
+    parent = path.parent
+    if make_parents:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SpecBlockError(f"{flag}: cannot create the directory {parent} ({e.strerror}); choose another place") from None
+    if not parent.is_dir():
+        why = "is not a directory" if parent.exists() else "does not exist"
+        raise SpecBlockError(f"{flag} {path}: {parent} {why}; create it or choose another place")
+    try:  # os.access says yes to root on a read-only mount: try it for real
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise SpecBlockError(f"{flag} {path}: cannot write in {parent} ({e.strerror}); choose another place") from None
+    if path.exists() and not os.access(path, os.W_OK):
+        raise SpecBlockError(f"{flag} {path} is read-only; choose another place")
+    return path
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "w", **kw) -> Iterator[IO]:
+    """Write to a temporary file beside ``path``; it replaces ``path`` only when the block ends
+    normally. On any exception (Ctrl-C included) ``path`` keeps its old content."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode, **kw) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o777)  # keep the old file's permissions
+        else:
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would surprise next to ordinary files
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    with atomic_open(path, "wb" if isinstance(data, bytes) else "w", **({} if isinstance(data, bytes) else {"encoding": "utf-8"})) as f:
+        f.write(data)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+class AtomicFiles(contextlib.ExitStack):
+    """Files under ``root`` opened on first use and kept open; all of them replace their old
+    versions together when the ``with`` block ends normally, none when it raises. ``root``
+    None: :meth:`get` gives None (nothing asked to be written)."""
+
+    def __init__(self, root: str | Path | None) -> None:
+        super().__init__()
+        self.root = None if root is None else Path(root)
+        self.files: dict[str, IO] = {}
+
+    def get(self, name: str, mode: str = "w", **kw) -> IO | None:
+        if self.root is None:
+            return None
+        if name not in self.files:
+            kw = kw if "b" in mode else {"encoding": "utf-8", **kw}
+            self.files[name] = self.enter_context(atomic_open(self.root / name, mode, **kw))
+        return self.files[name]
