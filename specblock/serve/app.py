@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -78,11 +79,12 @@ class Service:
         return ids
 
     def job(self, req: ChatCompletionRequest | CompletionRequest, ids: list[int], sink) -> Job:
-        cfg = self.session.cfg  # the server's flags are the defaults of every request
+        cfg = self.session.cfg  # the server's flags are the defaults of every request ...
         return Job(ids=ids, max_tokens=req.limit or cfg.max_new_tokens,
                    temperature=cfg.temperature if req.temperature is None else req.temperature,
                    top_p=cfg.top_p if req.top_p is None else req.top_p,
-                   seed=cfg.seed if req.seed is None else req.seed,
+                   # ... but the seed: without one, two equal sampled requests should differ, as on OpenAI
+                   seed=secrets.randbits(31) if req.seed is None else req.seed,
                    stops=req.stops, stream=req.stream, sink=sink)
 
     async def handle(self, request: Request, chat: bool) -> Response:
