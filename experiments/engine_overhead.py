@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from specblock.models import resolve_target
 from specblock.policies.branching import RankBucketBranching, grow_block
 from specblock.policies.tree import DraftTree
 from specblock.runtime.target import TargetModel
@@ -61,14 +62,15 @@ def median_ms(fn, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", type=Path)
+    ap.add_argument("--target", help="a model name (see `models`) or directory; default: the lab model")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--out", type=Path, default=Path("experiments/results/engine_overhead.json"))
     args = ap.parse_args()
     torch.set_num_threads(2)
-    target = TargetModel.load(args.target, args.dtype, "cpu") if args.target else lab_target(getattr(torch, args.dtype))
+    target = (TargetModel.load(resolve_target(args.target), args.dtype, "cpu") if args.target
+              else lab_target(getattr(torch, args.dtype)))
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, target.vocab_size, args.ctx)
     verifier = GreedyVerifier()

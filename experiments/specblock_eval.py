@@ -81,7 +81,7 @@ def physical_limit(bench: dict, latency: dict) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", type=Path)
+    ap.add_argument("--target", help="a model name (see `models`) or directory; default: the real chat model")
     ap.add_argument("--drafter", type=Path, default=Path("specblock/assets/drafters/specblock"))
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--bench", type=Path)

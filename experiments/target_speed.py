@@ -24,7 +24,7 @@ from specblock.runtime.target import TargetModel
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", type=Path)
+    ap.add_argument("--target", help="a model name (see `models`) or directory; default: the real chat model")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--ctx", default="128,512")
     ap.add_argument("--threads", type=int, default=2)
