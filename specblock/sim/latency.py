@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from specblock.errors import SpecBlockError
 
 
 class LatencyModel(Protocol):
@@ -141,7 +143,13 @@ def load_measurements(path: str | Path) -> LatencyMeasurements:
         raise FileNotFoundError(
             f"latency file {p} not found; write it with `python -m specblock.runtime calibrate --out {p}`"
         )
-    return LatencyMeasurements.model_validate(json.loads(p.read_text()))
+    try:
+        return LatencyMeasurements.model_validate(json.loads(p.read_text(encoding="utf-8")))
+    except (ValueError, UnicodeDecodeError) as e:  # bad JSON, bad bytes, or fields that do not validate
+        detail = (" ".join(str(e).split())[:200] if not isinstance(e, ValidationError) else
+                  "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:3]))
+        raise SpecBlockError(f"latency file {p} is not a valid calibration ({detail}); "
+                             f"write it with `python -m specblock.runtime calibrate --out {p}`") from None
 
 
 # --------------------------------------------------------------------------- the fit
@@ -223,6 +231,12 @@ class CalibratedLatency:
             slope = max((ms[-1] - ms[-2]) / (q[-1] - q[-2]), 0.0) if q.size > 1 else 0.0
             return float(ms[-1] + slope * (n_query - q[-1])) + t.overhead_ms
         return float(np.interp(n_query, q, ms)) + t.overhead_ms
+
+    def tau_needed(self, n: int, ctx: float, speedup: float = 2.0, draft_share: float = 0.2) -> float:
+        """The tau a tree of ``n`` tokens needs for ``speedup`` when drafting takes ``draft_share``
+        of each iteration: T_iter = (T(n) + glue) / (1 - share), Spd = tau (T(1) + glue) / T_iter."""
+        glue = self.overhead_ms
+        return speedup * (self.target_ms(n, ctx) + glue) / ((1.0 - draft_share) * (self.target_ms(1, ctx) + glue))
 
 
 @dataclass
