@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from specblock.atomic import atomic_open, check_output
 from specblock.errors import SpecBlockError
 from specblock.sim.config import METHODS, SimConfig
 
@@ -102,9 +103,12 @@ def _run(a) -> int:
     from specblock.sim.engine import simulate
     from specblock.sim.sweep import run_config
 
+    if a.trace_out:
+        check_output(a.trace_out, "--trace-out")
     cfg = _config(a)
     if a.trace_out:
-        simulate(cfg, cfg.seed, trace_out=a.trace_out)
+        with atomic_open(a.trace_out, "w", encoding="utf-8") as f:  # an existing trace survives a failed run
+            simulate(cfg, cfg.seed, trace_out=f)
     res = run_config(cfg)
     if a.json:
         print(json.dumps(res))
@@ -166,6 +170,10 @@ def main(argv=None) -> int:
             json.JSONDecodeError, SpecBlockError) as e:
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
         print(f"error: {msg.splitlines()[0] if msg else type(e).__name__}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("\ninterrupted (a sweep keeps every finished configuration in its cache: run it again to go on)",
+              file=sys.stderr)
+        return 130
     return 2
 
 

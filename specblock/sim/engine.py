@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
 
 import numpy as np
 import simpy
@@ -104,7 +106,7 @@ class AcceptanceSource:
 
 
 class Simulation:
-    def __init__(self, cfg: SimConfig, seed: int, trace_out: str | None = None) -> None:
+    def __init__(self, cfg: SimConfig, seed: int, trace_out: str | Path | IO[str] | None = None) -> None:
         self.cfg = cfg
         acc_ss, arr_ss, ad_ss = np.random.SeedSequence(seed).spawn(3)
         self.rng_acc = np.random.default_rng(acc_ss)
@@ -122,7 +124,9 @@ class Simulation:
         self.adapter = None
         self.pools: dict[tuple, list] = {}
         self._picks: list[float] = []
-        self.trace = open(trace_out, "w") if trace_out else None
+        # A path is opened (and closed) here; an open file (the CLI's atomic writer) is the caller's.
+        self._own_trace = isinstance(trace_out, (str, Path))
+        self.trace = open(trace_out, "w") if self._own_trace else trace_out
         if cfg.adapt.enabled:
             from specblock.sim.adaptation import Adapter
 
@@ -238,7 +242,7 @@ class Simulation:
             self.env.process(self.arrivals())
         self.env.process(self.server())
         self.env.run()
-        if self.trace is not None:
+        if self.trace is not None and self._own_trace:
             self.trace.close()
         return self.metrics()
 
@@ -294,6 +298,6 @@ def ar_tpot_ms(lat, prompt_len: int, tokens: int) -> float:
     return float(np.mean([lat.target_ms(1, prompt_len + t, 1) + lat.overhead_ms for t in range(tokens)]))
 
 
-def simulate(cfg: SimConfig, seed: int | None = None, trace_out: str | None = None) -> dict:
+def simulate(cfg: SimConfig, seed: int | None = None, trace_out: str | Path | IO[str] | None = None) -> dict:
     """One seeded run."""
     return Simulation(cfg, cfg.seed if seed is None else seed, trace_out).run()

@@ -17,14 +17,19 @@ import csv
 import itertools
 import json
 import os
+import signal
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specblock.atomic import AtomicFiles, check_output, write_atomic
+from specblock.errors import SpecBlockError
 from specblock.sim.config import SimConfig, config_hash
 
 SCALARS = ("speedup", "speedup_iter", "tau", "draft_share", "tokens_per_s", "tpot_ms", "tree_size", "t_iter_ms",
@@ -100,11 +105,48 @@ def expand(spec: SweepSpec) -> list[tuple[dict, SimConfig]]:
 
 
 def load_spec(path: str | Path) -> SweepSpec:
+    """Parse and validate a sweep file; every fault is one line naming the file (and line)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"sweep file {p} not found")
-    data = yaml.safe_load(p.read_text()) if p.suffix in (".yaml", ".yml") else json.loads(p.read_text())
-    return SweepSpec.model_validate(data or {})
+    try:
+        text = p.read_text(encoding="utf-8")
+        data = yaml.safe_load(text) if p.suffix in (".yaml", ".yml") else json.loads(text)
+        return SweepSpec.model_validate(data or {})
+    except UnicodeDecodeError as e:
+        raise SpecBlockError(f"{p}: not a UTF-8 text file (byte {e.start})") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        raise SpecBlockError(f"{p}:{mark.line + 1 if mark else '?'}: not valid YAML ({e.problem or e.context})") from None
+    except yaml.YAMLError as e:
+        raise SpecBlockError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except json.JSONDecodeError as e:
+        raise SpecBlockError(f"{p}:{e.lineno}: not valid JSON ({e.msg})") from None
+    except ValidationError as e:
+        raise SpecBlockError(f"{p}: {_errors(e)}") from None
+
+
+def _errors(e: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, x['loc'])) or 'sweep'}: {x['msg']}" for x in e.errors()[:3])
+
+
+def _cached(f: Path) -> dict | None:
+    """A cache entry, or None when absent or unreadable (a run killed mid-write by an older
+    version, a disk fault): it is a cache, so the configuration simply runs again."""
+    try:
+        res = json.loads(f.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        print(f"note: ignoring the unreadable sweep cache entry {f} ({type(e).__name__}); running it again",
+              file=sys.stderr)
+        return None
+    return res if isinstance(res, dict) and "config_hash" in res and "iterations" in res else None
+
+
+def _ignore_sigint() -> None:
+    """Workers leave Ctrl-C to the parent, which stops them (one message, no traceback per worker)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _run_json(cfg_json: str) -> dict:
@@ -117,16 +159,18 @@ def sweep(path: str | Path, workers: int | None = None, out: str | None = None, 
     from tqdm import tqdm
 
     spec = load_spec(path)
-    points = expand(spec)
+    try:
+        points = expand(spec)
+    except ValidationError as e:
+        raise SpecBlockError(f"{path}: a configuration of the sweep is invalid: {_errors(e)}") from None
     out_dir = Path(out or spec.out or Path("experiments/results/sweeps") / Path(path).stem)
     cache = out_dir / "cache"
-    cache.mkdir(parents=True, exist_ok=True)
+    check_output(cache / "probe.json", "--out", make_parents=True)  # before any configuration runs
     results: dict[int, dict] = {}
     todo = []
     for i, (_, cfg) in enumerate(points):
-        f = cache / f"{config_hash(cfg)}.json"
-        if f.is_file():
-            results[i] = json.loads(f.read_text())
+        if (res := _cached(cache / f"{config_hash(cfg)}.json")) is not None:
+            results[i] = res
         else:
             todo.append(i)
     bar = tqdm(total=len(points), initial=len(points) - len(todo), disable=not progress, desc="sweep", unit="cfg")
@@ -134,7 +178,7 @@ def sweep(path: str | Path, workers: int | None = None, out: str | None = None, 
 
     def done(i: int, res: dict) -> None:
         results[i] = res
-        (cache / f"{res['config_hash']}.json").write_text(json.dumps(res))
+        write_atomic(cache / f"{res['config_hash']}.json", json.dumps(res))
         bar.update(1)
 
     if ray_address:
@@ -144,10 +188,17 @@ def sweep(path: str | Path, workers: int | None = None, out: str | None = None, 
             done(i, res)
     elif todo:
         n = min(workers or spec.workers, len(todo), os.cpu_count() or 1)
-        with ProcessPoolExecutor(max_workers=n) as ex:
+        ex = ProcessPoolExecutor(max_workers=n, initializer=_ignore_sigint)
+        try:
             futs = {ex.submit(_run_json, points[i][1].model_dump_json()): i for i in todo}
             for f in as_completed(futs):
                 done(futs[f], f.result())
+        except BaseException:  # Ctrl-C or a failed configuration: what finished stays cached
+            for proc in list((getattr(ex, "_processes", None) or {}).values()):
+                proc.terminate()
+            ex.shutdown(wait=False, cancel_futures=True)
+            raise
+        ex.shutdown()
     bar.close()
     rows = [dict(points[i][0], **{k: results[i].get(k) for k in SCALARS}, iterations=results[i]["iterations"],
                  config_hash=results[i]["config_hash"]) for i in range(len(points))]
@@ -156,22 +207,22 @@ def sweep(path: str | Path, workers: int | None = None, out: str | None = None, 
                "wall_s": time.perf_counter() - t0,
                "sim_iterations": int(sum(results[i]["iterations"] for i in todo))}
     summary["iterations_per_s"] = summary["sim_iterations"] / max(summary["wall_s"], 1e-9)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_atomic(out_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
     return rows, out_dir, summary
 
 
 def write_outputs(out_dir: Path, rows: list[dict], full: list[dict], grid_keys: list[str]) -> None:
     """results.csv (a table), results.json (every result with its full config), speedup.png."""
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(out_dir / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
+    with AtomicFiles(out_dir) as group:  # the three files replace their old versions together
+        w = csv.DictWriter(group.get("results.csv", newline=""), fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-    (out_dir / "results.json").write_text(json.dumps(full, indent=1) + "\n")
-    plot_sweep(out_dir / "speedup.png", rows, grid_keys)
+        group.get("results.json").write(json.dumps(full, indent=1) + "\n")
+        plot_sweep(group.get("speedup.png", "wb"), rows, grid_keys)
 
 
-def plot_sweep(path: Path, rows: list[dict], grid_keys: list[str]) -> None:
+def plot_sweep(path: Path | IO[bytes], rows: list[dict], grid_keys: list[str]) -> None:
     """Speedup against the first grid axis, one line per combination of the others."""
     import matplotlib
 
@@ -198,5 +249,5 @@ def plot_sweep(path: Path, rows: list[dict], grid_keys: list[str]) -> None:
     ax.set_ylabel("simulated speedup (Spd)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)

@@ -115,7 +115,11 @@ def read_traces(paths, domain: str | None = None) -> list[TraceRecord]:
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"trace file {p} not found")
-        for i, line in enumerate(p.read_text().splitlines()):
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{p}: not a JSONL trace file (a non-UTF-8 byte at offset {e.start})") from None
+        for i, line in enumerate(text.splitlines()):
             if line.strip():
                 try:
                     r = TraceRecord.model_validate_json(line)

@@ -1,0 +1,122 @@
+"""The simulator's files: sweep results and cache written atomically, a corrupt cache entry runs
+again, Ctrl-C during a sweep is one line and keeps what finished, and bad input files (sweep
+YAML, latency JSON, traces) are one line naming the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specblock.sim.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--set", "acceptance.kind=parametric", "--set", "acceptance.a1=0.8", "--set", "tree_pool=32",
+        "--requests", "2", "--tokens", "32"]
+
+
+def _grid(tmp_path, ks=(2, 4), requests=2, tokens=32):
+    g = tmp_path / "grid.yaml"
+    g.write_text(f"""
+base: {{preset: paper, tree_pool: 16, acceptance: {{kind: parametric, a1: 0.8}},
+        workload: {{requests: {requests}, tokens: {tokens}}}}}
+grid: {{method.K: {list(ks)}, method.M: [1, 2]}}
+out: {tmp_path / 'out'}
+""")
+    return g
+
+
+def _err(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1, err
+    return err
+
+
+def test_corrupt_cache_entry_runs_again(tmp_path, capsys):
+    g = _grid(tmp_path)
+    assert main(["sweep", str(g), "--no-progress", "--workers", "1"]) == 0
+    cache = sorted((tmp_path / "out" / "cache").glob("*.json"))
+    assert len(cache) == 4
+    good = cache[0].read_text()
+    cache[0].write_text(good[: len(good) // 2])
+    capsys.readouterr()
+    assert main(["sweep", str(g), "--no-progress", "--workers", "1"]) == 0
+    out = capsys.readouterr()
+    assert "4 configs (3 cached)" in out.out and str(cache[0]) in out.err
+    assert json.loads(cache[0].read_text())["config_hash"] == json.loads(good)["config_hash"]
+    assert not [p for p in (tmp_path / "out").rglob(".*")]  # no temporary files left
+
+
+@pytest.mark.parametrize("text,needle", [("grid: [\n", ":2: not valid YAML"),
+                                         ("grid: {method.K: [0, 4]}\n", "method.K"),
+                                         ("bogus: 1\n", "bogus")])
+def test_bad_sweep_file_names_the_file(tmp_path, capsys, text, needle):
+    g = tmp_path / "g.yaml"
+    g.write_text(text)
+    assert main(["sweep", str(g)]) == 2
+    err = _err(capsys)
+    assert str(g) in err and needle in err
+
+
+def test_sweep_to_an_unwritable_place_runs_nothing(tmp_path, capsys, monkeypatch):
+    import specblock.sim.sweep as sweep
+
+    monkeypatch.setattr(sweep, "_run_json", lambda _: pytest.fail("a configuration ran"))
+    assert main(["sweep", str(_grid(tmp_path)), "--out", "/proc/specblock-no/out", "--no-progress"]) == 2
+    assert "--out" in _err(capsys)
+
+
+@pytest.mark.parametrize("content", [b"{bad", b'{"x": 1}', b"\xff\xfe\x00"])
+def test_bad_latency_file_names_the_file(tmp_path, capsys, content):
+    f = tmp_path / "lat.json"
+    f.write_bytes(content)
+    assert main(["run", "--preset", "cpu-calibrated", "--latency-file", str(f), *FAST]) == 2
+    assert str(f) in _err(capsys)
+
+
+def test_binary_traces_name_the_file(tmp_path, capsys):
+    f = tmp_path / "t.jsonl"
+    f.write_bytes(b"\x00\xff\xfe garbage\n")
+    assert main(["fit-traces", str(f)]) == 2
+    assert str(f) in _err(capsys)
+
+
+def test_trace_out_checked_first_and_kept_when_the_run_fails(tmp_path, capsys):
+    for bad in (tmp_path, tmp_path / "no" / "t.jsonl"):
+        assert main(["run", "--preset", "paper", "--method", "specblock", "--trace-out", str(bad), *FAST]) == 2
+        assert "--trace-out" in _err(capsys)
+    t = tmp_path / "t.jsonl"
+    t.write_text("earlier\n")
+    assert main(["run", "--preset", "nope", "--trace-out", str(t), *FAST]) == 2
+    assert t.read_text() == "earlier\n"
+    assert main(["run", "--preset", "paper", "--method", "specblock", "--trace-out", str(t), *FAST]) == 0
+    assert all("tree_size" in json.loads(x) for x in t.read_text().splitlines())
+
+
+def test_ctrl_c_during_a_sweep_is_one_line_and_keeps_finished_configs(tmp_path):
+    g = _grid(tmp_path, ks=(2, 3, 4, 5, 6, 7), requests=6, tokens=128)
+    cache = tmp_path / "out" / "cache"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-m", "specblock.sim", "sweep", str(g), "--workers", "2", "--no-progress"],
+                         stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    deadline = time.time() + 120
+    while not list(cache.glob("*.json")) and time.time() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    if p.poll() is not None:
+        pytest.skip("the sweep finished before it could be interrupted")
+    os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "interrupted" in err
+    kept = list(cache.glob("*.json"))
+    assert 1 <= len(kept) < 12 and all(json.loads(f.read_text())["config_hash"] for f in kept)
+    assert not [f for f in cache.iterdir() if f.name.startswith(".")]  # no half-written entry
+    r = subprocess.run([sys.executable, "-m", "specblock.sim", "sweep", str(g), "--workers", "2", "--no-progress"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and f"({len(kept)} cached)" in r.stdout
