@@ -1,0 +1,192 @@
+"""The target with static shapes: a preallocated KV cache, trees padded to a few sizes, and one
+compiled forward per (tree bucket, attention span).
+
+Why: on a CPU a forward of a small model is dispatch-bound (hundreds of aten ops from Python),
+and on a GPU it is launch-bound; a compiled graph of fixed shape removes both (inductor's fused
+C++ kernels on CPU, CUDA graphs via ``mode="reduce-overhead"`` on CUDA). Fixed shapes need:
+
+- tree sizes padded up to a bucket (``BUCKETS``; larger trees to a multiple of the largest);
+  padded slots get token ``tokens[0]``, depth 0 and see only themselves, and no real slot ever
+  sees them, so real rows' logits are those of the unpadded tree;
+- attention over a span of the cache rounded up to a power of two (at least ``MIN_SPAN``), the
+  rest of the span hidden by the mask, so the context grows without a new shape per token;
+- the mask, positions and write slots built *inside* the graph from ``past`` (a 0-d tensor, so
+  its value never recompiles), the padded depths and the padded ancestor mask.
+
+Prefill runs the same step uncompiled (one call per prompt, any length). Committing a path is one
+gather over all layers' static buffers (``TreeStaticCache.keep``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from specblock.compiled.static_cache import TreeStaticCache
+from specblock.errors import SpecBlockError
+from specblock.policies.tree import DraftTree
+from specblock.runtime.target import TargetModel, TargetOutput
+
+BUCKETS: tuple[int, ...] = (1, 8, 16, 32, 64)
+MIN_SPAN = 256
+#: Inductor on CPU: ``freezing`` folds the (fixed) target weights into the graph as constants so
+#: the linears run on prepacked oneDNN weights, and ``cpp_wrapper`` calls the kernels from C++
+#: instead of a Python wrapper; each roughly halved T(1) on the lab model (experiments/compiled_speed.py).
+#: Frozen weights mean a compiled target must not be trained afterwards (the target never is).
+CPU_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+
+
+def bucket_of(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
+    """Smallest bucket holding ``n`` nodes; past the largest, the next multiple of it."""
+    for b in buckets:
+        if n <= b:
+            return b
+    top = buckets[-1]
+    return -(-n // top) * top
+
+
+def span_of(need: int, capacity: int) -> int:
+    """Attention span for ``need`` slots: a power of two from ``MIN_SPAN``, capped at the capacity."""
+    span = MIN_SPAN
+    while span < need:
+        span *= 2
+    return min(span, capacity)
+
+
+class StaticTarget(TargetModel):
+    """``TargetModel`` with the same three moves on static buffers; ``compile=False`` runs the
+    identical padded step eagerly (the tests' cheap way to check the padding)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tap_layers: tuple[int, ...] | None = None,
+        compile: bool = True,
+        buckets: tuple[int, ...] = BUCKETS,
+        mode: str | None = None,
+    ) -> None:
+        super().__init__(model, tap_layers)
+        if getattr(self.config, "sliding_window", None) and "sliding_attention" in (getattr(self.config, "layer_types", None) or ()):
+            raise SpecBlockError("--compile does not support sliding-window layers yet; run without --compile")
+        self.buckets = tuple(sorted(buckets))
+        cfg = self.config
+        heads = int(cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        self.capacity = self.max_context + self.buckets[-1]  # padding never spills past the buffer
+        self.static = TreeStaticCache(int(cfg.num_hidden_layers), kv_heads, head_dim, self.capacity, self.dtype, self.device)
+        self.compiled = compile
+        self.mode = mode if mode is not None else ("reduce-overhead" if self.device.type == "cuda" else None)
+        self._step_fn = self._step
+        if compile:
+            _allow_recompiles()
+            if self.mode is None:
+                self._step_fn = torch.compile(self._step, dynamic=False, options=CPU_OPTIONS)
+            else:
+                self._step_fn = torch.compile(self._step, dynamic=False, mode=self.mode)
+
+    @classmethod
+    def wrap(cls, target: TargetModel, **kw) -> "StaticTarget":
+        """The same model and taps behind static shapes (the CLI's ``--compile`` hook)."""
+        return cls(target.model, target.tap_layers, **kw)
+
+    # ------------------------------------------------------------------ the step
+    def _step(
+        self, ids: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor, past: torch.Tensor, span: int,
+        want: bool, last_only: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One padded forward: ``ids``/``depth`` ``[B]``, ``anc`` ``[B, B]`` bool, ``past`` 0-d."""
+        b = ids.shape[0]
+        slots = past + torch.arange(b, device=ids.device)
+        cols = torch.arange(span, device=ids.device)
+        rel = cols - past
+        in_tree = (rel >= 0) & (rel < b)
+        seen = anc[:, rel.clamp(0, b - 1)] & in_tree  # [B, span]: tree slots each row may read
+        visible = seen | (cols < past)
+        zero = torch.zeros((), dtype=self.dtype, device=ids.device)
+        mask = torch.where(visible, zero, torch.full_like(zero, self._min))[None, None]
+        self.static.begin(slots, span)
+        out = self.model(
+            input_ids=ids[None],
+            attention_mask=mask,
+            position_ids=(past + depth)[None],
+            past_key_values=self.static,
+            use_cache=True,
+            output_hidden_states=want,
+            logits_to_keep=1 if last_only else 0,
+        )
+        logits = out.logits[0]
+        if not want:
+            return logits, None, None
+        hs = out.hidden_states
+        return logits, hs[-1][0], torch.cat([hs[i][0] for i in self.tap_layers], dim=-1)
+
+    def _run(self, ids: np.ndarray, depth: np.ndarray, anc: np.ndarray, n: int, compiled: bool, last_only: bool):
+        dev = self.device
+        past = torch.tensor(self.past_len, device=dev)
+        span = span_of(self.past_len + len(ids), self.capacity)
+        fn = self._step_fn if compiled else self._step
+        logits, top, taps = fn(
+            torch.as_tensor(ids, device=dev), torch.as_tensor(depth, device=dev), torch.as_tensor(anc, device=dev),
+            past, span, self.want_features, last_only,
+        )
+        if compiled and self.mode == "reduce-overhead":  # CUDA-graph outputs are overwritten by the next replay
+            logits, top, taps = (None if t is None else t.clone() for t in (logits, top, taps))
+        rows = slice(0, logits.shape[0] if last_only else n)
+        if top is None:
+            return TargetOutput(logits[rows])
+        return TargetOutput(logits[rows], top=top[:n], taps=taps[:n])
+
+    # ------------------------------------------------------------------ the three moves
+    def reset(self) -> None:
+        self.cache = None
+        self.past_len = 0
+
+    @torch.no_grad()
+    def prefill(self, ids: np.ndarray) -> TargetOutput | None:
+        """Uncompiled (any length, once per prompt); fills the static buffers from slot 0."""
+        self.reset()
+        n = len(ids)
+        if n == 0:
+            return None
+        if n > self.max_context:
+            raise SpecBlockError(f"prompt of {n} tokens exceeds the model's context {self.max_context}")
+        anc = np.tril(np.ones((n, n), dtype=bool))
+        out = self._run(np.asarray(ids, dtype=np.int64), np.arange(n), anc, n, compiled=False, last_only=True)
+        self.past_len = n
+        return out
+
+    @torch.no_grad()
+    def tree_forward(self, tree: DraftTree) -> TargetOutput:
+        n = tree.size
+        if self.past_len + tree.max_depth >= self.max_context:
+            raise SpecBlockError("tree reaches past the model's context; the engine should have cut it")
+        b = bucket_of(n, self.buckets)
+        ids = np.full(b, int(tree.tokens[0]), dtype=np.int64)
+        ids[:n] = tree.tokens
+        depth = np.zeros(b, dtype=np.int64)
+        depth[:n] = tree.depth
+        anc = np.eye(b, dtype=bool)
+        anc[:n, :n] = tree.ancestor_mask
+        return self._run(ids, depth, anc, n, compiled=self.compiled, last_only=False)
+
+    @torch.no_grad()
+    def commit(self, path: np.ndarray) -> None:
+        """Keep the past plus ``path``; slots past the new end are stale and masked from then on."""
+        keep = len(path)
+        path = np.asarray(path, dtype=np.int64)
+        moved = np.nonzero(path != np.arange(keep))[0]
+        if moved.size:
+            first = self.past_len + int(moved[0])
+            self.static.keep(first, torch.as_tensor(path[moved[0]:] + self.past_len, device=self.device))
+        self.past_len += keep
+
+
+def _allow_recompiles(limit: int = 64) -> None:
+    """One graph per (bucket, span, features) pair: dynamo's default limit of 8 would fall back
+    to eager silently after the eighth."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name) and getattr(cfg, name) < limit:
+            setattr(cfg, name, limit)

@@ -1,0 +1,156 @@
+"""The static-shape target: padding, stale cache slots and compilation never change a result.
+
+Most tests run the padded step eagerly (``compile=False``: the same code, no compile time on two
+cores); one test compiles it for real, with two buckets only.
+"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from specblock.compiled.target import BUCKETS, StaticTarget, bucket_of, span_of
+from specblock.policies.tree import DraftTree
+from specblock.runtime.drafters import ARDrafter, LookupDrafter, RandomDrafter
+from specblock.runtime.engine import Engine
+from specblock.runtime.target import TargetModel
+from specblock.runtime.verify import SamplingVerifier
+from tiny import FAMILIES, hf_greedy, tiny_model
+
+VOCAB = 12
+MODEL = tiny_model("qwen3", vocab=32, seed=1)
+EAGER = TargetModel(MODEL)
+STATIC = StaticTarget(MODEL, compile=False)
+
+
+def random_tree(rng: np.random.Generator, n: int, root: int, vocab: int = 32) -> DraftTree:
+    parent = np.concatenate([[-1], (rng.random(n - 1) * np.arange(1, n)).astype(np.int64)])
+    tokens = rng.integers(0, vocab, n)
+    tokens[0] = root
+    return DraftTree.from_parents(tokens, parent)
+
+
+def test_buckets_and_spans():
+    assert [bucket_of(n) for n in (1, 2, 8, 9, 33, 64, 65, 130)] == [1, 8, 8, 16, 64, 64, 128, 192]
+    assert bucket_of(5, (1, 4)) == 8 and BUCKETS == (1, 8, 16, 32, 64)
+    assert [span_of(n, 1088) for n in (1, 256, 257, 600, 1088)] == [256, 256, 512, 1024, 1088]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 40), st.integers(0, 10**6))
+def test_padded_tree_gives_the_unpadded_logits(prompt_len, n_nodes, seed):
+    """Real rows of a padded tree forward equal the eager, unpadded one; and the same after a
+    commit, with stale tree slots (rejected nodes, padding) left in the static buffers."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, 32, prompt_len)
+    tree = random_tree(rng, n_nodes, int(prompt[-1]))
+    path = tree.path_to(int(rng.integers(0, n_nodes)))
+    nxt = random_tree(rng, int(rng.integers(1, 10)), int(rng.integers(0, 32)))
+    outs = []
+    for target in (EAGER, STATIC):
+        target.prefill(prompt[:-1])
+        first = target.tree_forward(tree).logits
+        target.commit(path)
+        outs.append((first, target.tree_forward(nxt).logits, target.past_len))
+    (a1, a2, pa), (b1, b2, pb) = outs
+    assert pa == pb == prompt_len - 1 + len(path)
+    assert b1.shape == a1.shape and b2.shape == a2.shape
+    torch.testing.assert_close(b1, a1, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b2, a2, atol=1e-5, rtol=1e-5)
+
+
+def test_garbage_in_padding_and_unused_slots_changes_nothing():
+    """Fill every slot past the committed context with noise, pad with other tokens: same logits."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 32, 17)
+    tree = random_tree(rng, 5, int(prompt[-1]))
+    STATIC.prefill(prompt[:-1])
+    clean = STATIC.tree_forward(tree).logits.clone()
+    STATIC.commit(np.zeros(1, dtype=np.int64))
+    STATIC.past_len = len(prompt) - 1  # back to the prompt: slots from here on are stale
+    with torch.no_grad():
+        for t in STATIC.static.keys + STATIC.static.values:
+            t[:, :, STATIC.past_len :] = torch.randn_like(t[:, :, STATIC.past_len :]) * 100
+    torch.testing.assert_close(STATIC.tree_forward(tree).logits, clean, atol=1e-5, rtol=1e-5)
+    STATIC.commit(np.zeros(1, dtype=np.int64))
+    STATIC.past_len = len(prompt) - 1
+    more = DraftTree.from_parents(np.concatenate([tree.tokens, [7, 8, 9]]), np.concatenate([tree.parent, [0, 0, 1]]))
+    logits = STATIC.tree_forward(more).logits[: tree.size]  # later leaves are no real row's ancestors
+    torch.testing.assert_close(logits, clean, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_path_is_lossless(family):
+    """ar / lookup / random on the padded static path equal HF generate, token for token (fp32)."""
+    model = tiny_model(family, vocab=VOCAB)
+    target = StaticTarget(model, compile=False)
+    rng = np.random.default_rng(5)
+    accepted = 0
+    for trial in range(3):
+        prompt = rng.integers(2, VOCAB, int(rng.integers(1, 20)))
+        ref = hf_greedy(model, prompt, 30)
+        for drafter in (ARDrafter(), RandomDrafter(VOCAB, seed=trial), LookupDrafter(branches=3, max_ngram=2)):
+            res = Engine(target, drafter, budget=int(rng.integers(1, 40))).generate(prompt, 30)
+            assert res.token_ids == ref, (family, drafter.name, trial)
+            accepted += sum(res.stats.accepted)
+    assert accepted > 0
+
+
+def test_context_limit_and_features_match_eager():
+    """At the context limit (padding must fit the buffer) and with hidden-state taps on."""
+    model = tiny_model("llama", vocab=VOCAB, ctx=40)
+    eager, static = TargetModel(model), StaticTarget(model, compile=False)
+    prompt = np.arange(2, 12)
+    ref = Engine(eager, LookupDrafter(branches=2), budget=30).generate(prompt, 100)
+    res = Engine(static, LookupDrafter(branches=2), budget=30).generate(prompt, 100)
+    assert res.stopped == ref.stopped == "context" and res.token_ids == ref.token_ids
+    rng = np.random.default_rng(1)
+    tree = random_tree(rng, 11, int(prompt[-1]), VOCAB)
+    outs = []
+    for t in (eager, static):
+        t.want_features = True
+        pre = t.prefill(prompt[:-1])
+        outs.append((pre, t.tree_forward(tree)))
+        t.want_features = False
+    for a, b in zip(*outs):
+        for x, y in ((a.logits, b.logits), (a.top, b.top), (a.taps, b.taps)):
+            torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
+
+
+def test_sampling_matches_eager_target():
+    """Lossless sampling draws the same tokens on both targets (same seed, same logits)."""
+    model = tiny_model("qwen2", vocab=VOCAB, seed=2)
+    prompt = np.arange(2, 9)
+    runs = [Engine(t, RandomDrafter(VOCAB, seed=1), SamplingVerifier(0.8, 1.0, 0), budget=12).generate(prompt, 24, seed=4)
+            for t in (TargetModel(model), StaticTarget(model, compile=False))]
+    assert runs[0].token_ids == runs[1].token_ids
+
+
+def test_compiled_path_is_lossless():
+    """The real thing: compiled with inductor (two buckets to bound compile time on two cores)."""
+    model = tiny_model("llama", vocab=VOCAB, seed=4)
+    target = StaticTarget(model, compile=True, buckets=(1, 8))
+    rng = np.random.default_rng(11)
+    for trial in range(2):
+        prompt = rng.integers(2, VOCAB, 12)
+        ref = hf_greedy(model, prompt, 24)
+        for drafter in (ARDrafter(), RandomDrafter(VOCAB, seed=trial), LookupDrafter(branches=2, max_ngram=2)):
+            res = Engine(target, drafter, budget=7).generate(prompt, 24)
+            assert res.token_ids == ref, (drafter.name, trial)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (experiments/gpu_check.sh runs it where one is)")
+def test_cuda_graphs_path_is_lossless():
+    """CUDA: static buffers on the device, compiled with mode='reduce-overhead' (CUDA graphs)."""
+    model = tiny_model("llama", vocab=VOCAB, seed=4).cuda()
+    target = StaticTarget(model, compile=True, buckets=(1, 8, 16))
+    assert target.mode == "reduce-overhead" and target.static.keys[0].is_cuda
+    rng = np.random.default_rng(12)
+    for trial in range(3):
+        prompt = rng.integers(2, VOCAB, 12)
+        out = model.generate(torch.tensor(prompt, device="cuda")[None], max_new_tokens=32, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        ref = out[0, len(prompt):].tolist()
+        for drafter in (ARDrafter(), RandomDrafter(VOCAB, seed=trial), LookupDrafter(branches=3, max_ngram=2)):
+            res = Engine(target, drafter, budget=15).generate(prompt, 32)
+            assert res.token_ids == ref, (drafter.name, trial)
