@@ -19,12 +19,16 @@ gather over all layers' static buffers (``TreeStaticCache.keep``).
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from specblock.compiled.static_cache import TreeStaticCache
 from specblock.errors import SpecBlockError
+from specblock.models.registry import specblock_home
 from specblock.policies.tree import DraftTree
 from specblock.runtime.target import TargetModel, TargetOutput
 
@@ -80,6 +84,7 @@ class StaticTarget(TargetModel):
         self.mode = mode if mode is not None else ("reduce-overhead" if self.device.type == "cuda" else None)
         self._step_fn = self._step
         if compile:
+            use_disk_cache()
             _allow_recompiles()
             if self.mode is None:
                 self._step_fn = torch.compile(self._step, dynamic=False, options=CPU_OPTIONS)
@@ -181,6 +186,17 @@ class StaticTarget(TargetModel):
             first = self.past_len + int(moved[0])
             self.static.keep(first, torch.as_tensor(path[moved[0]:] + self.past_len, device=self.device))
         self.past_len += keep
+
+
+def use_disk_cache() -> Path:
+    """Inductor's compiled graphs (FX graph and AOT-autograd caches, on by default) go under
+    ``$SPECBLOCK_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: the default
+    ``/tmp/torchinductor_$USER`` does not survive a reboot, and a warm start skips the C++ builds."""
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(specblock_home() / "inductor")
+    path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _allow_recompiles(limit: int = 64) -> None:

@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace-dir", type=Path, help="write per-iteration JSONL traces per method and domain (run 1)")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench"))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    ap.add_argument("--compile", action="store_true", help="static-shape target compiled per tree-size bucket")
     return ap
 
 
@@ -125,13 +126,13 @@ def _engine(m: str, target: TargetModel, args, eos: frozenset[int]) -> Engine:
 def run_bench(args, traces: AtomicFiles | None = None) -> dict:
     """``traces``: where run 1's per-iteration traces go (``--trace-dir``), committed by the caller."""
     from specblock.prompts import load_prompts
-    from specblock.runtime.cli import load_tokenizer
+    from specblock.runtime.cli import load_tokenizer, maybe_compile
 
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = validate({"target": args.target, "dtype": args.dtype})
     path = cfg.target_dir
-    target = TargetModel.load(path, args.dtype, "auto")
+    target = maybe_compile(TargetModel.load(path, args.dtype, "auto"), args.compile)
     tok = load_tokenizer(path, False)
     eos = chat.stop_ids(tok, read_generation_eos(path))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-depth", type=int, default=8, help="lookup: tokens proposed per match")
     p.add_argument("--branches", type=int, default=1, help="lookup: distinct continuations merged into a tree")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up decode")
+    p.add_argument("--compile", action="store_true",
+                   help="static-shape target compiled per tree-size bucket (specblock/compiled; first use compiles)")
     p.add_argument("--drafter", type=Path, help="trained drafter directory (default: the shipped one for --method)")
     p.add_argument("--M", type=int, default=2, help="specblock: block iterations per step")
     p.add_argument("--max-seeds", type=int, default=2, help="specblock: seeds that start each later block")
@@ -137,7 +139,7 @@ class Session:
     @classmethod
     def open(cls, cfg: RunConfig, trace) -> "Session":
         path = cfg.target_dir
-        target = TargetModel.load(path, cfg.dtype, cfg.device, cfg.attn, cfg.trust_remote_code)
+        target = maybe_compile(TargetModel.load(path, cfg.dtype, cfg.device, cfg.attn, cfg.trust_remote_code), cfg.compile)
         tokenizer = load_tokenizer(path, cfg.trust_remote_code)
         eos = chat.stop_ids(tokenizer, read_generation_eos(path))
 
@@ -164,6 +166,15 @@ class Session:
     def warmup(self, ids: list[int]) -> None:
         for eng in filter(None, (self.engine, self.baseline)):
             eng.generate(ids[-16:], 4, seed=self.cfg.seed)
+
+
+def maybe_compile(target: TargetModel, compile: bool) -> TargetModel:
+    """The one hook into ``specblock.compiled`` (imported only when asked: it sits above runtime)."""
+    if not compile:
+        return target
+    from specblock.compiled import compile_target
+
+    return compile_target(target)
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool):

@@ -44,6 +44,7 @@ class RunConfig(BaseModel):
     lookup_depth: int = Field(8, ge=1)
     branches: int = Field(1, ge=1)
     warmup: bool = True
+    compile: bool = False  # static shapes + torch.compile per tree bucket (specblock/compiled)
     drafter: Path | None = None
     M: int = Field(2, ge=1, le=8)
     max_seeds: int = Field(2, ge=1, le=16)
