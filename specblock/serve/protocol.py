@@ -36,6 +36,7 @@ UNSUPPORTED = {
     "tools": None, "functions": None, "tool_choice": None, "logprobs": (None, False, 0), "top_logprobs": None,
     "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "best_of": (None, 1), "echo": (None, False), "suffix": None, "audio": None, "prediction": None,
+    "response_format": (None, {"type": "text"}),
 }
 
 
