@@ -27,9 +27,50 @@ def tiny_config(family: str = "llama", vocab: int = 64, layers: int = 2, hidden:
     return cls(**common, **extra)
 
 
+#: Decoder families for the architecture matrix: name -> (model_type, config fields beyond the
+#: common ones). WINDOW is the sliding window of the families that have one: small, so that
+#: prompts and outputs of a few dozen tokens run far past it.
+WINDOW = 6
+MATRIX = {
+    "llama": ("llama", {}),
+    "mistral-sw": ("mistral", {"sliding_window": WINDOW}),
+    "qwen2": ("qwen2", {}),
+    "qwen2-sw": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1,
+                           "layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
+    "qwen3": ("qwen3", {"head_dim": 8}),
+    "qwen3-moe": ("qwen3_moe", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                "decoder_sparse_step": 1}),
+    "gemma": ("gemma", {"head_dim": 8}),
+    "gemma2": ("gemma2", {"head_dim": 8, "sliding_window": WINDOW,
+                          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    "gemma3": ("gemma3_text", {"head_dim": 8, "sliding_window": WINDOW,
+                               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}),
+    "phi3": ("phi3", {"pad_token_id": 0}),
+    "olmo2": ("olmo2", {}),
+    "granite": ("granite", {}),
+    "stablelm": ("stablelm", {}),
+    "cohere2": ("cohere2", {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}),
+    "smollm3": ("smollm3", {}),
+    "mixtral-sw": ("mixtral", {"sliding_window": WINDOW, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "starcoder2-sw": ("starcoder2", {"sliding_window": WINDOW}),
+}
+
+
+def matrix_config(name: str, vocab: int = 64, layers: int = 3, hidden: int = 32, ctx: int = 256):
+    from transformers import AutoConfig
+
+    model_type, extra = MATRIX[name]
+    if "layer_types" in extra:  # the pattern repeats over any depth
+        extra = {**extra, "layer_types": (extra["layer_types"] * layers)[:layers]}
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=ctx, bos_token_id=0,
+                  eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    return AutoConfig.for_model(model_type, **{**common, **extra})
+
+
 def tiny_model(family: str = "llama", seed: int = 0, attn: str = "sdpa", **kw):
     torch.manual_seed(seed)
-    cfg = tiny_config(family, **kw)
+    cfg = tiny_config(family, **kw) if family in FAMILIES else matrix_config(family, **kw)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
     # Sharpen the random init so greedy continuations are not all near-ties.
     with torch.no_grad():

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrai
 
 from specblock.errors import SpecBlockError
 from specblock.policies.tree import DraftTree
+from specblock.runtime.attention import attention_layout, tree_masks
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -62,8 +63,7 @@ class TargetModel:
             raise SpecBlockError(
                 f"attention '{impl}' ignores tree masks; load the target with attn_implementation='sdpa' or 'eager'"
             )
-        if getattr(model.config, "use_sliding_window", False) and getattr(model.config, "sliding_window", None):
-            raise SpecBlockError("sliding-window attention is not supported for tree verification; disable it in the config")
+        self.layout = attention_layout(model)  # full and/or sliding-window layers (runtime/attention.py)
         self.model = model.eval()
         self.config = model.config
         self.device = next(model.parameters()).device
@@ -96,7 +96,7 @@ class TargetModel:
 
     # ------------------------------------------------------------------ forwards
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.config)
+        self.cache = self.layout.new_cache(self.config)
         self.past_len = 0
 
     @torch.no_grad()
@@ -117,18 +117,16 @@ class TargetModel:
         self.past_len = int(x.shape[1])
         return self._output(out)
 
-    def tree_inputs(self, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Token ids, position ids and the float additive 4D mask for one tree forward."""
-        n = tree.size
+    def tree_inputs(self, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | dict | None]:
+        """Token ids, position ids and the float additive 4D mask(s) for one tree forward (one per
+        layer type when full and sliding-window layers mix)."""
         if self.past_len + tree.max_depth >= self.max_context:
             raise SpecBlockError("tree reaches past the model's context; the engine should have cut it")
         x = torch.as_tensor(tree.tokens, device=self.device)[None]
         pos = torch.as_tensor(tree.position_ids(self.past_len), device=self.device)[None]
         mask = None
-        if n > 1:  # a lone root needs no mask: it sees the whole past
-            anc = torch.as_tensor(tree.ancestor_mask, device=self.device)
-            mask = torch.zeros((1, 1, n, self.past_len + n), dtype=self.dtype, device=self.device)
-            mask[0, 0, :, self.past_len :].masked_fill_(~anc, self._min)
+        if tree.size > 1:  # a lone root is a plain next token: the model builds its own (windowed) mask
+            mask = tree_masks(self.layout, tree, self.past_len, self.dtype, self.device)
         return x, pos, mask
 
     @torch.no_grad()
@@ -216,6 +214,9 @@ def load_causal_lm(
             ignore_mismatched_sizes=True,
         )
     except Exception as e:  # noqa: BLE001 - truncated or empty safetensors, unsupported architecture, ...
+        if attn == "sdpa" and "scaled_dot_product_attention" in str(e):  # e.g. Gemma 2, gpt-oss
+            raise SpecBlockError(f"{path}: transformers has no sdpa attention for {', '.join(archs) or 'this model'}; "
+                                 "pass --attn eager") from None
         raise SpecBlockError(f"cannot load {path} as a causal LM: {_first_line(e)}") from None
     _check_loading(path, info)
     return model.to(resolve_device(device))
