@@ -3,8 +3,8 @@
 The sim is worth only as much as its agreement with real runs, so per (method, domain) of a bench
 JSON (``ar`` excluded: it is every Spd's denominator) this fits the sim's acceptance model from
 that method+domain's run-1 traces, runs the sim with the ``cpu-calibrated`` latency JSON from the
-same machine and the same method model and policy settings the bench's engine used (RunConfig
-defaults, then the bench's ``--set`` items, K from the drafter's config.json, the engine budget),
+same machine and the same method model and policy settings the bench's engine used (the drafter's
+serving.json, then the bench's ``--set`` items, K from the drafter's config.json, the engine budget),
 and reports measured vs simulated Spd and tau, relative errors (sim / measured - 1), and whether
 the goal (|Spd err| <= 10%, |tau err| <= 5%) is met.
 
@@ -84,7 +84,8 @@ from pathlib import Path
 
 import numpy as np
 
-from specblock.runtime.config import DEFAULT_DRAFTERS, RunConfig
+from specblock.runtime.config import DEFAULT_DRAFTERS
+from specblock.runtime.drafters import DEFAULT_BUDGET
 from specblock.sim.config import SimConfig
 from specblock.sim.latency import CalibratedLatency, DrafterTiming, load_measurements
 from specblock.sim.sweep import run_config
@@ -113,7 +114,10 @@ def bench_sets(cfg: dict, method: str) -> dict:
 def sim_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
     """The sim's ``method`` section with the settings the runtime engine used, and notes."""
     name, sets, notes = SIM_METHOD[method.split("@")[0]], bench_sets(cfg, method), []
-    budget = int(sets.get("budget", cfg.get("budget", RunConfig.model_fields["budget"].default)))
+    served = serving(sets.get("drafter") or (Path(cfg["drafter_dir"]) / name if cfg.get("drafter_dir")
+                                             else DEFAULT_DRAFTERS / name))
+    # the engine's order: --set METHOD:budget, --budget, the drafter's serving.json, the default
+    budget = int(sets.get("budget") or cfg.get("budget") or served.get("budget") or DEFAULT_BUDGET)
     if name == "lookup":  # the replay carries the runtime's ngram / lookup_depth / branches as run
         return {"name": "lookup"}, notes
     if name != "specblock":  # the runtime's serving settings: bench --set, else the drafter's config
@@ -141,15 +145,32 @@ def sim_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
                 else:
                     notes.append(f"{conf} has no rank_acc: the sim's static tree comes from the fitted rank pmf")
         return d, notes
-    rc = RunConfig(method="specblock")
     ddir = sets.get("drafter") or (Path(cfg["drafter_dir"]) / "specblock" if cfg.get("drafter_dir") else DEFAULT_DRAFTERS / "specblock")
     conf = Path(ddir) / "config.json"
     k = json.loads(conf.read_text()).get("K", 4) if conf.is_file() else 4
     if not conf.is_file():
         notes.append(f"{conf} not found: K=4 assumed")
-    return {"name": "specblock", "K": int(k), "M": int(sets.get("M", rc.M)), "max_seeds": int(sets.get("max_seeds", rc.max_seeds)),
-            "widths": list(sets.get("widths", rc.widths)), "budget": budget, "branching": "rank",
-            "seeds": "deepest-confident", "use_rank_head": True}, notes
+    return {"name": "specblock", "K": int(k), "M": int(sets.get("M", served.get("M", 2))),
+            "max_seeds": int(sets.get("max_seeds", served.get("max_seeds", 2))),
+            "widths": list(sets.get("widths", served.get("widths", (2, 4, 10, 0)))), "budget": budget, "branching": "rank",
+            "seeds": "deepest-confident", "use_rank_head": True, **user_policies(sets)}, notes
+
+
+def serving(drafter_dir: str | Path) -> dict:
+    """The drafter's measured best serving settings (serving.json beside it), as the engine reads them."""
+    f = Path(drafter_dir) / "serving.json"
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def user_policies(sets: dict) -> dict:
+    """A bench row's own classes (``--set M:policy=pkg.mod:Class``, ``policy_kwargs=JSON``, likewise
+    ``seed_policy``) in the sim's spelling: the sim then grows the trees the runtime grew."""
+    out = {}
+    for key, cls_key, kw_key in (("policy", "policy_class", "policy_kwargs"), ("seed_policy", "seed_class", "seed_kwargs")):
+        if sets.get(key):
+            kw = sets.get(f"{key}_kwargs") or {}
+            out.update({cls_key: sets[key], kw_key: json.loads(kw) if isinstance(kw, str) else dict(kw)})
+    return out
 
 
 def read_generations(path: Path, keep: int) -> tuple[list[str], int]:

@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--budget", type=int, default=24)
+    ap.add_argument("--budget", type=int, help="node budget of every tree method (default: each drafter's "
+                    "serving.json, else 24); --set METHOD:budget=N for one method")
     ap.add_argument("--drafter-dir", type=Path, help="directory of trained drafters (default: the shipped assets)")
     ap.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE",
                     help="per-method option, e.g. specblock:M=3, specblock:drafter=DIR, eagle3:budget=16 (engine node "
@@ -107,8 +108,12 @@ def divergence(target: TargetModel, prompt: list[int], ar: list[int], other: lis
 
 def _engine(m: str, target: TargetModel, args, eos: frozenset[int]) -> Engine:
     opts = _options(m, args)
-    # "budget" is the engine's node budget: each tree method at its own best budget in one run
-    budget = int(opts.pop("budget", args.budget))
+    # "budget" is the engine's node budget: --set METHOD:budget, then --budget, then the drafter's
+    # serving.json (its measured best), then the default
+    if args.budget is not None:
+        opts.setdefault("budget", args.budget)
+    opts = drafters.serving_settings(_base(m), target, opts)
+    budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
     drafter = drafters.build(_base(m), target, opts)
     if ADAPT in m:
         from specblock.runtime.adapt import AdaptSettings, Adapter

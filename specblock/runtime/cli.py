@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
-    p.add_argument("--budget", type=int, default=24, help="draft nodes per tree (root excluded)")
+    p.add_argument("--budget", type=int, help="draft nodes per tree, root excluded (default: the drafter's measured "
+                   "best, from serving.json beside it; else 24)")
     p.add_argument("--trace", type=Path, help="write a per-iteration JSONL trace here")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model directory's own Python code")
     p.add_argument("--ngram", type=int, default=3, help="lookup: longest n-gram to match")
@@ -84,9 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="static-shape target compiled per tree-size bucket (specblock/compiled; first use compiles)")
     p.add_argument("--drafter", type=Path, help="trained drafter directory (default: the shipped one for --method)")
-    p.add_argument("--M", type=int, default=2, help="specblock: block iterations per step")
-    p.add_argument("--max-seeds", type=int, default=2, help="specblock: seeds that start each later block")
-    p.add_argument("--widths", type=_widths, default=(2, 4, 10, 0), help="specblock: siblings per bucket b0,b1,b2,b3")
+    p.add_argument("--M", type=int, help="specblock: block iterations per step (default: serving.json, else 2)")
+    p.add_argument("--max-seeds", type=int, help="specblock: seeds that start each later block (default 2)")
+    p.add_argument("--widths", type=_widths, help="specblock: siblings per bucket b0,b1,b2,b3 (default 2,4,10,0)")
     p.add_argument("--adapt", action="store_true", help="specblock: adapt the drafter while serving (runtime/adapt.py)")
     p.add_argument("--adapt-window", type=int, default=128, help="adapt: decoding iterations per window")
     p.add_argument("--adapt-lambda", type=float, default=0.1, help="adapt: weight of the KL anchor to the pretrained drafter")
@@ -148,12 +149,14 @@ class Session:
                 return GreedyVerifier()
             return SamplingVerifier(cfg.temperature, cfg.top_p, cfg.seed)
 
-        drafter, adapter = drafters.build(cfg.method, target, cfg.drafter_options()), None
+        opts = drafters.serving_settings(cfg.method, target, cfg.drafter_options())
+        budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
+        drafter, adapter = drafters.build(cfg.method, target, opts), None
         if cfg.adapt:
             from specblock.runtime.adapt import AdaptSettings, Adapter
 
             drafter = adapter = Adapter(drafter, AdaptSettings(**cfg.adapt_settings()))
-        engine = Engine(target, drafter, verifier(), cfg.budget, eos, trace)
+        engine = Engine(target, drafter, verifier(), budget, eos, trace)
         baseline = Engine(target, drafters.ARDrafter(), verifier(), 0, eos) if cfg.compare else None
         return cls(cfg, target, tokenizer, engine, baseline, adapter)
 

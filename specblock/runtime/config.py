@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specblock.errors import SpecBlockError
+from specblock.flags import bad_text
 from specblock.models import MODELS, resolve_target
 from specblock.runtime.chat import parse_messages
 
@@ -29,15 +30,15 @@ class RunConfig(BaseModel):
     raw: bool = False  # send --prompt as is, without the chat template
     prompt_file: Path | None = None
     max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int = 0
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: int = Field(0, ge=0, lt=2**63)  # numpy and torch generators take 0 .. 2^63 - 1
     json_out: bool = False
     compare: Literal["ar"] | None = None
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attn: Literal["sdpa", "eager"] = "sdpa"
-    budget: int = Field(24, ge=0, le=256)
+    budget: int | None = Field(None, ge=0, le=256)  # None: the drafter's serving.json, else 24
     trace: Path | None = None
     trust_remote_code: bool = False
     ngram: int = Field(3, ge=1)
@@ -46,12 +47,13 @@ class RunConfig(BaseModel):
     warmup: bool = True
     compile: bool = False  # static shapes + torch.compile per tree bucket (specblock/compiled)
     drafter: Path | None = None
-    M: int = Field(2, ge=1, le=8)
-    max_seeds: int = Field(2, ge=1, le=16)
-    widths: tuple[int, int, int, int] = (2, 4, 10, 0)
+    # None: the drafter's measured best (serving.json beside it), else the drafter's own default
+    M: int | None = Field(None, ge=1, le=8)
+    max_seeds: int | None = Field(None, ge=1, le=16)
+    widths: tuple[int, int, int, int] | None = None
     adapt: bool = False  # serving-time adaptation of the SpecBlock drafter (runtime/adapt.py)
     adapt_window: int = Field(128, ge=2)  # decoding iterations per adaptation window
-    adapt_lambda: float = Field(0.1, ge=0.0)  # weight of the KL anchor to the pretrained drafter
+    adapt_lambda: float = Field(0.1, ge=0.0, allow_inf_nan=False)  # weight of the KL anchor to the pretrained drafter
     adapt_arms: tuple[str, ...] = ("skip", "heads", "full")  # one arm: always play it
     # A user's classes, "package.module:Class" or "path/file.py:Class" (specblock.policies.loading,
     # the simulator's loader too); kwargs are JSON objects. Loading one runs its module's code.
@@ -71,6 +73,13 @@ class RunConfig(BaseModel):
         if self.prompt is not None and not self.prompt.strip():
             raise ValueError("the prompt is empty; give some text with --prompt")
         return self
+
+    @field_validator("prompt", "system")
+    @classmethod
+    def _utf8(cls, text: str | None) -> str | None:
+        if text is not None and (why := bad_text(text)):
+            raise ValueError(why)
+        return text
 
     @model_validator(mode="after")
     def _resolve_method(self) -> "RunConfig":
@@ -131,7 +140,7 @@ class RunConfig(BaseModel):
     def drafter_options(self) -> dict:
         return {
             "ngram": self.ngram, "lookup_depth": self.lookup_depth, "branches": self.branches, "seed": self.seed,
-            "drafter": self.drafter, "M": self.M, "max_seeds": self.max_seeds, "widths": self.widths,
+            "drafter": self.drafter, "M": self.M, "max_seeds": self.max_seeds, "widths": self.widths, "budget": self.budget,
             **self.policy_options(),
         }
 
@@ -154,7 +163,11 @@ def read_prompt_file(path: Path) -> list[dict]:
     if not path.is_file():
         raise SpecBlockError(f"no prompt file at {path}")
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, raw in enumerate(path.read_bytes().splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SpecBlockError(f"{path}:{i}: byte {e.start + 1} is not UTF-8; save the file as UTF-8") from None
         if not line.strip():
             continue
         try:
@@ -165,6 +178,8 @@ def read_prompt_file(path: Path) -> list[dict]:
             obj["messages"] = parse_messages(obj["messages"], f"{path}:{i}")
         elif not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
             raise SpecBlockError(f"{path}:{i}: each line needs a non-empty string 'prompt' or a 'messages' list")
+        if why := bad_text(obj):
+            raise SpecBlockError(f"{path}:{i}: {why}")
         rows.append(obj)
     if not rows:
         raise SpecBlockError(f"{path} holds no prompts")

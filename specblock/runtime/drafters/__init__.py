@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -92,6 +93,34 @@ def register(name: str, factory: Callable) -> None:
 def build(name: str, target, options: dict | None = None) -> Drafter:
     if name not in METHODS:
         raise SpecBlockError(f"unknown method {name!r}; choose one of {', '.join(sorted(METHODS))}")
+    options = {k: v for k, v in (options or {}).items() if v is not None}  # None: not set, the default holds
     if name not in TAKES_POLICY:
-        user_policies(name, options or {})  # a policy named for a method without one: refused
-    return METHODS[name](target, options or {})
+        user_policies(name, options)  # a policy named for a method without one: refused
+    return METHODS[name](target, options)
+
+
+#: The engine's node budget when neither the user nor the drafter's serving.json sets one.
+DEFAULT_BUDGET = 24
+#: What a drafter's ``serving.json`` may set: its measured best node budget and tree settings.
+SERVING_KEYS = ("budget", "M", "max_seeds", "widths", "depth", "top_k")
+TRAINED = ("specblock", "eagle3", "medusa", "sps", "parallelspec", "falcon")
+
+
+def serving_settings(name: str, target, options: dict) -> dict:
+    """``options`` over the drafter's measured best serving settings over the built-in defaults.
+
+    A trained drafter ships ``serving.json`` beside its config (the budget sweep's winner, e.g.
+    the lab SpecBlock drafter's 8 nodes), so a user who sets nothing gets the measured best and
+    not one budget for every method. Options left at None do not override it.
+    """
+    explicit = {k: v for k, v in options.items() if v is not None}
+    if name not in TRAINED:
+        return explicit
+    f = _path(explicit, name, target) / "serving.json"
+    try:
+        saved = json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, ValueError):
+        raise SpecBlockError(f"{f} is not valid JSON; fix or delete it") from None
+    if not isinstance(saved, dict):
+        raise SpecBlockError(f"{f} must hold a JSON object of serving settings")
+    return {**{k: v for k, v in saved.items() if k in SERVING_KEYS}, **explicit}
