@@ -1,19 +1,20 @@
-"""``python -m specblock.training {drafter,target} ...``"""
+"""``python -m specblock.training {drafter,target,chatgen,featcache} ...``"""
 
+import importlib
 import sys
 
 from specblock.errors import SpecBlockError
 
+COMMANDS = {"drafter": "specblock.training.drafter", "target": "specblock.training.target",
+            "chatgen": "specblock.training.chatgen", "featcache": "specblock.training.featcache"}
+
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("drafter", "target"):
-        print("usage: python -m specblock.training {drafter,target} ... (see --help of each)", file=sys.stderr)
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: python -m specblock.training {{{','.join(COMMANDS)}}} ... (see --help of each)", file=sys.stderr)
         return 2
     try:
-        if argv[0] == "drafter":
-            from specblock.training.drafter import main as run
-        else:
-            from specblock.training.target import main as run
+        run = importlib.import_module(COMMANDS[argv[0]]).main
         return run(argv[1:]) or 0
     except SpecBlockError as e:
         print(f"error: {e}", file=sys.stderr)
