@@ -36,7 +36,9 @@ from tqdm import tqdm
 
 from specblock.atomic import AtomicFiles, check_output
 from specblock.errors import SpecBlockError
+from specblock.flags import OneLineParser
 from specblock.runtime import chat, drafters, peers
+from specblock.runtime.bench_config import check_bench_flags, method_options
 from specblock.runtime.config import RunConfig, validate
 from specblock.runtime.engine import Engine
 from specblock.runtime.metrics import DecodeStats
@@ -45,7 +47,7 @@ from specblock.runtime.verify import GreedyVerifier
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m specblock.runtime bench", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m specblock.runtime bench", description=__doc__.splitlines()[0])
     ap.add_argument("--target", help="a model name (see `models`) or an HF model directory (default: the real chat model)")
     ap.add_argument("--methods", default="ar,lookup,specblock", help="comma-separated; NAME@VARIANT for a second setting; specblock+adapt: serving-time adaptation (restarts from the pretrained drafter every run); hf-assisted, hf-lookup: HF generate peers")
     ap.add_argument("--domains", default="code,math,chat,qa,mtbench")
@@ -86,11 +88,8 @@ def _options(method: str, args) -> dict:
     base = RunConfig(method=_base(method)).drafter_options()
     if args.drafter_dir is not None:
         base["drafter"] = args.drafter_dir / _base(method)
-    for item in args.set:
-        m, _, kv = item.partition(":")
-        k, _, v = kv.partition("=")
-        if m == method and k:
-            base[k] = tuple(int(x) for x in v.split(",")) if k == "widths" else (int(v) if v.lstrip("-").isdigit() else v)
+    checked = getattr(args, "method_options", None)  # main() checks every --set item before the bench
+    base.update((checked if checked is not None else method_options(args.set, [method])).get(method, {}))
     return base
 
 
@@ -321,6 +320,7 @@ def plot(rows: list[dict], path: Path | IO[bytes]) -> None:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    args.method_options = check_bench_flags(args)  # one line naming the flag, before anything loads
     if args.runs < 1 or args.prompts < 1 or args.max_new_tokens < 1:
         raise SpecBlockError("--runs, --prompts and --max-new-tokens must be at least 1")
     check_outputs(args)

@@ -19,6 +19,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from specblock.atomic import check_output, write_atomic
+from specblock.errors import SpecBlockError
+from specblock.flags import OneLineParser
 from specblock.policies.tree import DraftTree
 from specblock.models import drafters_dir
 from specblock.runtime.config import validate
@@ -135,20 +138,33 @@ def time_specblock(target: TargetModel, path: Path, reps: int, rng) -> dict:
             "overhead_ms": round(statistics.median(extra), 4)}
 
 
+def _ctx_list(text: str) -> list[int]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give context lengths as positive integers, e.g. 64,256,1024")
+    return [int(p) for p in parts]
+
+
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m specblock.runtime calibrate", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m specblock.runtime calibrate", description=__doc__.splitlines()[0])
     ap.add_argument("--target", help="a model name (see `models`) or an HF model directory (default: the real chat model)")
     ap.add_argument("--out", type=Path, default=Path("specblock/sim/data/latency_cpu.json"))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--ctx", default=",".join(map(str, CTX_GRID)))
+    ap.add_argument("--reps", type=int, default=15, help="timed repetitions per point (at least 1)")
+    ap.add_argument("--ctx", type=_ctx_list, default=CTX_GRID, help="context lengths, e.g. 64,256,1024")
     ap.add_argument("--drafter-dir", type=Path, help="drafters to time (default: those shipped for the target)")
     args = ap.parse_args(argv)
+    if args.reps < 1:
+        raise SpecBlockError("--reps: give at least 1 timed repetition")
+    check_output(args.out, "--out", make_parents=True)
     cfg = validate({"target": args.target, "dtype": args.dtype})
     target = TargetModel.load(cfg.target_dir, args.dtype, "auto")
     drafter_dir = args.drafter_dir or drafters_dir(cfg.target_dir)
     rng = np.random.default_rng(0)
-    ctxs = [c for c in (int(x) for x in args.ctx.split(",")) if c + 64 < target.max_context]
+    ctxs = [c for c in args.ctx if c + 64 < target.max_context]
+    if not ctxs:
+        raise SpecBlockError(f"--ctx: every length leaves under 64 positions of the model's context "
+                             f"({target.max_context}); give lengths below {target.max_context - 64}")
     ms, glue = [], []
     time_target(target, ctxs[0], 8, 3, rng)  # warm-up
     with tqdm(total=len(ctxs) * len(N_GRID), desc="target") as bar:
@@ -167,10 +183,7 @@ def main(argv: list[str]) -> int:
     result = {"version": 1, "device": device, "dtype": args.dtype,
               "target": {"ctx": ctxs, "n": N_GRID, "ms": ms}, "drafters": drafters,
               "overhead_ms": round(statistics.median(glue), 4)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(args.out)
+    write_atomic(args.out, json.dumps(result, indent=1))
     print(json.dumps({"ctx": ctxs, "n": N_GRID, "ms_at_first_ctx": ms[0], "drafters": drafters,
                       "overhead_ms": result["overhead_ms"]}))
     print(f"wrote {args.out}")

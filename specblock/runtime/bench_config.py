@@ -1,0 +1,111 @@
+"""The bench's flags and its per-method ``--set METHOD:KEY=VALUE`` options, checked before
+anything loads by the rules the decoding CLI applies: the shared fields *are* RunConfig's fields
+(same bounds: ``M`` at most 8, ``ngram`` at least 1, a node budget in 0..256, ...), so the two
+commands cannot drift apart. Unknown keys are refused by name instead of silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+
+from specblock.errors import SpecBlockError
+from specblock.flags import check, one_line
+from specblock.prompts import DOMAINS
+from specblock.runtime.config import RunConfig
+
+_SHARED = ("ngram", "lookup_depth", "branches", "seed", "drafter", "M", "max_seeds", "widths", "budget",
+           "adapt_window", "policy", "policy_kwargs", "seed_policy", "seed_policy_kwargs", "adapt_policy",
+           "adapt_policy_kwargs", "rollback_policy", "rollback_policy_kwargs")
+_POSITIVE = (int | None, Field(None, ge=1))
+
+#: What ``--set`` accepts: RunConfig's own fields, plus the drafters' serving knobs the decoding
+#: CLI has no flag for (EAGLE-3's depth and top-k, SpS's gamma, Falcon's forwards and seeds, the
+#: HF assisted peer's assistant tokens).
+MethodOptions = create_model(
+    "MethodOptions",
+    __config__=ConfigDict(extra="forbid"),
+    **{k: (RunConfig.model_fields[k].annotation, RunConfig.model_fields[k]) for k in _SHARED if k in RunConfig.model_fields},
+    depth=_POSITIVE, top_k=_POSITIVE, gamma=_POSITIVE, forwards=_POSITIVE, falcon_seeds=_POSITIVE,
+    num_assistant_tokens=_POSITIVE,
+)
+
+
+class BenchFlags(BaseModel):
+    """The bench's own flags; the ones it shares with the decoding CLI take RunConfig's bounds."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    methods: str
+    domains: str
+    prompts: int = Field(ge=1)
+    runs: int = Field(ge=1)
+    max_new_tokens: int = RunConfig.model_fields["max_new_tokens"]
+    dtype: Literal["bfloat16", "float32"]
+    budget: int | None = Field(None, ge=0, le=256)
+    threads: int = Field(0, ge=0, le=1024)  # 0: torch's default
+    drafter_dir: Path | None = None
+
+    @field_validator("domains")
+    @classmethod
+    def _domains(cls, v: str) -> str:
+        names = [d.strip() for d in v.split(",") if d.strip()]
+        bad = [d for d in names if d not in DOMAINS]
+        if bad or not names:
+            raise ValueError(f"unknown domain {bad[0]!r}; choose among {','.join(DOMAINS)}" if bad else
+                             f"name at least one domain among {','.join(DOMAINS)}")
+        return v
+
+    @field_validator("methods")
+    @classmethod
+    def _methods(cls, v: str) -> str:
+        if not [m for m in v.split(",") if m.strip()]:
+            raise ValueError("name at least one method")
+        return v
+
+
+def _value(key: str, text: str, item: str):
+    """``--set`` values are strings; lists and JSON objects are split or parsed here, the rest
+    is left to the field's type (pydantic turns "3" into 3 and refuses "a")."""
+    if key == "widths":
+        return [x.strip() for x in text.split(",")]
+    if key.endswith("_kwargs"):
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise SpecBlockError(f"--set {item}: {key} takes a JSON object, e.g. '{{\"threshold\": 0.2}}'") from None
+    return text
+
+
+def method_options(items: list[str], methods: list[str]) -> dict[str, dict]:
+    """``--set`` items, checked, by method: only the keys given (defaults stay where they live)."""
+    raw: dict[str, dict] = {}
+    for item in items:
+        m, colon, kv = item.partition(":")
+        key, eq, text = kv.partition("=")
+        m, key = m.strip(), key.strip()
+        if not (colon and eq and m and key):
+            raise SpecBlockError(f"--set {item!r}: write METHOD:KEY=VALUE, e.g. specblock:M=1")
+        if m not in methods:
+            raise SpecBlockError(f"--set {item}: {m} is not among --methods ({','.join(methods)})")
+        raw.setdefault(m, {})[key] = _value(key, text.strip(), item)
+    out = {}
+    for m, opts in raw.items():
+        try:
+            out[m] = MethodOptions.model_validate(opts).model_dump(mode="json", exclude_unset=True)
+        except ValidationError as e:
+            known = ", ".join(MethodOptions.model_fields)
+            msg = one_line(e, lambda k: f"--set {m}:{k}")
+            raise SpecBlockError(msg + (f" (known: {known})" if "unknown option" in msg else "")) from None
+    return out
+
+
+def check_bench_flags(args) -> dict[str, dict]:
+    """Every bench flag and ``--set`` item, before the bench loads anything. Returns the checked
+    per-method options."""
+    check(BenchFlags, vars(args))
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    return method_options(args.set, methods)
