@@ -137,6 +137,15 @@ def test_compiled_path_is_lossless():
         for drafter in (ARDrafter(), RandomDrafter(VOCAB, seed=trial), LookupDrafter(branches=2, max_ngram=2)):
             res = Engine(target, drafter, budget=7).generate(prompt, 24)
             assert res.token_ids == ref, (drafter.name, trial)
+    eager = TargetModel(model)  # hidden-state taps (trained drafters read them) through the compiled graph
+    tree = random_tree(rng, 6, int(prompt[-1]), VOCAB)
+    outs = []
+    for t in (eager, target):
+        t.want_features = True
+        t.prefill(prompt[:-1])
+        outs.append(t.tree_forward(tree))
+    for x, y in ((outs[0].logits, outs[1].logits), (outs[0].top, outs[1].top), (outs[0].taps, outs[1].taps)):
+        torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (experiments/gpu_check.sh runs it where one is)")

@@ -1,0 +1,263 @@
+"""Compiled versus eager target (issue 16), in one run per target: T(n) for the tree-size buckets,
+plain-decoding tokens/s against HF ``generate`` (plain, static cache, static cache +
+``torch.compile(mode="reduce-overhead")``), compile time cold and warm (fresh processes on an empty
+and then the same inductor cache), and the memory-bandwidth floor beside T(1).
+
+    python experiments/compiled_speed.py --targets lab,smollm2-135m-instruct [--threads 2] [--reps 20]
+
+Writes experiments/results/compiled_speed.{json,md}. Timings are medians of interleaved reps
+(compiled and eager alternate, so a load change on the machine hits both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specblock.compiled.target import BUCKETS, StaticTarget
+from specblock.policies.tree import DraftTree
+from specblock.runtime.config import validate
+from specblock.runtime.drafters.base import ARDrafter
+from specblock.runtime.engine import Engine
+from specblock.runtime.target import TargetModel
+
+
+def random_tree(rng: np.random.Generator, n: int, vocab: int) -> DraftTree:
+    parent = np.concatenate([[-1], (rng.random(n - 1) * np.arange(1, n)).astype(np.int64)])
+    return DraftTree.from_parents(rng.integers(0, vocab, n), parent)
+
+
+def clock(device: torch.device | str = "cpu") -> float:
+    """Wall time after the device finished (CUDA kernels are asynchronous)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def rewind(target: TargetModel, ctx: int) -> None:
+    """Back to exactly ``ctx`` cached tokens after a forward (static slots past it are just stale)."""
+    if not isinstance(target, StaticTarget):
+        for layer in target.cache.layers:
+            layer.keys, layer.values = layer.keys[..., :ctx, :], layer.values[..., :ctx, :]
+    target.past_len = ctx
+
+
+def bandwidth_gbs(device: str, mb: int = 512, reps: int = 7) -> float:
+    """Read bandwidth as the issue measured it: a torch sum over ``mb`` MB of bf16."""
+    x = torch.ones(mb * 2**20 // 2, dtype=torch.bfloat16, device=device)
+    x.sum()
+    ts = []
+    for _ in range(reps):
+        t0 = clock(device)
+        x.sum()
+        ts.append(clock(device) - t0)
+    return x.numel() * 2 / float(np.median(ts)) / 1e9
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+
+
+def time_trees(targets: dict[str, TargetModel], ctx: int, sizes: list[int], reps: int, seed: int = 0) -> dict:
+    """Median ms of one tree forward of n nodes at context ``ctx``, per target, interleaved."""
+    rng = np.random.default_rng(seed)
+    vocab = next(iter(targets.values())).vocab_size
+    dev = next(iter(targets.values())).device
+    prompt = rng.integers(0, vocab, ctx)
+    out: dict[str, list[float]] = {name: [] for name in targets}
+    for n in sizes:
+        ts = {name: [] for name in targets}
+        for name, t in targets.items():
+            t.prefill(prompt)
+            t.tree_forward(random_tree(rng, n, vocab))  # first use of a bucket compiles: not timed
+            rewind(t, ctx)
+        for _ in range(reps):
+            tree = random_tree(rng, n, vocab)
+            for name, t in targets.items():
+                t0 = clock(dev)
+                t.tree_forward(tree)
+                ts[name].append(clock(dev) - t0)
+                rewind(t, ctx)
+        for name in targets:
+            out[name].append(round(1e3 * float(np.median(ts[name])), 3))
+        print(f"T({n}) " + ", ".join(f"{k} {v[-1]:.2f} ms" for k, v in out.items()), flush=True)
+    return out
+
+
+def hf_generate(model, prompt: torch.Tensor, tokens: int, mode: str) -> list[int]:
+    from transformers import CompileConfig
+
+    kw: dict = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0,
+                    attention_mask=torch.ones_like(prompt))
+    if mode in ("static", "static+compile"):
+        kw["cache_implementation"] = "static"
+    if mode == "static+compile":
+        cc = CompileConfig(mode="reduce-overhead")  # the issue's best HF mode on this CPU
+        cc._compile_all_devices = True  # HF auto-compiles on GPUs only unless told
+        kw["compile_config"] = cc
+    else:
+        kw["disable_compile"] = True
+    out = model.generate(prompt, **kw)
+    return out[0, prompt.shape[1]:].tolist()
+
+
+def time_decoding(eager: TargetModel, compiled: StaticTarget, prompt: np.ndarray, tokens: int, runs: int) -> dict:
+    """Plain-decoding tokens/s (prefill included, as HF's) for ours eager/compiled and HF's three modes."""
+    model, dev = eager.model, eager.device
+    x = torch.as_tensor(prompt, device=dev)[None]
+    engines = {"ours eager": Engine(eager, ARDrafter(), budget=0), "ours compiled": Engine(compiled, ARDrafter(), budget=0)}
+    hf_modes = ("plain", "static", "static+compile")
+    first: dict[str, float] = {}
+    outs: dict[str, list[int]] = {}
+    for name, eng in engines.items():  # warm-up (the compiled one compiles bucket 1 here)
+        t0 = clock(dev)
+        outs[name] = eng.generate(prompt, tokens).token_ids
+        first[name] = clock(dev) - t0
+    for mode in hf_modes:
+        t0 = clock(dev)
+        outs[f"hf {mode}"] = hf_generate(model, x, tokens, mode)
+        first[f"hf {mode}"] = clock(dev) - t0
+    rates: dict[str, list[float]] = {k: [] for k in outs}
+    for _ in range(runs):
+        for name, eng in engines.items():
+            t0 = clock(dev)
+            eng.generate(prompt, tokens)
+            rates[name].append(tokens / (clock(dev) - t0))
+        for mode in hf_modes:
+            t0 = clock(dev)
+            hf_generate(model, x, tokens, mode)
+            rates[f"hf {mode}"].append(tokens / (clock(dev) - t0))
+    ref = outs["hf plain"]
+    rows = {k: {"tokens_per_s": round(float(np.median(v)), 2), "first_call_s": round(first[k], 2),
+                "same_tokens_as_hf_plain": outs[k] == ref} for k, v in rates.items()}
+    for k, r in rows.items():
+        print(f"{k}: {r}", flush=True)
+    return rows
+
+
+def probe(args) -> None:
+    """One fresh process: load, then the first forward of every bucket (compiling or loading)."""
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    path = validate({"target": args.target}).target_dir
+    target = StaticTarget.wrap(TargetModel.load(path, "bfloat16", args.device), compile=True)
+    t1 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    target.prefill(rng.integers(0, target.vocab_size, args.ctx))
+    per = {}
+    for n in BUCKETS:
+        ta = clock(args.device)
+        target.tree_forward(random_tree(rng, n, target.vocab_size))
+        per[n] = round(clock(args.device) - ta, 2)
+        rewind(target, args.ctx)
+    print(json.dumps({"load_s": round(t1 - t0, 2), "first_forward_s": per, "total_s": round(time.perf_counter() - t0, 2)}))
+
+
+def compile_times(target: str, threads: int, ctx: int, device: str) -> dict:
+    """Cold: a fresh process on an empty inductor cache; warm: another fresh process on the same
+    cache (this run's, ``TORCHINDUCTOR_CACHE_DIR``, emptied by ``run_target``)."""
+    res = {}
+    for kind in ("cold", "warm"):
+        cmd = [sys.executable, __file__, "--probe", "--target", target, "--threads", str(threads), "--ctx", str(ctx),
+               "--device", device]
+        out = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, check=True).stdout
+        res[kind] = json.loads(out.strip().splitlines()[-1])
+        print(f"compile {kind}: {res[kind]}", flush=True)
+    return res
+
+
+def run_target(name: str, args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="inductor_") as cache:  # cold means cold: a cache of our own
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        return measure_target(name, args)
+
+
+def measure_target(name: str, args) -> dict:
+    torch.set_num_threads(args.threads)
+    compile_s = compile_times(name, args.threads, args.ctx, args.device) if not args.skip_compile_times else None
+    path = validate({"target": name}).target_dir
+    eager = TargetModel.load(path, "bfloat16", args.device)
+    compiled = StaticTarget.wrap(eager, compile=True)  # same weights; the disk cache is warm from the probes
+    sizes = list(BUCKETS)
+    t_ms = time_trees({"eager": eager, "compiled": compiled}, args.ctx, sizes, args.reps)
+    bw = bandwidth_gbs(args.device)
+    wbytes = weight_bytes(eager.model)
+    floor_ms = wbytes / (bw * 1e9) * 1e3
+    prompt = np.random.default_rng(1).integers(3, eager.vocab_size, args.prompt_len)
+    decoding = time_decoding(eager, compiled, prompt, args.tokens, args.runs)
+    return {
+        "target": name, "device": str(eager.device), "layers": int(eager.config.num_hidden_layers), "weights_mb": round(wbytes / 2**20, 1),
+        "ctx": args.ctx, "n": sizes, "T_ms": t_ms,
+        "T_ratio_eager_over_compiled": [round(a / b, 2) for a, b in zip(t_ms["eager"], t_ms["compiled"])],
+        "bandwidth_gbs": round(bw, 1), "floor_ms": round(floor_ms, 3),
+        "T1_over_floor": {k: round(v[0] / floor_ms, 2) for k, v in t_ms.items()},
+        "decoding": decoding, "compile_s": compile_s,
+    }
+
+
+def markdown(results: list[dict], args) -> str:
+    where = f"this CPU, {args.threads} threads" if args.device == "cpu" else "CUDA"
+    lines = [f"Compiled vs eager target, bf16, {where} (`python experiments/compiled_speed.py --device {args.device} "
+             f"--targets {args.targets} --threads {args.threads} --reps {args.reps} --runs {args.runs} --tokens {args.tokens}`).", ""]
+    for r in results:
+        lines += [f"## {r['target']} ({r['layers']} layers, {r['weights_mb']} MB of weights)", "",
+                  f"T(n) at context {r['ctx']}, median of {args.reps} interleaved forwards:", "",
+                  "| n | " + " | ".join(str(n) for n in r["n"]) + " |", "|---" * (len(r["n"]) + 1) + "|"]
+        for k in ("eager", "compiled"):
+            lines.append(f"| {k} ms | " + " | ".join(f"{x:.2f}" for x in r["T_ms"][k]) + " |")
+        lines.append("| eager / compiled | " + " | ".join(f"{x:.2f}x" for x in r["T_ratio_eager_over_compiled"]) + " |")
+        lines += ["", f"Bandwidth floor: {r['weights_mb']} MB / {r['bandwidth_gbs']} GB/s = {r['floor_ms']:.2f} ms; "
+                  f"T(1) is {r['T1_over_floor']['eager']:.1f}x the floor eager, {r['T1_over_floor']['compiled']:.1f}x compiled.", "",
+                  f"Plain decoding, {args.tokens} new tokens after a {args.prompt_len}-token prompt (prefill included), "
+                  f"median of {args.runs} interleaved runs:", "",
+                  "| decoder | tokens/s | first call s | same tokens as HF plain |", "|---|---|---|---|"]
+        for k, d in r["decoding"].items():
+            lines.append(f"| {k} | {d['tokens_per_s']:.1f} | {d['first_call_s']:.1f} | {d['same_tokens_as_hf_plain']} |")
+        if r["compile_s"]:
+            c = r["compile_s"]
+            lines += ["", "Compile time (fresh process; load, then the first forward of each bucket "
+                      f"{list(BUCKETS)}): cold {c['cold']['total_s']:.1f} s (empty inductor cache), "
+                      f"warm {c['warm']['total_s']:.1f} s (same cache); per bucket cold {c['cold']['first_forward_s']}, "
+                      f"warm {c['warm']['first_forward_s']}."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--targets", default="lab")
+    ap.add_argument("--target", help=argparse.SUPPRESS)  # --probe's target
+    ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--ctx", type=int, default=192, help="cached tokens for T(n); 192 + 64 keeps one attention span")
+    ap.add_argument("--skip-compile-times", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("experiments/results/compiled_speed"))
+    args = ap.parse_args()
+    if args.probe:
+        return probe(args)
+    results = [run_target(t.strip(), args) for t in args.targets.split(",") if t.strip()]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, text in ((".json", json.dumps({"threads": args.threads, "results": results}, indent=1) + "\n"),
+                         (".md", markdown(results, args))):
+        tmp = args.out.with_name(args.out.name + suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(args.out.with_name(args.out.name + suffix))
+    print(markdown(results, args))
+
+
+if __name__ == "__main__":
+    main()
