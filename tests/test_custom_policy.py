@@ -220,3 +220,42 @@ def test_cli_refuses_bad_policies_in_one_line(lab, capsys, args, needle):
     code, out, err = run(capsys, "--target", tdir, *method, "--prompt", "abc", "--max-new-tokens", 2, *args)
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     assert "Traceback" not in err and out == ""
+
+
+def test_specblock_traces_log_positions_and_the_sim_draws_them(lab, tmp_path):
+    """Every block position with a parent on the tree is logged (top-k log-probs, target rank,
+    block, in-block position, bucket); the trace fit pools them, and the sim's SpecBlock model
+    then takes its candidates' log-probs from those rows, not from the Beta confidence."""
+    import io
+
+    from specblock.sim.traces import KEYS_PER_BLOCK, fit_acceptance, read_traces
+
+    _, ddir, target = lab
+    rt = drafters.build("specblock", target, {"drafter": ddir, "M": 2, "max_seeds": 2, "policy": POLICY,
+                                              "policy_kwargs": {"threshold": 0.001, "max_width": 3, "min_width": 0}})
+    buf = io.StringIO()
+    Engine(target, rt, budget=16, trace=buf).generate(np.arange(3, 12), 20)
+    path = tmp_path / "t.jsonl"
+    path.write_text(buf.getvalue())
+    recs = read_traces([path])
+    K = rt.net.cfg.K
+    for r in recs:
+        p = r.positions
+        assert p is not None and len(p.node) == len(p.block) == len(p.pos) == len(p.bucket) == len(p.logp) > 0
+        assert all(0 <= n < r.tree_size for n in p.node) and set(p.block) <= {0, 1} and max(p.pos) < K
+        assert all(len(row) == rt.net.cfg.top_k for row in p.logp)
+        # a node's in-block children hang on its position: their ranks are positions' candidates
+        assert np.all(np.diff(np.asarray(p.logp), axis=1) <= 1e-4)
+    rm = fit_acceptance(recs, "specblock")
+    assert rm.pool is not None and rm.pool.block_size == KEYS_PER_BLOCK and rm.pool.pred is not None
+    sim = build_method(MethodCfg(name="specblock", K=K, M=2, max_seeds=2, budget=16, policy_class=POLICY,
+                                 policy_kwargs={"threshold": 0.001, "max_width": 3, "min_width": 0}))
+    logged = np.unique(rm.pool.logp[:, :3])
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        lp = sim.draft(rng, rm).tree.logprob[1:].astype(np.float64)
+        assert lp.size and np.abs(lp[:, None] - logged[None, :]).min(axis=1).max() < 1e-4
+    off = MethodCfg(name="specblock", K=K, M=2, max_seeds=2, budget=16)
+    rm.pool = None  # without the pool: the Beta confidence, whose draws are not the logged values
+    lp = np.concatenate([build_method(off).draft(rng, rm).tree.logprob[1:] for _ in range(30)]).astype(np.float64)
+    assert np.abs(lp[:, None] - logged[None, :]).min(axis=1).max() > 1e-3

@@ -169,6 +169,9 @@ class Engine:
             rec["positions"] = {"node": node.tolist(),
                                 "logp": np.round(np.asarray(pos["logp"], np.float64), 4).tolist(),
                                 "target_rank": np.where(hit.any(1), hit.argmax(1), -1).tolist()}
+            for key in ("block", "pos", "bucket"):  # SpecBlock: which in-block position, the rank head's bucket
+                if key in pos:
+                    rec["positions"][key] = np.asarray(pos[key]).tolist()
         self.trace.write(json.dumps(rec) + "\n")
 
 

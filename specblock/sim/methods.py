@@ -252,10 +252,14 @@ class SpecBlockDrafter(MethodModel):
         all_rank, all_pred = all_rank.reshape(self.M, ms, kd), all_pred.reshape(self.M, ms, kd)
         off_pred = None if off_pred is None else off_pred.reshape(self.M, ms, kd)
         all_logp = all_logp.reshape(self.M, ms, kd, k)
+        pool = rm.pool if rm.pool is not None and rm.pool.block_size is not None else None
         for m in range(self.M):
             s = seeds.size
-            rank, pred, logp = all_rank[m, :s], all_pred[m, :s], all_logp[m, :s]
-            if off_pred is not None:  # a row's position k is reachable iff its seed is and ranks 0..k-1 are 0
+            if pool is not None:  # logged positions (traces with SpecBlock positions): see _from_pool
+                rank, pred, logp = _from_pool(pool, rng, m, book.reachable(tree)[seeds] if m else np.ones(1, bool), kd, k)
+            else:
+                rank, pred, logp = all_rank[m, :s], all_pred[m, :s], all_logp[m, :s]
+            if off_pred is not None and pool is None:  # a row's position k is reachable iff its seed is and ranks 0..k-1 are 0
                 live = (book.reachable(tree)[seeds] if m else np.ones(1, bool))[:, None]
                 live = live & np.concatenate([np.ones((s, 1), bool), np.cumprod(rank[:, :-1] == 0, axis=1) > 0], axis=1)
                 pred = np.where(live, pred, off_pred[m, :s])
@@ -278,6 +282,24 @@ class SpecBlockDrafter(MethodModel):
         d = _finish(tree, book, forwards, None, None)
         d.cuts = cuts
         return d
+
+
+def _from_pool(pool, rng: np.random.Generator, m: int, live: np.ndarray, kd: int, k: int):
+    """Rank ``[S, K]``, predicted bucket ``[S, K]`` and candidate log-probs ``[S, K, k]`` for one
+    block of S rows, each position a whole logged row of its (block, position) key drawn with the
+    position's own reachability: position d of a row is reachable iff its seed is and the spine
+    above it (ranks 0..d-1) is correct, so the draw walks the K positions in order."""
+    s = live.size
+    rank = np.empty((s, kd), np.int64)
+    pred = np.empty((s, kd), np.int64)
+    logp = np.empty((s, kd, k))
+    live = live.copy()
+    for d in range(kd):
+        idx = pool.draw(rng, pool.key_of(m, d), live)
+        rank[:, d], logp[:, d] = pool.take(idx, k, R)
+        pred[:, d] = pool.pred[idx] if pool.pred is not None else -1
+        live &= rank[:, d] == 0
+    return rank, pred, logp
 
 
 def _rank_policy() -> TreePolicy:

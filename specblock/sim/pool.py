@@ -15,6 +15,13 @@ position of a simulated tree the sim draws one row of the same key and reachabil
 become the candidates', its target rank decides correctness. Confidence, calibration and their
 joint spread are then the drafter's own, not a model's.
 
+SpecBlock's traces log every position of every block the same way (the whole top-k at a position
+whose parent is on the tree, whatever the policy kept), with its block, in-block position and the
+rank head's predicted bucket: the key is then ``block * block_size + position`` and a row also
+gives the bucket, so confidence, rank and bucket come jointly from the drafter. Why: a policy that
+reads the drafter's confidence (``examples/custom_branching.py``) shapes trees the Beta model
+cannot predict (issue 18: its simulated tau was 5-14% high from the Beta confidence).
+
 What it does not capture: positions are independent given (depth, reachable), so a confident
 parent does not make a confident child more likely, as it does in the drafter. The rows are the
 positions the runtime expanded, so their depth-by-depth mix is that of the runtime's selection.
@@ -35,12 +42,15 @@ MISSING_LOGP = -30.0
 class PositionPool:
     """Logged positions: ``key`` [N] (depth of the expanded node), ``reach`` [N] (its parent chain
     correct), ``rank`` [N] (target's 0-based rank among the logged candidates, ``n_logged`` or more
-    when absent) and ``logp`` [N, k] (sorted, best first)."""
+    when absent) and ``logp`` [N, k] (sorted, best first). SpecBlock pools add ``pred`` [N] (the
+    predicted bucket) and ``block_size`` (keys are ``block * block_size + position``)."""
 
     key: np.ndarray
     reach: np.ndarray
     rank: np.ndarray
     logp: np.ndarray
+    pred: np.ndarray | None = None
+    block_size: int | None = None
     _groups: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -53,6 +63,10 @@ class PositionPool:
             raise ValueError("position pool: key, reach, rank and logp [N, k] must describe the same N >= 1 rows")
         if not self.reach.any():
             raise ValueError("position pool: no logged position under a reachable parent")
+        if self.pred is not None:
+            self.pred = np.asarray(self.pred, np.int64)
+            if self.pred.size != n:
+                raise ValueError("position pool: pred must have one bucket per row")
         self.depths = int(self.key.max()) + 1
         for d in range(self.depths):
             for r in (True, False):
@@ -68,10 +82,14 @@ class PositionPool:
                     return g
         raise AssertionError("unreachable: the pool has rows")
 
-    def sample(self, rng: np.random.Generator, key: int, reach: np.ndarray, n_cand: int,
-               beyond: int) -> tuple[np.ndarray, np.ndarray]:
-        """Ranks and candidate log-probs ``[len(reach), n_cand]`` for positions at depth ``key``;
-        a rank at or beyond ``n_cand`` (or absent from the log) comes back as ``beyond``."""
+    def key_of(self, block: int, pos: int) -> int:
+        """A SpecBlock pool's key for (block, in-block position); blocks and positions beyond the
+        logged ones reuse the last logged (as the rank model's tables do)."""
+        blocks = -(-self.depths // self.block_size)
+        return min(block, blocks - 1) * self.block_size + min(pos, self.block_size - 1)
+
+    def draw(self, rng: np.random.Generator, key: int, reach: np.ndarray) -> np.ndarray:
+        """Row indices, one per position, drawn among the rows of ``key`` with the same reachability."""
         reach = np.asarray(reach, bool)
         idx = np.empty(reach.size, np.int64)
         for r in (True, False):
@@ -79,6 +97,16 @@ class PositionPool:
             if at.size:
                 g = self.rows(key, r)
                 idx[at] = g[rng.integers(0, g.size, at.size)]
+        return idx
+
+    def sample(self, rng: np.random.Generator, key: int, reach: np.ndarray, n_cand: int,
+               beyond: int) -> tuple[np.ndarray, np.ndarray]:
+        """Ranks and candidate log-probs ``[len(reach), n_cand]`` for positions at depth ``key``;
+        a rank at or beyond ``n_cand`` (or absent from the log) comes back as ``beyond``."""
+        return self.take(self.draw(rng, key, reach), n_cand, beyond)
+
+    def take(self, idx: np.ndarray, n_cand: int, beyond: int) -> tuple[np.ndarray, np.ndarray]:
+        """Ranks and candidate log-probs of rows ``idx`` (see :meth:`sample`)."""
         k = self.logp.shape[1]
         logp = self.logp[idx, :n_cand] if n_cand <= k else np.concatenate(
             [self.logp[idx], np.full((idx.size, n_cand - k), MISSING_LOGP)], axis=1)

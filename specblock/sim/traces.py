@@ -83,11 +83,18 @@ class TracePositions(BaseModel):
     node: list[int]
     logp: list[list[float]]
     target_rank: list[int]
+    # SpecBlock traces: each position's block, in-block position and predicted bucket (the node is
+    # the position's parent: the seed, or the spine node above it)
+    block: list[int] | None = None
+    pos: list[int] | None = None
+    bucket: list[int] | None = None
 
     @model_validator(mode="after")
     def _same_length(self) -> "TracePositions":
-        if not len(self.node) == len(self.logp) == len(self.target_rank):
-            raise ValueError("trace positions: node, logp and target_rank must have the same length")
+        n = len(self.node)
+        if not n == len(self.logp) == len(self.target_rank) or \
+                any(v is not None and len(v) != n for v in (self.block, self.pos, self.bucket)):
+            raise ValueError("trace positions: node, logp, target_rank (block, pos, bucket) must have the same length")
         return self
 
 
@@ -140,6 +147,9 @@ def has_cuts(recs: list[TraceRecord]) -> bool:
 
 #: Methods the sim models depth by depth (``methods.DepthwiseDrafter``): key ``(0, depth - 1)``.
 BY_DEPTH = frozenset({"sps", "medusa", "eagle3"})
+#: SpecBlock position pools key (block, in-block position) as ``block * KEYS_PER_BLOCK + position``
+#: (K is at most 16: ``MethodCfg.K``)
+KEYS_PER_BLOCK = 16
 
 
 def _walk(par: np.ndarray, cor: np.ndarray, blk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -285,22 +295,29 @@ def specblock_forwards(rec: TraceRecord, K: int, M: int, max_seeds: int, budget:
 
 def position_pool(recs: list[TraceRecord]) -> PositionPool | None:
     """The logged positions of ``recs`` as a :class:`~specblock.sim.pool.PositionPool` (key = the
-    expanded node's depth, reachable = its whole chain correct), or None when none are logged."""
-    key, reach, rank, logp = [], [], [], []
-    width = max((len(row) for r in recs if r.positions for row in r.positions.logp), default=0)
-    for r in recs:
-        if not r.positions or not r.positions.node:
-            continue
+    expanded node's depth; for SpecBlock traces, which log block and in-block position, key =
+    ``block * KEYS_PER_BLOCK + pos`` with the predicted bucket kept per row; reachable = the parent's whole
+    chain correct), or None when none are logged."""
+    logged = [r for r in recs if r.positions and r.positions.node]
+    if not logged:
+        return None
+    blocks = all(r.positions.block is not None and r.positions.pos is not None for r in logged)
+    K = KEYS_PER_BLOCK if blocks else None  # fixed: a short trace need not reach a block's last position
+    key, reach, rank, logp, pred = [], [], [], [], []
+    width = max(len(row) for r in logged for row in r.positions.logp)
+    for r in logged:
         ok, _ = _walk(np.asarray(r.nodes.parent), np.asarray(r.nodes.correct), np.asarray(r.nodes.block))
         node = np.asarray(r.positions.node)
-        key.append(np.asarray(r.nodes.depth)[node])
+        if blocks:
+            key.append(np.asarray(r.positions.block) * K + np.asarray(r.positions.pos))
+            pred.append(np.asarray(r.positions.bucket if r.positions.bucket is not None else [-1] * node.size))
+        else:
+            key.append(np.asarray(r.nodes.depth)[node])
         reach.append(ok[node])
         rank.append(r.positions.target_rank)
         logp.extend(row + [MISSING_LOGP] * (width - len(row)) for row in r.positions.logp)
-    if not key:
-        return None
     return PositionPool(key=np.concatenate(key), reach=np.concatenate(reach), rank=np.concatenate(rank),
-                        logp=np.asarray(logp))
+                        logp=np.asarray(logp), pred=np.concatenate(pred) if blocks else None, block_size=K)
 
 
 def fit_acceptance(recs: list[TraceRecord], method: str | None = None) -> RankModel:
@@ -308,8 +325,9 @@ def fit_acceptance(recs: list[TraceRecord], method: str | None = None) -> RankMo
     position pool where the traces log positions (depth-by-depth drafters draw from it)."""
     by_depth = method in BY_DEPTH
     rm = fit_rank_model(observations(recs, by_depth=by_depth))
-    if by_depth:
-        rm.pool = position_pool(recs)
+    pool = position_pool(recs)
+    if by_depth or (pool is not None and pool.block_size is not None):
+        rm.pool = pool  # SpecBlock: its positions carry block, in-block position and bucket
     return rm
 
 

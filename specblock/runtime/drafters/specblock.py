@@ -122,10 +122,16 @@ class SpecBlockDrafter(Drafter):
         seeds = np.zeros(1, dtype=np.int64)
         block_base = torch.full((1,), prefix_pos, device=self.device)  # g position of each row
         cuts: list[tuple] = []
+        offered: list[tuple] = []
         for m in range(self.M):
             ids, lps, buckets = self._candidates(hq)
-            grow_block(tree, seeds, ids, lps, buckets, self.policy, req.budget, block=m)
+            spine = grow_block(tree, seeds, ids, lps, buckets, self.policy, req.budget, block=m)
             cuts.append(tree.meta["block_cuts"])
+            # every position with a parent on the tree (seed, or the spine node above it): the whole
+            # top-k, whatever the policy kept of it; traces log the target's rank among it (pool.py)
+            par = np.concatenate([seeds[:, None], spine[:, :-1]], axis=1)
+            r, d = np.nonzero(par >= 0)
+            offered.append((par[r, d], ids[r, d], lps[r, d], np.full(r.size, m), d, buckets[r, d]))
             if m == self.M - 1 or tree.size - 1 >= req.budget:
                 break
             nodes = tree.meta["block_nodes"]
@@ -141,6 +147,9 @@ class SpecBlockDrafter(Drafter):
             g_seed = self.net.g_from_drafter(h_seed, torch.as_tensor(tree.tokens[seeds], device=self.device))
             hq = self._seed_block(g_seed, seed_pos)
             block_base = seed_pos
+        cat = lambda i: np.concatenate([o[i] for o in offered])
+        tree.meta["positions"] = {"node": cat(0), "ids": cat(1), "logp": cat(2), "block": cat(3), "pos": cat(4),
+                                  "bucket": cat(5)}
         tree.meta["cuts"] = {  # where the rank head ended a branch (b3): the simulator fits on them
             "parent": np.concatenate([c[0] for c in cuts]).tolist(),
             "bucket": np.concatenate([c[1] for c in cuts]).tolist(),
