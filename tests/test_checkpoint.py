@@ -129,3 +129,44 @@ def test_resume_with_other_layers_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(SpecBlockError, match="other settings") as e:
         train_main([*args[:-2], "--layers", "2", "--max-steps", "2"])
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--ckpt-every", "0"], "--ckpt-every"), (["--eval-every", "0"], "--eval-every"), (["--batch", "0"], "--batch"),
+    (["--max-minutes", "0"], "--max-minutes"), (["--max-steps", "0"], "--max-steps"), (["--lr", "-1"], "--lr"),
+    (["--lr", "nan"], "--lr"), (["--K", "0"], "--K"), (["--layers", "0"], "--layers"), (["--threads", "0"], "--threads"),
+    (["--max-steps", "x"], "--max-steps"),
+])
+def test_bad_training_flags_are_one_line_before_the_target_loads(tmp_path, monkeypatch, capsys, args, needle):
+    import specblock.training.drafter as drafter
+
+    monkeypatch.setattr(drafter, "load_causal_lm", lambda *a: pytest.fail("the target loaded"))
+    base = ["--target", str(tmp_path / "t"), "--run-dir", str(tmp_path / "run")]
+    try:
+        with pytest.raises(SpecBlockError, match=needle):
+            train_main([*base, *args])
+    except SystemExit as e:  # argparse: a value that is not a number
+        assert e.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lines,needle", [
+    (['{"text": "fine"}', '{"text": '], ":2: not valid JSON"),
+    (['{"text": "fine"}', '{"body": "x"}'], ":2: each line needs a string field 'text'"),
+    (['{"text": "x\\ud800"}'], ":1: character 2"),
+])
+def test_bad_data_lines_are_named(tmp_path, lines, needle):
+    from specblock.training.windows import read_texts
+
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SpecBlockError, match=needle):
+        read_texts(f)
+
+
+def test_run_dir_that_is_a_file_is_refused(tmp_path, monkeypatch):
+    import specblock.training.drafter as drafter
+
+    monkeypatch.setattr(drafter, "load_causal_lm", lambda *a: pytest.fail("the target loaded"))
+    (tmp_path / "run").write_text("x")
+    with pytest.raises(SpecBlockError, match="--run-dir"):
+        train_main(["--target", str(tmp_path / "t"), "--run-dir", str(tmp_path / "run")])

@@ -31,7 +31,10 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from specblock.errors import SpecBlockError
+from specblock.flags import OneLineParser, check
 from specblock.runtime.target import load_causal_lm
 from specblock.training import recipes
 from specblock.training.checkpoint import load_checkpoint, refuse_pickles, save_checkpoint
@@ -41,7 +44,7 @@ CKPT = "ckpt.safetensors"  # tensors + JSON header, never a pickle (training/che
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m specblock.training drafter", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m specblock.training drafter", description=__doc__.splitlines()[0])
     ap.add_argument("--method", default="specblock", choices=sorted(recipes.RECIPES), help="what to train")
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--run-dir", type=Path, required=True, help="checkpoints and logs (resumed when present)")
@@ -86,6 +89,46 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class TrainFlags(BaseModel):
+    """The trainer's numeric flags: a zero or negative one used to surface as a ZeroDivisionError
+    or an empty run after the target had loaded (issue 15)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    window: int = Field(ge=2)
+    batch: int = Field(ge=1)
+    lr: float = Field(gt=0, allow_inf_nan=False)
+    warmup: int = Field(ge=0)
+    max_steps: int = Field(ge=1)
+    max_minutes: float = Field(gt=0, allow_inf_nan=False)
+    rank_freeze: float = Field(ge=0, le=1)
+    layers: int = Field(ge=1)
+    K: int = Field(ge=1)
+    intermediate: int = Field(ge=1)
+    ttt_steps: int = Field(ge=1)
+    heads: int = Field(ge=1)
+    draft_hidden: int | None = Field(None, ge=1)
+    block_size: int = Field(ge=1)
+    forwards: int = Field(ge=1)
+    glance_start: float = Field(ge=0, le=1)
+    glance_end: float = Field(ge=0, le=1)
+    ckpt_every: int = Field(ge=1)
+    eval_every: int = Field(ge=1)
+    threads: int = Field(ge=1)
+    seed: int = Field(ge=0, lt=2**63)
+
+
+def check_args(args) -> None:
+    """Every flag and path before the target loads."""
+    check(TrainFlags, vars(args))
+    if args.run_dir.exists() and not args.run_dir.is_dir():
+        raise SpecBlockError(f"--run-dir {args.run_dir} is a file; give a directory (created if missing)")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise SpecBlockError(f"--out {args.out} is a file; give a directory for the exported drafter")
+    if args.data != "lab" and not Path(args.data).is_file():
+        raise SpecBlockError(f"--data {args.data}: no such file; pass lab or a JSONL file with a 'text' field")
+
+
 class StepModule(torch.nn.Module):
     """Wraps the recipe's step as a module call so DistributedDataParallel's gradient hooks see it."""
 
@@ -104,6 +147,7 @@ def lr_at(step: int, progress: float, args) -> float:
 
 
 def train(args) -> None:
+    check_args(args)
     refuse_pickles(args.run_dir / "ckpt.pt")  # before anything runs
     ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if ddp:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from specblock.errors import SpecBlockError
+from specblock.flags import bad_text
 from specblock.training.corpus import DOMAINS, MIX_WEIGHTS, iter_documents
 
 CACHE_ROOT = Path(os.environ.get("SPECBLOCK_CACHE", "runs/cache"))
@@ -58,6 +59,28 @@ def _stream(name: str, texts_fn, target_dir: Path) -> np.ndarray:
     return _tokenize_to(base / f"{name}.{np.dtype(dtype).name}", texts_fn(), target_dir)
 
 
+def read_texts(path: Path) -> list[str]:
+    """The ``text`` of every line of a JSONL file; a line that has none is one error naming it."""
+    texts = []
+    for i, raw in enumerate(path.read_bytes().splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise SpecBlockError(f"{path}:{i}: byte {e.start + 1} is not UTF-8; save the file as UTF-8") from None
+        except ValueError as e:
+            raise SpecBlockError(f"{path}:{i}: not valid JSON ({e}); each line must be an object with a 'text'") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise SpecBlockError(f"{path}:{i}: each line needs a string field 'text'")
+        if why := bad_text(obj["text"]):
+            raise SpecBlockError(f"{path}:{i}: {why}")
+        texts.append(obj["text"])
+    if not texts:
+        raise SpecBlockError(f"{path} holds no lines with a 'text'")
+    return texts
+
+
 class WindowSource:
     def __init__(self, data: str, target_dir: Path, window: int, seed: int = 0) -> None:
         self.window = window
@@ -70,7 +93,7 @@ class WindowSource:
             path = Path(data)
             if not path.is_file():
                 raise SpecBlockError(f"no data file at {path}; pass --data lab or a JSONL file with a 'text' field")
-            texts = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+            texts = read_texts(path)
             cut = max(1, len(texts) // 50)
             key = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
             self.train = {"data": _stream(f"{key}.train", lambda: texts[cut:], target_dir)}
