@@ -259,3 +259,25 @@ def test_specblock_traces_log_positions_and_the_sim_draws_them(lab, tmp_path):
     rm.pool = None  # without the pool: the Beta confidence, whose draws are not the logged values
     lp = np.concatenate([build_method(off).draft(rng, rm).tree.logprob[1:] for _ in range(30)]).astype(np.float64)
     assert np.abs(lp[:, None] - logged[None, :]).min(axis=1).max() > 1e-3
+
+
+def test_sweep_cache_follows_the_policy_file_not_just_its_name(tmp_path, capsys):
+    """Tuning a class means editing it and sweeping again: the cache must not answer for old code."""
+    from specblock.sim.__main__ import main as sim_main
+
+    mod = tmp_path / "my_policy.py"
+    src = ("from dataclasses import dataclass\nimport numpy as np\nfrom specblock.policies.branching import TreePolicy\n"
+           "@dataclass\nclass Wide(TreePolicy):\n    k: int = {k}\n"
+           "    def raw_widths(self, parent_score, cand_logprob, bucket):\n"
+           "        return np.full(cand_logprob.shape[0], self.k)\n")
+    mod.write_text(src.format(k=2))
+    g = tmp_path / "g.yaml"
+    g.write_text(f"base: {{preset: paper, tree_pool: 16, acceptance: {{kind: parametric, a1: 0.8}}, "
+                 f"workload: {{requests: 2, tokens: 32}}, method: {{name: specblock, policy_class: '{mod}:Wide'}}}}\n"
+                 f"grid: {{method.M: [1, 2]}}\nout: {tmp_path / 'out'}\n")
+    outs = []
+    for k in (2, 2, 3):
+        mod.write_text(src.format(k=k))
+        assert sim_main(["sweep", str(g), "--no-progress", "--workers", "1"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert "(0 cached)" in outs[0] and "(2 cached)" in outs[1] and "(0 cached)" in outs[2]

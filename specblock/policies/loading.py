@@ -22,7 +22,7 @@ from pathlib import Path
 
 from specblock.errors import SpecBlockError
 
-__all__ = ["load_class", "build", "parse_kwargs"]
+__all__ = ["load_class", "build", "parse_kwargs", "source_file"]
 
 
 def _import(module: str, spec: str):
@@ -68,6 +68,19 @@ def load_class(spec: str, base: type, flag: str = "policy") -> type:
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise SpecBlockError(f"{flag}: {spec} is not a subclass of {base.__module__}.{base.__name__}")
     return cls
+
+
+def source_file(spec: str) -> Path | None:
+    """The file that defines the class ``spec`` names, found without importing it (None when it
+    cannot be found): the sim's sweep cache keys on its contents."""
+    module = str(spec).rpartition(":")[0]
+    if module.endswith(".py"):
+        return Path(module).expanduser()
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    return Path(found.origin) if found is not None and found.origin else None
 
 
 def parse_kwargs(value, flag: str = "policy-kwargs") -> dict:

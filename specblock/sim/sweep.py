@@ -1,5 +1,6 @@
 """Runs and sweeps: seeds with confidence intervals, one process per configuration, a cache by
-config hash, a progress bar, CSV + JSON + PNG outputs, and an optional Ray backend.
+config hash and the contents of the files the config reads, a progress bar, CSV + JSON + PNG
+outputs, and an optional Ray backend.
 
 A sweep file (YAML or JSON)::
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import hashlib
 import itertools
 import json
 import os
@@ -149,6 +151,23 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def cache_key(cfg: SimConfig) -> str:
+    """The config's hash plus a digest of the files it reads (acceptance traces, the latency JSON,
+    a user's policy modules). Why: the config names files, not their contents, so re-tracing a
+    drafter or editing a policy class under the same name would otherwise serve stale results."""
+    from specblock.policies.loading import source_file
+
+    m, a = cfg.method, cfg.adapt
+    paths = [Path(p) for p in cfg.acceptance.traces] + ([Path(cfg.latency_file)] if cfg.latency_file else [])
+    paths += [f for spec in (m.policy_class, m.seed_class, a.policy_class, a.rollback_class)
+              if spec and (f := source_file(spec)) is not None]
+    h = hashlib.sha256()
+    for p in sorted(set(paths)):
+        h.update(str(p).encode())
+        h.update(p.read_bytes() if p.is_file() else b"<missing>")
+    return f"{config_hash(cfg)}-{h.hexdigest()[:12]}" if paths else config_hash(cfg)
+
+
 def _run_json(cfg_json: str) -> dict:
     return run_config(SimConfig.model_validate_json(cfg_json))
 
@@ -168,8 +187,9 @@ def sweep(path: str | Path, workers: int | None = None, out: str | None = None, 
     check_output(cache / "probe.json", "--out", make_parents=True)  # before any configuration runs
     results: dict[int, dict] = {}
     todo = []
+    keys = [cache_key(cfg) for _, cfg in points]
     for i, (_, cfg) in enumerate(points):
-        if (res := _cached(cache / f"{config_hash(cfg)}.json")) is not None:
+        if (res := _cached(cache / f"{keys[i]}.json")) is not None:
             results[i] = res
         else:
             todo.append(i)
@@ -178,7 +198,7 @@ def sweep(path: str | Path, workers: int | None = None, out: str | None = None, 
 
     def done(i: int, res: dict) -> None:
         results[i] = res
-        write_atomic(cache / f"{res['config_hash']}.json", json.dumps(res))
+        write_atomic(cache / f"{keys[i]}.json", json.dumps(res))
         bar.update(1)
 
     if ray_address:
