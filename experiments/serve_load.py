@@ -1,8 +1,9 @@
 """Load test of ``python -m specblock.serve`` on the loopback address: ar against the best method.
 
-For each method a server is started as a subprocess (the command users run), warmed up, then
-driven by 1, 4 and 16 concurrent closed-loop clients (the official ``openai`` client, streaming)
-over the bench prompts (``specblock.prompts``, every domain). Per level it reports throughput
+Each method gets a server started as a subprocess (the command users run); all stay up, and at
+each of 1, 4 and 16 concurrent closed-loop clients (the official ``openai`` client, streaming,
+over the bench prompts of every domain, ``specblock.prompts``) the methods take turns,
+``--rounds`` times in alternating order, so a shared machine's load falls on all alike. Per level it reports throughput
 (completion tokens / wall time), time to first token and time per output token (p50 and p95,
 measured by the client from the first to the last streamed token), mean tau, errors, and
 "mismatched": greedy answers that differ from the same method's 1-client answer to the same
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts", type=int, default=2, help="prompts per domain")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-requests", type=int, default=2, help="a level sends at least this many per client")
+    ap.add_argument("--rounds", type=int, default=2, help="turns per method at each level (alternating order)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each server")
     ap.add_argument("--server-args", default="", help="extra flags for every server, e.g. '--budget 16'")
@@ -145,7 +147,7 @@ def one_request(client, model: str, chat: bool, text: str, max_tokens: int) -> d
             "tpot": (last - first) / (n - 1) if first and n > 1 else None, "tau": spec["tau"] if spec else None}
 
 
-def level(server: Server, chat: bool, reqs: list[dict], clients: int, args) -> tuple[dict, list[dict]]:
+def level(server: Server, chat: bool, reqs: list[dict], clients: int, args) -> tuple[list[dict], float]:
     """Closed loop: ``clients`` workers, each sends its next request as soon as its last ends."""
     import openai
 
@@ -156,16 +158,22 @@ def level(server: Server, chat: bool, reqs: list[dict], clients: int, args) -> t
     with ThreadPoolExecutor(clients) as pool:
         results = list(pool.map(lambda r: {**one_request(client, server.model, chat, r["text"], args.max_tokens),
                                            "id": r["id"]}, order))
-    wall = time.perf_counter() - t0
+    return results, time.perf_counter() - t0
+
+
+def summarize(clients: int, results: list[dict], wall: float, reference: dict[str, str]) -> dict:
     ok = [r for r in results if "error" not in r]
     tokens = sum(r["tokens"] for r in ok)
-    row = {"clients": clients, "requests": total, "errors": total - len(ok), "wall_s": round(wall, 3),
+    row = {"clients": clients, "requests": len(results), "errors": len(results) - len(ok), "wall_s": round(wall, 3),
            "throughput_tok_s": round(tokens / wall, 2), "completion_tokens": tokens,
            **pcts("ttft_s", [r["ttft"] for r in ok]), **pcts("tpot_ms", [1e3 * r["tpot"] for r in ok if r["tpot"]]),
            "tau": round(statistics.fmean([r["tau"] for r in ok if r["tau"]]), 3) if ok else None}
-    if any("error" in r for r in results):
+    for r in ok:
+        reference.setdefault(r["id"], r["text"])  # the first (1-client) answer is the reference
+    row["mismatched"] = sum(1 for r in ok if r["text"] != reference[r["id"]])
+    if len(ok) < len(results):
         row["first_error"] = next(r["error"] for r in results if "error" in r)
-    return row, results
+    return row
 
 
 def pcts(name: str, xs: list[float]) -> dict:
@@ -180,31 +188,40 @@ def pcts(name: str, xs: list[float]) -> dict:
 
 
 def run_levels(args, chat: bool, reqs: list[dict]) -> dict:
+    """Every method's server is up for the whole run (idle, one costs no CPU) and the methods take
+    turns at each level, in alternating order over rounds, so a shared machine's changing load
+    falls on all of them alike."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     levels = [int(c) for c in args.clients.split(",")]
-    out = {"methods": {}, "levels": levels}
-    for m in methods:
-        server = Server(args.target, m, args.dtype, args.threads, args.server_args.split())
-        level(server, chat, reqs[:1], 1, argparse.Namespace(**{**vars(args), "min_requests": 1}))  # warm-up
-        rows, reference = [], {}
+    servers = {m: Server(args.target, m, args.dtype, args.threads, args.server_args.split()) for m in methods}
+    out: dict = {"methods": {m: {"rows": [], "command": servers[m].cmd} for m in methods}, "levels": levels}
+    try:
+        warm = argparse.Namespace(**{**vars(args), "min_requests": 1})
+        for m in methods:
+            level(servers[m], chat, reqs[:1], 1, warm)
+        reference: dict[str, dict[str, str]] = {m: {} for m in methods}
         for c in levels:
-            row, results = level(server, chat, reqs, c, args)
-            for r in results:
-                if "error" not in r:
-                    reference.setdefault(r["id"], r["text"])  # the first (1-client) answer is the reference
-            row["mismatched"] = sum(1 for r in results if "error" not in r and r["text"] != reference[r["id"]])
-            rows.append(row)
-            print(json.dumps({"method": m, **row}), flush=True)
-        m5 = server.metrics()
-        status = {k.split('status="')[1].rstrip('"}'): v for k, v in m5.items()
-                  if k.startswith("specblock_requests_total") and v}
-        out["methods"][m] = {"rows": rows, "server_status_counts": status, "command": server.cmd,
-                             "exit_code": server.stop()}
+            pooled = {m: ([], 0.0) for m in methods}
+            for r in range(args.rounds):
+                for m in methods if r % 2 == 0 else methods[::-1]:
+                    results, wall = level(servers[m], chat, reqs, c, args)
+                    pooled[m] = (pooled[m][0] + results, pooled[m][1] + wall)
+            for m in methods:
+                row = summarize(c, *pooled[m], reference[m])
+                out["methods"][m]["rows"].append(row)
+                print(json.dumps({"method": m, **row}), flush=True)
+        for m, server in servers.items():
+            counts = {k.split('status="')[1].rstrip('"}'): v for k, v in server.metrics().items()
+                      if k.startswith("specblock_requests_total") and v}
+            out["methods"][m]["server_status_counts"] = counts
+    finally:
+        for m, server in servers.items():
+            out["methods"][m]["exit_code"] = server.stop()
     base, best = methods[0], methods[-1]
-    b1 = next(r for r in out["methods"][base]["rows"] if r["clients"] == levels[0])
-    s1 = next(r for r in out["methods"][best]["rows"] if r["clients"] == levels[0])
+    b1 = out["methods"][base]["rows"][0]
+    s1 = out["methods"][best]["rows"][0]
     if b1["tpot_ms_p50"] and s1["tpot_ms_p50"]:
-        out["tpot_p50_ratio_at_1_client"] = round(b1["tpot_ms_p50"] / s1["tpot_ms_p50"], 3)
+        out[f"tpot_p50_ratio_at_{levels[0]}_clients"] = round(b1["tpot_ms_p50"] / s1["tpot_ms_p50"], 3)
     return out
 
 
@@ -234,7 +251,8 @@ def run_adapt(args, chat: bool, reqs: list[dict]) -> dict:
 def markdown(res: dict) -> str:
     a = res["args"]
     lines = [f"# Serving load test ({a['target']}, {a['dtype']}, {a['max_tokens']} new tokens, "
-             f"{a['prompts']} prompts x {len(a['domains'].split(','))} domains, OMP_NUM_THREADS={a['threads']})", "",
+             f"{a['prompts']} prompts x {len(a['domains'].split(','))} domains, {a.get('rounds', 1)} rounds, "
+             f"OMP_NUM_THREADS={a['threads']})", "",
              f"`{res['command']}`", ""]
     if "levels" in res:
         lines += ["| method | clients | requests | errors | mismatched | tok/s | TTFT p50 / p95 (s) | "
@@ -246,9 +264,9 @@ def markdown(res: dict) -> str:
                              f"{row['tpot_ms_p50']} / {row['tpot_ms_p95']} | {row['tau']} |")
         lines += [""] + [f"- {m}: server exit code {r['exit_code']} after SIGTERM; status counts "
                          f"{r['server_status_counts']}" for m, r in res["methods"].items()]
-        if "tpot_p50_ratio_at_1_client" in res:
-            lines.append(f"- p50 time per output token at 1 client, {a['methods'].split(',')[0]} / "
-                         f"{a['methods'].split(',')[-1]}: {res['tpot_p50_ratio_at_1_client']}x")
+        for key in (k for k in res if k.startswith("tpot_p50_ratio_at_")):
+            lines.append(f"- p50 time per output token at {key.split('_')[4]} client(s), "
+                         f"{a['methods'].split(',')[0]} / {a['methods'].split(',')[-1]}: {res[key]}x")
     else:
         lines += ["| server | window | requests | errors | tau | TPOT p50 (ms) | adapt updates | rollbacks |",
                   "|---|---|---|---|---|---|---|---|"]

@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 from specblock.runtime.cli import main as cli_main
 from specblock.serve.app import create_app
 from specblock.serve.cli import listen, main as serve_main, open_service, parse
+from specblock.serve.text import TextStream
 from specblock.serve.worker import Job
 from tiny import save_tiny
 
@@ -89,6 +90,31 @@ def metric(server, name: str) -> float:
         if line.split(" ")[0] == name:
             return float(line.rsplit(" ", 1)[1])
     return 0.0  # a labelled series appears only once it has counted something
+
+
+# -- stop strings on decoded text -----------------------------------------------------------------
+
+PIECES = {1: "ab", 2: "c", 3: "EN", 4: "D!", 5: "x", 6: "\ufffd"}
+
+
+def _decode(ids: list[int]) -> str:
+    return "".join(PIECES[i] for i in ids)
+
+
+def test_text_stream_cuts_a_stop_string_that_spans_tokens():
+    ts = TextStream(_decode, ["END"])
+    assert ts.push([1, 2]) == "abc"
+    assert ts.push([3]) == ""  # "EN" may be the start of "END": held back
+    assert ts.push([4, 5]) == ""  # it was: the answer ends before it
+    assert ts.stopped and ts.text == "abc" and ts.rest() == ""
+    assert ts.n_tokens == 4  # up to the token that completed the stop string, not the ones after it
+
+
+def test_text_stream_releases_held_text_and_partial_characters():
+    ts = TextStream(_decode, ["END"])
+    assert ts.push([3]) == "" and ts.push([5]) == "ENx"  # not a stop string after all
+    assert ts.push([6]) == ""  # a partial UTF-8 character waits for the rest of it
+    assert ts.rest() == "\ufffd" and not ts.stopped and ts.n_tokens == 3
 
 
 # -- the happy paths ------------------------------------------------------------------------------
@@ -197,7 +223,8 @@ def test_unknown_model_is_404(server):
     assert e.value.body["code"] == "model_not_found"
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'{"model": "m"}', b"\xff\xfe"])
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'{"model": "m"}', b"\xff\xfe",
+                                  b'{"model": "m", "prompt": "x", "temperature": NaN}'])
 def test_malformed_bodies_are_400_with_an_error_object(server, body):
     status, out = raw(server, "POST", "/v1/completions", body)
     assert status == 400 and set(json.loads(out)["error"]) >= {"message", "type", "param", "code"}

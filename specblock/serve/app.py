@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specblock.errors import SpecBlockError
 from specblock.runtime.chat import ChatRequest, encode, parse_messages
+from specblock.runtime.cli import Session
 from specblock.serve.metrics import CONTENT_TYPE, ServeMetrics
 from specblock.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, Shape, parse, speculative, usage
 from specblock.serve.worker import CLIENT_GONE, Delta, Done, EngineWorker, Event, Failed, Job
@@ -38,7 +39,7 @@ class ServeSettings:
 class Service:
     """One loaded model behind the API: request checks, prompt encoding, the worker, the metrics."""
 
-    def __init__(self, session, settings: ServeSettings) -> None:
+    def __init__(self, session: Session, settings: ServeSettings) -> None:
         self.session, self.settings = session, settings
         self.metrics = ServeMetrics()
         self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe under concurrent use

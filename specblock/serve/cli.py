@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -26,6 +27,9 @@ from specblock.runtime.config import RunConfig, validate
 CLI_ONLY = {"prompt": "--prompt", "prompt_file": "--prompt-file", "json_out": "--json", "compare": "--compare",
             "system": "--system", "raw": "--raw"}
 WARMUP_TEXT = "Hello! How are you today?"
+
+if TYPE_CHECKING:
+    from specblock.serve.app import Service
 
 
 class ServeOptions(BaseModel):
@@ -91,7 +95,7 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def open_service(cfg: RunConfig, opts: ServeOptions, trace=None):
+def open_service(cfg: RunConfig, opts: ServeOptions, trace: TextIO | None = None) -> "Service":
     """Load target, drafter and engine once (the CLI's Session) and wrap them for HTTP."""
     from specblock.serve.app import ServeSettings, Service
 

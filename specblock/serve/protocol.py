@@ -46,7 +46,7 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)  # json.loads reads NaN
 
     model: str
     max_tokens: int | None = Field(None, ge=1)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from specblock.errors import SpecBlockError
+from specblock.runtime.cli import Session
 from specblock.runtime.metrics import DecodeStats
 from specblock.runtime.verify import GreedyVerifier, SamplingVerifier
 from specblock.serve.metrics import ServeMetrics
@@ -64,7 +65,7 @@ class Job:
 
 
 class EngineWorker:
-    def __init__(self, session, metrics: ServeMetrics, max_queue: int, tokenizer_lock: threading.Lock) -> None:
+    def __init__(self, session: Session, metrics: ServeMetrics, max_queue: int, tokenizer_lock: threading.Lock) -> None:
         self.session, self.metrics, self.max_queue = session, metrics, max_queue
         self.tokenizer_lock = tokenizer_lock
         self._q: queue.Queue[Job | None] = queue.Queue()
