@@ -1,10 +1,43 @@
-"""Target features computed once, shared by every feature-based drafter's training."""
+"""``python -m specblock.training featcache``: target features computed once, shared by every
+feature-based drafter's training.
+
+On this CPU the target's forward is the bottleneck of drafter training by an order of magnitude
+(issue 14: ~550 tokens/s against ~6,700 for a drafter step), so the target runs once per token of
+the self-generated data (``training/chatgen.py``) and every drafter (SpecBlock, EAGLE-3,
+ParallelSpec, Falcon, ablations) reads the same cache.
+
+Per chatgen shard, a directory ``shard_NNNNN/`` of memory-mappable ``.npy`` files over the
+shard's sequences concatenated (prompt then answer, ``offsets`` [n+1] marks where each starts):
+
+- ``tokens`` [T] int32, ``prompt_lens`` [n] int32;
+- ``taps`` [T, n_taps*h] and ``top`` [T, h]: hidden states entering the tap layers
+  (``runtime.target.default_taps``) and the last hidden state (HF's ``hidden_states[-1]``, after
+  the final norm), stored as the bits of the target's bfloat16 (uint16; numpy has no bfloat16, and
+  the bits keep exactly what the served target computes; float32 targets are stored as float32);
+- ``topk_ids`` [T, k] int32 and ``topk_logp`` [T, k] float32: the target's k most likely next
+  tokens and their log-probabilities over the whole vocabulary.
+
+``manifest.json`` holds the target's name and weights sha256, the taps, k, per-shard token counts,
+bytes and the sha256 of every file. Resumable (a shard is written to a temp directory then
+renamed; shards in the manifest are skipped); a cache made for another target is refused.
+"""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
+
+from specblock.errors import SpecBlockError
+
+FILES = ("tokens", "offsets", "prompt_lens", "taps", "top", "topk_ids", "topk_logp")
 
 
 def target_identity(target_dir: Path) -> dict:
@@ -22,3 +55,241 @@ def target_identity(target_dir: Path) -> dict:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
     return {"name": target_dir.name, "weights_sha256": h.hexdigest()}
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _to_numpy(x):
+    """bfloat16 as its raw bits (uint16), anything else as float32."""
+    import torch
+
+    if x.dtype == torch.bfloat16:
+        return x.contiguous().view(torch.int16).numpy().view(np.uint16)
+    return x.float().numpy()
+
+
+def sequence_features(model, seqs: list[list[int]], taps: tuple[int, ...], k: int) -> list[dict]:
+    """Features of each sequence, batched with right padding (a causal model's positions before the
+    padding never see it, so each row equals the sequence's own forward up to kernel rounding)."""
+    import torch
+
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        hs = out.hidden_states
+        tap = torch.cat([hs[i] for i in taps], dim=-1)
+        logp = torch.log_softmax(out.logits.float(), dim=-1)
+        top_lp, top_id = logp.topk(k, dim=-1)
+    res = []
+    for i, s in enumerate(seqs):
+        n = len(s)
+        res.append({"taps": _to_numpy(tap[i, :n]), "top": _to_numpy(hs[-1][i, :n]),
+                    "topk_ids": top_id[i, :n].numpy().astype(np.int32), "topk_logp": top_lp[i, :n].numpy()})
+    return res
+
+
+def write_shard(out_dir: Path, model, rows: list[dict], taps: tuple[int, ...], k: int, batch_tokens: int) -> dict:
+    """One chatgen shard's features into ``out_dir`` (atomically: temp directory, then rename)."""
+    seqs = [r["prompt_ids"] + r["answer_ids"] for r in rows]
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    feats: list[dict | None] = [None] * len(seqs)
+    i = 0
+    while i < len(order):  # batches of similar length up to ~batch_tokens padded tokens
+        j = i + 1
+        while j < len(order) and (j - i + 1) * len(seqs[order[j]]) <= batch_tokens:
+            j += 1
+        for idx, f in zip(order[i:j], sequence_features(model, [seqs[o] for o in order[i:j]], taps, k)):
+            feats[idx] = f
+        i = j
+    arrays = {
+        "tokens": np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]),
+        "offsets": np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64),
+        "prompt_lens": np.asarray([len(r["prompt_ids"]) for r in rows], dtype=np.int32),
+        **{name: np.concatenate([f[name] for f in feats]) for name in ("taps", "top", "topk_ids", "topk_logp")},
+    }
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name, arr in arrays.items():
+        np.save(tmp / f"{name}.npy", arr)
+    info = {"sequences": len(seqs), "tokens": int(arrays["tokens"].size),
+            "answer_tokens": int(sum(len(r["answer_ids"]) for r in rows)),
+            "bytes": int(sum((tmp / f"{n}.npy").stat().st_size for n in FILES)),
+            "sha256": {n: _file_sha256(tmp / f"{n}.npy") for n in FILES}}
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return info
+
+
+# --------------------------------------------------------------------------- reading
+@dataclass
+class Shard:
+    """One shard's arrays, memory-mapped (nothing is read until indexed)."""
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+    prompt_lens: np.ndarray
+    taps: np.ndarray
+    top: np.ndarray
+    topk_ids: np.ndarray
+    topk_logp: np.ndarray
+    bf16: bool
+
+
+class FeatureCache:
+    """A finished (or growing) cache opened for reading; checks it belongs to the target."""
+
+    def __init__(self, root: Path, target_dir: Path | None = None) -> None:
+        self.root = Path(root)
+        path = self.root / "manifest.json"
+        if not path.is_file():
+            raise SpecBlockError(f"no feature cache at {self.root} (no manifest.json); build it with "
+                                 "`python -m specblock.training featcache`")
+        self.manifest = json.loads(path.read_text())
+        if target_dir is not None:
+            ident = target_identity(Path(target_dir))
+            if ident["weights_sha256"] != self.manifest["target_sha256"]:
+                raise SpecBlockError(f"feature cache {self.root} was made for target {self.manifest['target']} "
+                                     f"(weights {self.manifest['target_sha256'][:12]}), not {ident['name']} "
+                                     f"({ident['weights_sha256'][:12]}); use that target or another cache")
+        self.names = sorted(self.manifest["shards"])
+        self.taps = tuple(self.manifest["taps"])
+        self.bf16 = self.manifest["dtype"] == "bfloat16"
+
+    def shard(self, name: str) -> Shard:
+        d = self.root / name
+        arrs = {n: np.load(d / f"{n}.npy", mmap_mode="r") for n in FILES}
+        return Shard(**arrs, bf16=self.bf16)
+
+    def verify(self) -> None:
+        """Recompute every file's sha256 against the manifest (one line naming the first bad file)."""
+        for name in self.names:
+            for f, digest in self.manifest["shards"][name]["sha256"].items():
+                if _file_sha256(self.root / name / f"{f}.npy") != digest:
+                    raise SpecBlockError(f"{self.root / name / f}.npy does not match its checksum; delete "
+                                         f"{self.root / name} and rerun featcache to rebuild it")
+
+
+def as_tensor(arr: np.ndarray, bf16: bool):
+    """A slice of ``taps`` / ``top`` as a torch tensor in the target's dtype."""
+    import torch
+
+    t = torch.from_numpy(np.array(arr))  # a copy: memory maps are read-only
+    return t.view(torch.int16).view(torch.bfloat16) if bf16 else t
+
+
+# --------------------------------------------------------------------------- building
+def open_manifest(out: Path, ident: dict, settings: dict) -> dict:
+    path = out / "manifest.json"
+    if path.is_file():
+        man = json.loads(path.read_text())
+        if man["target_sha256"] != ident["weights_sha256"]:
+            raise SpecBlockError(f"{out} is a feature cache of another target ({man['target']}, weights "
+                                 f"{man['target_sha256'][:12]}); use another --out")
+        if {k: man[k] for k in settings} != settings:
+            raise SpecBlockError(f"{out} was built with {({k: man[k] for k in settings})}; pass the same settings or use another --out")
+        return man
+    return {"kind": "specblock-featcache", "target": ident["name"], "target_sha256": ident["weights_sha256"],
+            **settings, "shards": {}}
+
+
+def check_sources(data: Path, out: Path, target_dir: Path) -> tuple[dict, dict]:
+    """Refuse, before any model is loaded, answers or a cache that belong to another target."""
+    src = data / "manifest.json"
+    if not src.is_file():
+        raise SpecBlockError(f"{data} holds no chatgen manifest; run `python -m specblock.training chatgen` first")
+    gen = json.loads(src.read_text())
+    ident = target_identity(target_dir)
+    if gen.get("target_sha256") != ident["weights_sha256"]:
+        raise SpecBlockError(f"{data} holds answers of target {gen.get('target')}, not {ident['name']}; "
+                             "features must come from the model that wrote the answers")
+    if (out / "manifest.json").is_file():
+        open_manifest(out, ident, {})
+    return gen, ident
+
+
+def build_cache(data: Path, out: Path, target_dir: Path, model, k: int = 8, batch_tokens: int = 2048,
+                max_shards: int | None = None, max_minutes: float | None = None, log=print) -> dict:
+    """Features for every chatgen shard of ``data`` not yet in ``out``; returns the manifest."""
+    gen, ident = check_sources(data, out, target_dir)
+    from specblock.runtime.target import default_taps
+
+    taps = tuple(default_taps(model.config.num_hidden_layers))
+    dtype = "bfloat16" if str(model.dtype) == "torch.bfloat16" else "float32"
+    settings = {"taps": list(taps), "k": k, "dtype": dtype, "hidden_size": model.config.hidden_size}
+    out.mkdir(parents=True, exist_ok=True)
+    man = open_manifest(out, ident, settings)
+    man["heldout_shards"] = [f"shard_{i:05d}" for i in gen.get("heldout_shards", [])]
+    t0 = time.perf_counter()
+    done = 0
+    for name in sorted(gen["shards"]):
+        if name in man["shards"] and (out / name).is_dir():
+            continue
+        if (max_shards is not None and done >= max_shards) or (
+                max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes):
+            break
+        rows = [json.loads(line) for line in (data / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+        ts = time.perf_counter()
+        info = write_shard(out / name, model, rows, taps, k, batch_tokens)
+        info["seconds"] = round(time.perf_counter() - ts, 2)
+        man["shards"][name] = info
+        man["totals"] = {"shards": len(man["shards"]), "tokens": sum(s["tokens"] for s in man["shards"].values()),
+                         "gb": round(sum(s["bytes"] for s in man["shards"].values()) / 1e9, 3),
+                         "minutes": round(sum(s["seconds"] for s in man["shards"].values()) / 60, 2)}
+        _write_json(out / "manifest.json", man)
+        done += 1
+        log(json.dumps({"shard": name, "tokens": info["tokens"], "tok_s": round(info["tokens"] / info["seconds"], 1),
+                        **man["totals"]}))
+    _write_json(out / "manifest.json", man)
+    return man
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specblock.training featcache", description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True, help="a model name or directory (the one that wrote --data)")
+    ap.add_argument("--data", type=Path, required=True, help="a chatgen output directory")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--k", type=int, default=8, help="soft targets kept per position")
+    ap.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per target forward")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--max-shards", type=int, default=None)
+    ap.add_argument("--max-minutes", type=float, default=None)
+    ap.add_argument("--follow", action="store_true",
+                    help="keep waiting for new chatgen shards (poll every minute) until --max-minutes")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    if args.k < 1 or args.batch_tokens < 1:
+        raise SpecBlockError("--k and --batch-tokens must be positive")
+    import torch
+
+    from specblock.models import resolve_target
+    from specblock.runtime.target import load_causal_lm
+
+    torch.set_num_threads(args.threads)
+    target_dir = resolve_target(args.target)
+    check_sources(args.data, args.out, target_dir)
+    model = load_causal_lm(target_dir, args.dtype, "cpu", "sdpa", False).eval()
+    t0 = time.perf_counter()
+    while True:
+        left = None if args.max_minutes is None else args.max_minutes - (time.perf_counter() - t0) / 60
+        man = build_cache(args.data, args.out, target_dir, model, args.k, args.batch_tokens, args.max_shards, left,
+                          log=lambda s: print(s, flush=True))
+        if not args.follow or (left is not None and left <= 0):
+            break
+        time.sleep(60)
+    print(json.dumps({"out": str(args.out), **man.get("totals", {})}), flush=True)
+    return 0

@@ -1,0 +1,103 @@
+"""Feature cache (training/featcache.py): resumable, refuses another target, features equal a direct forward."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from specblock.errors import SpecBlockError
+from specblock.runtime.target import default_taps, load_causal_lm
+from specblock.training.featcache import FeatureCache, as_tensor, build_cache, target_identity
+from tests.tiny import save_tiny
+
+
+def _fake_chatgen(data, target_dir, shards: int = 2, seed: int = 0) -> None:
+    """A chatgen directory as chatgen writes it (answers need not be the model's: features do not care)."""
+    rng = np.random.default_rng(seed)
+    data.mkdir()
+    man = {"target": "tiny", "target_sha256": target_identity(target_dir)["weights_sha256"], "heldout_shards": [0],
+           "shards": {}}
+    for s in range(shards):
+        rows = [{"id": f"{s}/{i}", "domain": "chat", "prompt_ids": rng.integers(3, 64, int(rng.integers(3, 9))).tolist(),
+                 "answer_ids": rng.integers(3, 64, int(rng.integers(1, 20))).tolist(), "stopped": True} for i in range(5)]
+        (data / f"shard_{s:05d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        man["shards"][f"shard_{s:05d}"] = {"sequences": 5}
+    (data / "manifest.json").write_text(json.dumps(man))
+
+
+@pytest.fixture()
+def setup(tmp_path):
+    target = save_tiny(tmp_path / "t", layers=9)
+    data = tmp_path / "gen"
+    _fake_chatgen(data, target)
+    model = load_causal_lm(target, "float32", "cpu", "sdpa", False).eval()
+    return target, data, model
+
+
+def test_features_equal_direct_forward_and_resume(setup, tmp_path):
+    target, data, model = setup
+    out = tmp_path / "cache"
+    man = build_cache(data, out, target, model, k=4, batch_tokens=40, max_shards=1, log=lambda s: None)
+    assert list(man["shards"]) == ["shard_00000"]
+    first = (out / "shard_00000" / "taps.npy").stat().st_mtime_ns
+    man = build_cache(data, out, target, model, k=4, batch_tokens=40, log=lambda s: None)  # resumes
+    assert list(man["shards"]) == ["shard_00000", "shard_00001"]
+    assert (out / "shard_00000" / "taps.npy").stat().st_mtime_ns == first  # not recomputed
+    assert man["totals"]["tokens"] == sum(s["tokens"] for s in man["shards"].values())
+    cache = FeatureCache(out, target)
+    cache.verify()
+    taps = default_taps(9)
+    rows = [json.loads(x) for x in (data / "shard_00001.jsonl").read_text().splitlines()]
+    sh = cache.shard("shard_00001")
+    for i, r in enumerate(rows):
+        seq = r["prompt_ids"] + r["answer_ids"]
+        a, b = int(sh.offsets[i]), int(sh.offsets[i + 1])
+        assert sh.tokens[a:b].tolist() == seq and sh.prompt_lens[i] == len(r["prompt_ids"])
+        with torch.no_grad():
+            ref = model(torch.tensor([seq]), output_hidden_states=True)
+        want = torch.cat([ref.hidden_states[t][0] for t in taps], -1)
+        torch.testing.assert_close(as_tensor(sh.taps[a:b], cache.bf16), want, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(as_tensor(sh.top[a:b], cache.bf16), ref.hidden_states[-1][0], atol=1e-5, rtol=1e-4)
+        lp, ids = torch.log_softmax(ref.logits[0], -1).topk(4, -1)
+        assert torch.equal(torch.from_numpy(np.array(sh.topk_ids[a:b])), ids.int())
+        torch.testing.assert_close(torch.from_numpy(np.array(sh.topk_logp[a:b])), lp, atol=1e-5, rtol=1e-4)
+
+
+def test_bf16_features_stored_bit_exact(setup, tmp_path):
+    target, data, _ = setup
+    model = load_causal_lm(target, "bfloat16", "cpu", "sdpa", False).eval()
+    out = tmp_path / "cache16"
+    build_cache(data, out, target, model, k=2, batch_tokens=1, max_shards=1, log=lambda s: None)  # one sequence per forward
+    cache = FeatureCache(out, target)
+    sh = cache.shard("shard_00000")
+    seq = sh.tokens[int(sh.offsets[0]):int(sh.offsets[1])].tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([seq]), output_hidden_states=True)
+    got = as_tensor(sh.top[:len(seq)], cache.bf16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, ref.hidden_states[-1][0])
+
+
+def test_refuses_another_target(setup, tmp_path):
+    target, data, model = setup
+    out = tmp_path / "cache"
+    build_cache(data, out, target, model, k=2, max_shards=1, log=lambda s: None)
+    other = save_tiny(tmp_path / "other", layers=9, seed=1)
+    with pytest.raises(SpecBlockError, match="made for target"):
+        FeatureCache(out, other)
+    other_model = load_causal_lm(other, "float32", "cpu", "sdpa", False)
+    with pytest.raises(SpecBlockError, match="answers of target"):
+        build_cache(data, out, other, other_model, k=2, log=lambda s: None)
+    data2 = tmp_path / "gen2"
+    _fake_chatgen(data2, other)
+    with pytest.raises(SpecBlockError, match="feature cache of another target"):
+        build_cache(data2, out, other, other_model, k=2, log=lambda s: None)
+    cmd = [sys.executable, "-m", "specblock.training", "featcache", "--target", str(other), "--data", str(data2),
+           "--out", str(out), "--dtype", "float32", "--threads", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and "another target" in res.stderr
+    assert list(json.loads((out / "manifest.json").read_text())["shards"]) == ["shard_00000"]  # nothing written
