@@ -120,3 +120,23 @@ def test_ctrl_c_during_a_sweep_is_one_line_and_keeps_finished_configs(tmp_path):
     r = subprocess.run([sys.executable, "-m", "specblock.sim", "sweep", str(g), "--workers", "2", "--no-progress"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and f"({len(kept)} cached)" in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "--preset", "paper", "--seed", "-1", *FAST], "seed"),
+    (["run", "--preset", "paper", "--K", "abc"], "--K"),
+    (["bogus"], "invalid choice"),
+])
+def test_bad_flags_are_one_line(capsys, args, needle):
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse
+        code = e.code
+    assert code == 2 and needle in _err(capsys)
+
+
+def test_binary_config_names_the_file(tmp_path, capsys):
+    f = tmp_path / "c.yaml"
+    f.write_bytes(b"\xff\xfe: [")
+    assert main(["run", "--config", str(f), *FAST]) == 2
+    assert str(f) in _err(capsys)

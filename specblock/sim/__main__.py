@@ -15,7 +15,6 @@ and exits with status 2; no traceback.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from pydantic import ValidationError
 
 from specblock.atomic import atomic_open, check_output
 from specblock.errors import SpecBlockError
+from specblock.flags import OneLineParser
 from specblock.sim.config import METHODS, SimConfig
 
 
@@ -33,7 +33,7 @@ class UsageError(Exception):
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m specblock.sim", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m specblock.sim", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="simulate one configuration")
     r.add_argument("--config", help="YAML/JSON SimConfig; flags below override it")
@@ -81,7 +81,10 @@ def _config(a) -> SimConfig:
         p = Path(a.config)
         if not p.is_file():
             raise FileNotFoundError(f"config file {p} not found")
-        d = (yaml.safe_load if p.suffix in (".yaml", ".yml") else json.loads)(p.read_text()) or {}
+        try:
+            d = (yaml.safe_load if p.suffix in (".yaml", ".yml") else json.loads)(p.read_text(encoding="utf-8")) or {}
+        except (UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
+            raise SpecBlockError(f"config file {p} is not valid YAML or JSON ({' '.join(str(e).split())[:160]})") from None
     from specblock.sim.sweep import _set
 
     flags = {"preset": a.preset, "latency_file": a.latency_file, "method.name": a.method,

@@ -186,7 +186,7 @@ class SimConfig(_Strict):
     acceptance: AcceptanceCfg = Field(default_factory=AcceptanceCfg)
     workload: WorkloadCfg = Field(default_factory=WorkloadCfg)
     adapt: AdaptCfg = Field(default_factory=AdaptCfg)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)  # numpy's SeedSequence takes no negative seed
     n_seeds: int = Field(1, ge=1, le=64)
     # Trees per domain drafted up front and then resampled per iteration (a bootstrap of the tree
     # distribution: draft + acceptance depend on the rank model only, not on context). Why: the
