@@ -60,6 +60,8 @@ def test_sliding_masks_hide_what_the_window_does_not_cover():
 @pytest.mark.parametrize("model_type,extra,needle", [
     ("qwen3_next", {"layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
     ("llama4_text", {"attention_chunk_size": 8}, "chunked_attention"),
+    ("bamba", {"attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 4,
+               "mamba_n_groups": 1, "mamba_expand": 1}, "linear_attention"),  # a Mamba hybrid
 ])
 def test_other_layer_kinds_are_refused_with_one_line(model_type, extra, needle):
     cfg = AutoConfig.for_model(model_type, vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=4,
