@@ -251,8 +251,9 @@ def run_adapt(args, chat: bool, reqs: list[dict]) -> dict:
 def markdown(res: dict) -> str:
     a = res["args"]
     lines = [f"# Serving load test ({a['target']}, {a['dtype']}, {a['max_tokens']} new tokens, "
-             f"{a['prompts']} prompts x {len(a['domains'].split(','))} domains, {a.get('rounds', 1)} rounds, "
-             f"OMP_NUM_THREADS={a['threads']})", "",
+             f"{a['prompts']} prompts x {len(a['domains'].split(','))} domains, "
+             + (f"{a['rounds']} rounds, " if "levels" in res else f"{a['adapt_rounds']} passes, ")
+             + f"OMP_NUM_THREADS={a['threads']})", "",
              f"`{res['command']}`", ""]
     if "levels" in res:
         lines += ["| method | clients | requests | errors | mismatched | tok/s | TTFT p50 / p95 (s) | "
