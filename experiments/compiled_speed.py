@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -136,12 +137,18 @@ def time_decoding(eager: TargetModel, compiled: StaticTarget, prompt: np.ndarray
             t0 = clock(dev)
             hf_generate(model, x, tokens, mode)
             rates[f"hf {mode}"].append(tokens / (clock(dev) - t0))
-    ref = outs["hf plain"]
     rows = {k: {"tokens_per_s": round(float(np.median(v)), 2), "first_call_s": round(first[k], 2),
-                "same_tokens_as_hf_plain": outs[k] == ref} for k, v in rates.items()}
+                "common_prefix_with_hf_plain": common_prefix(outs[k], outs["hf plain"]),
+                "common_prefix_with_ours_eager": common_prefix(outs[k], outs["ours eager"])} for k, v in rates.items()}
     for k, r in rows.items():
         print(f"{k}: {r}", flush=True)
     return rows
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Tokens two greedy decodings share before the first difference (bf16 rounds each kernel
+    choice differently, so near-ties can flip; fp32 identity is what the tests check)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def probe(args) -> None:
@@ -159,7 +166,9 @@ def probe(args) -> None:
         target.tree_forward(random_tree(rng, n, target.vocab_size))
         per[n] = round(clock(args.device) - ta, 2)
         rewind(target, args.ctx)
-    print(json.dumps({"load_s": round(t1 - t0, 2), "first_forward_s": per, "total_s": round(time.perf_counter() - t0, 2)}))
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"load_s": round(t1 - t0, 2), "first_forward_s": per, "total_s": round(time.perf_counter() - t0, 2),
+                      "peak_rss_mb": round(rss_mb)}))
 
 
 def compile_times(target: str, threads: int, ctx: int, device: str) -> dict:
@@ -219,15 +228,17 @@ def markdown(results: list[dict], args) -> str:
                   f"T(1) is {r['T1_over_floor']['eager']:.1f}x the floor eager, {r['T1_over_floor']['compiled']:.1f}x compiled.", "",
                   f"Plain decoding, {args.tokens} new tokens after a {args.prompt_len}-token prompt (prefill included), "
                   f"median of {args.runs} interleaved runs:", "",
-                  "| decoder | tokens/s | first call s | same tokens as HF plain |", "|---|---|---|---|"]
+                  f"| decoder | tokens/s | first call s | tokens equal to HF plain's / ours eager's (of {args.tokens}) |",
+                  "|---|---|---|---|"]
         for k, d in r["decoding"].items():
-            lines.append(f"| {k} | {d['tokens_per_s']:.1f} | {d['first_call_s']:.1f} | {d['same_tokens_as_hf_plain']} |")
+            lines.append(f"| {k} | {d['tokens_per_s']:.1f} | {d['first_call_s']:.1f} | "
+                         f"{d['common_prefix_with_hf_plain']} / {d['common_prefix_with_ours_eager']} |")
         if r["compile_s"]:
             c = r["compile_s"]
             lines += ["", "Compile time (fresh process; load, then the first forward of each bucket "
                       f"{list(BUCKETS)}): cold {c['cold']['total_s']:.1f} s (empty inductor cache), "
                       f"warm {c['warm']['total_s']:.1f} s (same cache); per bucket cold {c['cold']['first_forward_s']}, "
-                      f"warm {c['warm']['first_forward_s']}."]
+                      f"warm {c['warm']['first_forward_s']}; peak RSS {c['cold']['peak_rss_mb']} MB."]
         lines.append("")
     return "\n".join(lines)
 

@@ -126,6 +126,23 @@ def test_sampling_matches_eager_target():
     assert runs[0].token_ids == runs[1].token_ids
 
 
+def test_cli_hook_and_refusals():
+    """``--compile`` reaches the static target only when asked; sliding windows are refused."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from specblock.errors import SpecBlockError
+    from specblock.runtime.cli import build_parser, maybe_compile
+
+    assert build_parser().parse_args(["--compile"]).compile and not build_parser().parse_args([]).compile
+    assert maybe_compile(EAGER, False) is EAGER
+    wrapped = maybe_compile(EAGER, True)  # compiles lazily, on a bucket's first forward: nothing runs here
+    assert isinstance(wrapped, StaticTarget) and wrapped.compiled and wrapped.model is MODEL
+    cfg = MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, sliding_window=8)
+    with pytest.raises(SpecBlockError, match="sliding-window"):
+        StaticTarget(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), compile=False)
+
+
 def test_compiled_path_is_lossless():
     """The real thing: compiled with inductor (two buckets to bound compile time on two cores)."""
     model = tiny_model("llama", vocab=VOCAB, seed=4)

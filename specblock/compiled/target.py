@@ -36,8 +36,10 @@ BUCKETS: tuple[int, ...] = (1, 8, 16, 32, 64)
 MIN_SPAN = 256
 #: Inductor on CPU: ``freezing`` folds the (fixed) target weights into the graph as constants so
 #: the linears run on prepacked oneDNN weights, and ``cpp_wrapper`` calls the kernels from C++
-#: instead of a Python wrapper; each roughly halved T(1) on the lab model (experiments/compiled_speed.py).
-#: Frozen weights mean a compiled target must not be trained afterwards (the target never is).
+#: instead of a Python wrapper (both won in trials on the lab model; ``max_autotune``'s C++ GEMM
+#: templates were faster still there but took minutes to compile, against the goal of a first
+#: start under two). Frozen weights mean a compiled target must not be trained afterwards (the
+#: target never is); each compiled graph holds its own prepacked copy of them.
 CPU_OPTIONS = {"freezing": True, "cpp_wrapper": True}
 
 
@@ -71,8 +73,10 @@ class StaticTarget(TargetModel):
         mode: str | None = None,
     ) -> None:
         super().__init__(model, tap_layers)
-        if getattr(self.config, "sliding_window", None) and "sliding_attention" in (getattr(self.config, "layer_types", None) or ()):
-            raise SpecBlockError("--compile does not support sliding-window layers yet; run without --compile")
+        types = getattr(self.config, "layer_types", None)
+        if getattr(self.config, "sliding_window", None) and (types is None or any(t != "full_attention" for t in types)):
+            # Our one 4D mask would give every layer the full context, not its window.
+            raise SpecBlockError("--compile does not support sliding-window attention yet; run without --compile")
         self.buckets = tuple(sorted(buckets))
         cfg = self.config
         heads = int(cfg.num_attention_heads)
