@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--run-dir", type=Path, required=True, help="checkpoints and logs (resumed when present)")
     ap.add_argument("--out", type=Path, help="export the drafter (safetensors + config) here when done")
     ap.add_argument("--data", default="lab", help="'lab' (the shipped corpus) or a JSONL file with a 'text' field")
+    ap.add_argument("--features", type=Path, default=None,
+                    help="specblock: train from a feature cache (python -m specblock.training featcache) instead of "
+                         "running the target per step; --data is then unused")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="specblock: LM-head rows = the N most frequent tokens of the training data (default: all)")
     ap.add_argument("--window", type=int, default=257)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -159,9 +164,22 @@ def train(args) -> None:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu")
     recipe = recipes.get(args.method)
+    from specblock.models import resolve_target
+
+    args.target = resolve_target(args.target)  # a registry name (smollm2-135m-instruct) or a directory
+    if (args.features or args.draft_vocab) and args.method != "specblock":
+        raise SpecBlockError("--features and --draft-vocab are wired for --method specblock only so far")
     target = load_causal_lm(args.target, "bfloat16", str(device.type), "sdpa", False).to(device).eval()
     for p in target.parameters():
         p.requires_grad_(False)
+    if args.features:
+        from specblock.training.cachewindows import CacheWindows
+        from specblock.training.featcache import FeatureCache
+
+        source = CacheWindows(FeatureCache(args.features, args.target), args.window, seed=args.seed + 1000 * rank)
+    else:
+        source = WindowSource(args.data, args.target, args.window, seed=args.seed + 1000 * rank)
+    args.d2t = _draft_vocab(args, source, target.config.vocab_size) if args.draft_vocab else None
     net = recipe.build(target, args).to(device)
     model = StepModule(net, recipe, args)
     if ddp:
@@ -184,8 +202,8 @@ def train(args) -> None:
         step, train_s = st["step"], st["train_s"]
         if main_proc:
             print(f"resumed from step {step}", flush=True)
-    source = WindowSource(args.data, args.target, args.window, seed=args.seed + 1000 * rank + step)
-    heldout = source.heldout(8).to(device)
+    source.rng = np.random.default_rng(args.seed + 1000 * rank + step)  # a resumed run draws new windows
+    heldout = source.heldout(8, net) if args.features else source.heldout(8).to(device)
     gen = torch.Generator(device=device).manual_seed(args.seed + rank + step)
     stop = {"flag": False}
 
@@ -215,9 +233,13 @@ def train(args) -> None:
         lr = lr_at(step, done, args)
         for grp in opt.param_groups:
             grp["lr"] = lr
-        tokens = source.batch(args.batch).to(device)
-        with torch.no_grad():
-            batch = recipe.prepare(target, tokens, net, args)
+        if args.features:
+            batch = source.batch(args.batch, net).to(device)
+            tokens = batch.tokens
+        else:
+            tokens = source.batch(args.batch).to(device)
+            with torch.no_grad():
+                batch = recipe.prepare(target, tokens, net, args)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             res = model(batch, gen, done)
         opt.zero_grad(set_to_none=True)
@@ -256,6 +278,21 @@ def train(args) -> None:
         # gloo's teardown (seen in tests/test_ddp.py under load).
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _draft_vocab(args, source, vocab_size: int) -> np.ndarray:
+    """The N most frequent tokens of the training data (answers only, from a feature cache)."""
+    from specblock.training import vocab
+
+    if args.features:
+        streams = vocab.cache_answer_streams(source.cache)
+    else:
+        streams = source.train.values()
+    counts = vocab.count_tokens(streams, vocab_size)
+    d2t = vocab.top_n(counts, args.draft_vocab)
+    print(f"draft vocabulary: {args.draft_vocab} of {vocab_size} tokens cover "
+          f"{100 * vocab.coverage(counts, d2t):.2f}% of the training tokens", flush=True)
+    return d2t
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,9 +60,11 @@ def _specblock_build(target, args):
         vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size, num_layers=args.layers,
         num_heads=tcfg.num_attention_heads, intermediate_size=args.intermediate, K=args.K,
         tap_layers=default_taps(tcfg.num_hidden_layers), rope_theta=_rope_theta(tcfg), shift=args.shift,
-        prefix_broadcast=args.prefix_broadcast,
+        prefix_broadcast=args.prefix_broadcast, draft_vocab=getattr(args, "draft_vocab", None),
     )
     net = SpecBlockNet(cfg)
+    if cfg.draft_vocab is not None:
+        net.set_vocab(torch.as_tensor(args.d2t))
     net.tie_to_target(target)
     return net
 
@@ -70,7 +72,7 @@ def _specblock_build(target, args):
 def _taps_pass(target, tokens, net, args):
     from specblock.training.specblock_step import target_pass
 
-    return target_pass(target, tokens, tuple(net.cfg.tap_layers))
+    return target_pass(target, tokens, tuple(net.cfg.tap_layers), net)
 
 
 def _specblock_step(net, tp, gen, args, progress):
@@ -87,13 +89,16 @@ def _specblock_step(net, tp, gen, args, progress):
 def _specblock_evaluate(net, target, windows, args) -> dict:
     """Held-out acceptance per in-block position (chain acceptance under the valid-prefix rule)
     and rank-head accuracy, for block 1 and block 2."""
-    from specblock.training.specblock_step import specblock_step, target_pass
+    from specblock.training.specblock_step import TargetPass, specblock_step, target_pass
 
     net.eval()
     gen = torch.Generator().manual_seed(0)
     masks, ranks = [[], []], [[], []]
-    for chunk in windows.split(4):
-        res = specblock_step(net, target_pass(target, chunk, tuple(net.cfg.tap_layers)), gen, 1.0)
+    # windows: token windows (the target runs here) or a TargetPass already read from a feature cache
+    passes = windows.split(4) if isinstance(windows, TargetPass) else [
+        target_pass(target, chunk, tuple(net.cfg.tap_layers), net) for chunk in windows.split(4)]
+    for tp in passes:
+        res = specblock_step(net, tp, gen, 1.0)
         for i, bl in enumerate(res.blocks):
             # Acceptance at k = block reaches k and is right there: m_{k+1} in the paper's notation.
             acc = bl.mask * bl.top1.float()

@@ -21,17 +21,48 @@ class TargetPass:
     tokens: torch.Tensor  # [B, W]
     taps: torch.Tensor  # [B, W, n_taps*h]
     e_target: torch.Tensor  # [B, W, h] float: E_{v ~ p*}[W_v], p* the target's next-token distribution
-    y_star: torch.Tensor  # [B, W] the target's argmax next token
+    y_star: torch.Tensor  # [B, W] the target's argmax next token (a head row under a draft vocabulary)
+    y_ok: torch.Tensor | None = None  # [B, W] bool: that token is in the draft vocabulary (None: all are)
+
+    def to(self, device) -> "TargetPass":
+        mv = lambda t: None if t is None else t.to(device)
+        return TargetPass(mv(self.tokens), mv(self.taps), mv(self.e_target), mv(self.y_star), mv(self.y_ok))
+
+    def split(self, n: int) -> list["TargetPass"]:
+        """Chunks of ``n`` windows (held-out evaluation runs in small batches)."""
+        cut = lambda t: [None] * len(self.tokens.split(n)) if t is None else list(t.split(n))
+        return [TargetPass(*parts) for parts in zip(*(cut(t) for t in (self.tokens, self.taps, self.e_target,
+                                                                          self.y_star, self.y_ok)))]
+
+
+def to_draft_vocab(e_probs: torch.Tensor, ids: torch.Tensor, head_rows: torch.Tensor, t2d: torch.Tensor):
+    """Soft targets restricted to the draft vocabulary: the target's (top-k or full) probabilities
+    ``e_probs`` over token ``ids`` [..., k] kept where the token has a head row, renormalised, and
+    their expectation over those rows; the argmax (``ids[..., 0]``) as a head row, and whether it has
+    one. A position whose argmax has no row can never be drafted right: its valid mask is off."""
+    rows = t2d[ids]
+    keep = rows >= 0
+    p = e_probs * keep
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-20)
+    e_target = torch.einsum("...k,...kh->...h", p, head_rows.float()[rows.clamp_min(0)])
+    return e_target, rows[..., 0].clamp_min(0), keep[..., 0]
 
 
 @torch.no_grad()
-def target_pass(model, tokens: torch.Tensor, tap_layers: tuple[int, ...]) -> TargetPass:
+def target_pass(model, tokens: torch.Tensor, tap_layers: tuple[int, ...], net=None) -> TargetPass:
     """Features and soft targets in the target's own dtype (the one it serves in), so the
     drafter trains on the features it will see at inference. The V-sized distribution is
-    reduced at once to its expectation over the (shared, frozen) LM head rows."""
+    reduced at once to its expectation over the (shared, frozen) LM head rows; under a draft
+    vocabulary (``net.cfg.draft_vocab``) to the N rows the drafter has."""
     out = model(input_ids=tokens, output_hidden_states=True)
     taps = torch.cat([out.hidden_states[i] for i in tap_layers], dim=-1).float()
     p_star = torch.softmax(out.logits.float(), dim=-1)
+    if net is not None and getattr(net.cfg, "draft_vocab", None) is not None:
+        p = p_star[..., net.d2t]
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-20)
+        y = out.logits.argmax(-1)
+        rows = net.t2d()[y]
+        return TargetPass(tokens, taps, p @ net.lm_head.weight.float(), rows.clamp_min(0), rows >= 0)
     e_target = p_star @ model.get_output_embeddings().weight.float()
     return TargetPass(tokens, taps, e_target, out.logits.argmax(-1))
 
@@ -88,6 +119,8 @@ def specblock_step(
     hq, ctx_kv = first_block(net, tp.taps, tp.tokens)
     idx1 = p[:, None] + ks  # the target distribution for depth k sits at position p+k
     valid1 = (idx1 <= w - 1)[None].expand(b, r, kk)
+    if tp.y_ok is not None:  # a target token outside the draft vocabulary ends the chain there
+        valid1 = valid1 & _gather_positions(tp.y_ok, idx1)
     first = block_loss(*net.heads(hq, with_lse=True), _gather_positions(tp.e_target, idx1),
                        _gather_positions(tp.y_star, idx1), valid1, None, use_valid_prefix, per_k_norm)
     blocks = [first]
@@ -97,13 +130,18 @@ def specblock_step(
         h_seed = hq.gather(2, (j - 1)[..., None, None].expand(b, r, 1, hq.shape[-1]))[:, :, 0]
         seed_pos = p[None] + j
         seed_tok = tp.y_star.gather(1, seed_pos.clamp(max=w - 1))  # the target's token at depth j
+        if tp.y_ok is not None:
+            seed_tok = net.d2t[seed_tok]  # a head row back to the token (unreachable where it has none)
         hq2 = seed_block(net, ctx_kv, h_seed, seed_tok, seed_pos)
         idx2 = (seed_pos[:, :, None] + ks).clamp(max=w - 1)  # [B, R, K]
         rows = torch.arange(b, device=dev)[:, None, None]
         # Block 2 is reachable only if block 1 was right up to the seed's parent (m_{t,j}).
         start = first.mask.gather(-1, (j - 1)[..., None])[..., 0]
+        valid2 = seed_pos[:, :, None] + ks <= w - 1
+        if tp.y_ok is not None:
+            valid2 = valid2 & tp.y_ok[rows, idx2]
         blocks.append(block_loss(*net.heads(hq2, with_lse=True), tp.e_target[rows, idx2], tp.y_star[rows, idx2],
-                                 seed_pos[:, :, None] + ks <= w - 1, start, use_valid_prefix, per_k_norm))
+                                 valid2, start, use_valid_prefix, per_k_norm))
 
     loss = sum(bl.draft + rank_weight * bl.rank for bl in blocks)
     return StepResult(loss, blocks)

@@ -108,8 +108,10 @@ class SpecBlockDrafter(Drafter):
         """Top-k ids and log-probs [S, K, k] and predicted buckets [S, K], moved to host once."""
         logits, rank = self.net.heads(hq[0])
         top = torch.log_softmax(logits.float(), -1).topk(self.net.cfg.top_k, dim=-1)
+        # Head rows to target ids (a reduced draft vocabulary): nothing outside it is ever drafted.
+        ids = top.indices if self.net.cfg.draft_vocab is None else self.net.d2t[top.indices]
         # One device->host copy for all three: pack ids and buckets beside the log-probs.
-        packed = torch.cat([top.values, top.indices.float(), rank.argmax(-1, keepdim=True).float()], -1).cpu().numpy()
+        packed = torch.cat([top.values, ids.float(), rank.argmax(-1, keepdim=True).float()], -1).cpu().numpy()
         k = self.net.cfg.top_k
         return packed[..., k : 2 * k].astype(np.int64), packed[..., :k], packed[..., 2 * k].astype(np.int64)
 

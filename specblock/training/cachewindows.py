@@ -1,0 +1,64 @@
+"""Training windows read from the feature cache instead of a target forward (``--features``).
+
+A window is ``W`` consecutive positions of one shard's concatenated sequences, drawn uniformly
+over all training tokens (shards weighted by size); like the lab corpus' windows it may cross a
+sequence boundary, where the target's features restart with the new sequence's own context.
+Soft targets are the cached top-k renormalised (over the draft vocabulary when the drafter has
+one), so no V-sized tensor is ever built. Held-out windows come from the chatgen held-out shards.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specblock.errors import SpecBlockError
+from specblock.training.featcache import FeatureCache, as_tensor
+from specblock.training.specblock_step import TargetPass, to_draft_vocab
+
+
+class CacheWindows:
+    def __init__(self, cache: FeatureCache, window: int, seed: int = 0) -> None:
+        self.cache, self.window = cache, window
+        self.rng = np.random.default_rng(seed)
+        held = set(cache.manifest.get("heldout_shards", []))
+        sizes = {n: cache.manifest["shards"][n]["tokens"] for n in cache.names}
+        self.train = [n for n in cache.names if n not in held and sizes[n] > window]
+        self.held = [n for n in cache.names if n in held and sizes[n] > window]
+        if not self.train or not self.held:
+            raise SpecBlockError(f"feature cache {cache.root} needs a held-out shard and a training shard longer than "
+                                 f"--window {window}; let featcache run longer or lower --window")
+        self.sizes = np.array([sizes[n] for n in self.train], dtype=np.float64)
+        self._open: dict = {}
+
+    def _shard(self, name: str):
+        if name not in self._open:
+            self._open[name] = self.cache.shard(name)
+        return self._open[name]
+
+    def _passes(self, spans: list[tuple[str, int]], net) -> TargetPass:
+        w = self.window
+        sh = [self._shard(n) for n, _ in spans]
+        tokens = torch.from_numpy(np.stack([s.tokens[a:a + w] for s, (_, a) in zip(sh, spans)]).astype(np.int64))
+        taps = torch.stack([as_tensor(s.taps[a:a + w], s.bf16) for s, (_, a) in zip(sh, spans)]).float()
+        ids = torch.from_numpy(np.stack([s.topk_ids[a:a + w] for s, (_, a) in zip(sh, spans)]).astype(np.int64))
+        probs = torch.from_numpy(np.stack([s.topk_logp[a:a + w] for s, (_, a) in zip(sh, spans)])).float().exp()
+        with torch.no_grad():
+            e_target, y_star, y_ok = to_draft_vocab(probs, ids, net.lm_head.weight, net.t2d())
+        return TargetPass(tokens, taps, e_target, y_star, None if net.cfg.draft_vocab is None else y_ok)
+
+    def batch(self, n: int, net) -> TargetPass:
+        picks = self.rng.choice(len(self.train), size=n, p=self.sizes / self.sizes.sum())
+        spans = [(self.train[i], int(self.rng.integers(0, int(self.sizes[i]) - self.window))) for i in picks]
+        return self._passes(spans, net)
+
+    def heldout(self, n: int, net) -> TargetPass:
+        """``n`` fixed, evenly spaced windows over the held-out shards (the same at every evaluation)."""
+        spans = []
+        for j in range(n):
+            name = self.held[j % len(self.held)]
+            size = self.cache.manifest["shards"][name]["tokens"]
+            k = j // len(self.held)
+            per = -(-n // len(self.held))
+            spans.append((name, int((size - self.window - 1) * k / max(per - 1, 1))))
+        return self._passes(spans, net)
