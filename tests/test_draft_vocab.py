@@ -119,3 +119,23 @@ def test_trainer_from_a_feature_cache_with_a_draft_vocab(tmp_path):
     with pytest.raises(SpecBlockError, match="specblock only"):
         train_main(["--method", "eagle3", "--target", str(tdir), "--features", str(tmp_path / "cache"),
                     "--run-dir", str(tmp_path / "run2")])
+
+
+def test_adapting_a_reduced_head_stays_lossless_and_updates():
+    """specblock+adapt on a draft-vocabulary drafter: the update maps the target's top-k to head rows."""
+    from specblock.runtime.adapt import Adapter, AdaptSettings
+
+    model, target, net = make(6)
+    with torch.no_grad():
+        net.rank_head[2].bias.copy_(torch.tensor([0.0, 0.0, 20.0, 0.0]))  # wide trees
+    adapter = Adapter(SpecBlockDrafter(net, policy=RankBucketBranching((2, 4, 6, 0))),
+                      AdaptSettings(window=3, steps=1, batch=2, buffer=8, max_ctx=64, top_k=8, arms=("heads",)))
+    engine = Engine(target, adapter, budget=16)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        p = rng.integers(2, V, 9)
+        res = engine.generate(p, 30, on_tokens=lambda _: adapter.wait(10))
+        assert res.token_ids == hf_greedy(model, p, 30)
+    adapter.close()
+    assert adapter.swaps >= 1 and adapter.failures == 0
+    assert not torch.equal(adapter.theta_inf.lm_head.weight.float(), adapter.theta_0.lm_head.weight)

@@ -408,6 +408,7 @@ class Adapter(Drafter):
             hq = self._cached(("hq", s.uid, s.n, bb), lambda: block1_rows(net, *args))
         h0 = self._cached(("h0", s.uid, s.n), lambda: self.theta_0.norm(block1_rows(self.theta_0, *args)))
         w0 = self.theta_0.lm_head.weight
+        t2d = net.t2d() if getattr(net.cfg, "draft_vocab", None) is not None else None
         alive = s.valid[:, 0].to(dev)
         total = hq.new_zeros(())
         for k in range(net.cfg.K):
@@ -416,6 +417,11 @@ class Adapter(Drafter):
                 break
             logits, rank_logits, _, lse = net.heads(hq[idx, k], with_lse=True)
             ids, p_star = s.y_ids[idx.cpu(), k].to(dev), s.y_lp[idx.cpu(), k].to(dev).softmax(-1)
+            if t2d is not None:  # a reduced draft vocabulary: target ids to head rows, no mass off the map
+                rows = t2d[ids]
+                p_star = p_star * (rows >= 0)
+                p_star = p_star / p_star.sum(-1, keepdim=True).clamp_min(1e-20)
+                ids = rows.clamp_min(0)
             ce = lse - (p_star * logits.gather(-1, ids)).sum(-1)  # soft CE vs the renormalised top-k
             rank = rank_of(logits.detach(), ids[:, 0])
             rank_ce = F.cross_entropy(rank_logits.float(), bucket_of(rank))
