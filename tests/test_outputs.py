@@ -120,3 +120,19 @@ def test_bench_that_fails_at_the_end_leaves_earlier_results_and_traces(model_dir
     assert cli(capsys, *args)[0] == 130  # "interrupted", one line
     after = {p: p.read_bytes() for d in (out.parent, traces) for p in d.iterdir()}
     assert after == before  # results and traces of the first run, byte for byte; no temporary files left
+
+
+def test_drafter_export_replaces_weights_and_config_together(tmp_path, monkeypatch):
+    """An export interrupted between the two files leaves the old pair, never a mixed one."""
+    import specblock.runtime.drafters.netio as netio
+    from specblock.runtime.drafters.eagle3 import Eagle3Config, Eagle3Net
+
+    d = tmp_path / "drafter"
+    Eagle3Net(Eagle3Config(vocab_size=16, hidden_size=8, num_heads=2, intermediate_size=8)).save(d)
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    real = netio.json.dumps
+    monkeypatch.setattr(netio.json, "dumps", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        Eagle3Net(Eagle3Config(vocab_size=16, hidden_size=8, num_heads=2, intermediate_size=16)).save(d)
+    monkeypatch.setattr(netio.json, "dumps", real)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ValidationError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
+from specblock.atomic import AtomicFiles
 from specblock.errors import SpecBlockError
 
 #: Module attribute -> how to get the tensor from the target model.
@@ -35,15 +36,14 @@ def tie_frozen(net: nn.Module, target_model, names: tuple[str, ...]) -> None:
 
 
 def save_net(net: nn.Module, cfg: BaseModel, kind: str, path: str | Path, frozen: tuple[str, ...]) -> None:
-    """Atomic writes (temporary name, then rename), weights in bfloat16 like the SpecBlock drafter."""
+    """Weights (bfloat16, like the SpecBlock drafter) and config replace the old pair together,
+    so an interrupted export never leaves new weights beside an old config."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in net.state_dict().items() if k not in frozen}
-    tmp = path / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt", "kind": f"{kind}-drafter"})
-    tmp.replace(path / "model.safetensors")
-    (path / "config.json.tmp").write_text(json.dumps({"kind": kind, **cfg.model_dump()}, indent=1))
-    (path / "config.json.tmp").replace(path / "config.json")
+    with AtomicFiles(path) as files:
+        files.get("model.safetensors", "wb").write(save(state, metadata={"format": "pt", "kind": f"{kind}-drafter"}))
+        files.get("config.json").write(json.dumps({"kind": kind, **cfg.model_dump()}, indent=1))
 
 
 def name_keys(keys) -> str:
