@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Drafters for the real target (SmolLM2-135M-Instruct, issue 14), every command in order. Each
+# step is resumable: rerun the same line after an interruption and it continues where it stopped.
+# Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
+#   experiments/real_drafters.sh data|features|specblock|export|bench
+set -euo pipefail
+PY=${PY:-.venv/bin/python}
+T=smollm2-135m-instruct
+H=$($PY -c "from specblock.models import specblock_home; print(specblock_home())")
+DATA=$H/data/chatgen/$T          # the target's own greedy answers (jsonl shards of token ids)
+FEAT=$H/features/$T              # taps, top hidden state, top-8 soft targets (memory-mapped .npy)
+RUN=${RUN:-$H/runs/$T/specblock} # checkpoints and metrics.jsonl of the SpecBlock drafter
+OUT=specblock/assets/drafters/$T/specblock
+case "${1:-}" in
+  data)      # 1. self-generated data: 186 shards of 64 instructions, up to 256 new tokens each
+    $PY -m specblock.training chatgen --target $T --out $DATA --shard-size 64 --batch 64 --max-new-tokens 256 \
+        --threads 2 ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
+  features)  # 2. the feature cache over every finished chatgen shard (--follow: wait for more)
+    $PY -m specblock.training featcache --target $T --data $DATA --out $FEAT --k 8 --threads 2 \
+        ${FOLLOW:+--follow} ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
+  specblock) # 3. SpecBlock from the cache: K = 4, M = 2, the lab drafter's recipe, an 8k-row draft vocabulary
+    $PY -m specblock.training drafter --method specblock --target $T --features $FEAT --draft-vocab 8192 \
+        --run-dir $RUN --shared-norm --intermediate 1024 --lr 1e-3 --window 257 --batch 4 \
+        --max-minutes ${MAX_MINUTES:-60} --max-steps ${MAX_STEPS:-5000} --eval-every 100 --ckpt-every 25 --threads 2 ;;
+  export)    # 4. the last checkpoint as a drafter plus its model card
+    $PY experiments/export_drafter.py --run-dir $RUN --features $FEAT --data $DATA --out $OUT ;;
+  bench)     # 5. a short check against plain decoding and prompt lookup
+    $PY -m specblock.runtime bench --target $T --methods ar,lookup,specblock --prompts 2 --runs 1 --max-new-tokens 64 \
+        --out experiments/results/bench_smollm2_specblock_short ;;
+  *) echo "usage: $0 data|features|specblock|export|bench" >&2; exit 2 ;;
+esac
