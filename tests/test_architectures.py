@@ -83,3 +83,30 @@ def test_eager_only_family_says_which_flag(tmp_path):
     tiny_model("gemma2", vocab=V, attn="eager").save_pretrained(tmp_path)
     with pytest.raises(SpecBlockError, match="--attn eager"):
         TargetModel.load(tmp_path, "float32", "cpu", "sdpa")
+
+
+@pytest.mark.parametrize("name", sorted(SLIDING))
+def test_tree_logits_equal_plain_forwards_past_the_window(name):
+    """Every node's logits from one tree forward equal a plain forward over the prompt plus the
+    node's root path: what sampling verification relies on, not just the argmax."""
+    from specblock.policies.tree import DraftTree
+
+    model = tiny_model(name, vocab=V, attn=_attn(name))
+    target = TargetModel(model)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(2, V, 3 * WINDOW)
+    n = 3 * WINDOW  # deep enough that a node's window drops part of the tree itself
+    parent = np.concatenate([[-1], (rng.random(n - 1) * np.arange(1, n)).astype(np.int64)])
+    parent[1 : 2 * WINDOW] = np.arange(0, 2 * WINDOW - 1)  # a spine longer than the window
+    tree = DraftTree.from_parents(np.concatenate([[prompt[-1]], rng.integers(2, V, n - 1)]), parent)
+    target.prefill(prompt[:-1])
+    got = target.tree_forward(tree).logits
+    for i in range(n):
+        path, j = [], i
+        while j > 0:
+            path.append(int(tree.tokens[j]))
+            j = int(tree.parent[j])
+        ids = torch.as_tensor(np.concatenate([prompt, np.array(path[::-1], dtype=np.int64)]))[None]
+        with torch.no_grad():
+            want = model(ids).logits[0, -1]
+        torch.testing.assert_close(got[i], want, atol=1e-4, rtol=1e-4, msg=f"{name} node {i}")
