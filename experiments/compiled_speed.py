@@ -166,9 +166,10 @@ def probe(args) -> None:
         target.tree_forward(random_tree(rng, n, target.vocab_size))
         per[n] = round(clock(args.device) - ta, 2)
         rewind(target, args.ctx)
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime  # C++ builds run in child processes
     print(json.dumps({"load_s": round(t1 - t0, 2), "first_forward_s": per, "total_s": round(time.perf_counter() - t0, 2),
-                      "peak_rss_mb": round(rss_mb)}))
+                      "cpu_s": round(cpu_s, 1), "peak_rss_mb": round(me.ru_maxrss / 1024)}))
 
 
 def compile_times(target: str, threads: int, ctx: int, device: str) -> dict:
@@ -238,7 +239,8 @@ def markdown(results: list[dict], args) -> str:
             lines += ["", "Compile time (fresh process; load, then the first forward of each bucket "
                       f"{list(BUCKETS)}): cold {c['cold']['total_s']:.1f} s (empty inductor cache), "
                       f"warm {c['warm']['total_s']:.1f} s (same cache); per bucket cold {c['cold']['first_forward_s']}, "
-                      f"warm {c['warm']['first_forward_s']}; peak RSS {c['cold']['peak_rss_mb']} MB."]
+                      f"warm {c['warm']['first_forward_s']}; CPU time (all threads and compiler processes) cold "
+                      f"{c['cold'].get('cpu_s', '-')} s, warm {c['warm'].get('cpu_s', '-')} s; peak RSS {c['cold'].get('peak_rss_mb', '-')} MB."]
         lines.append("")
     return "\n".join(lines)
 

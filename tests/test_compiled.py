@@ -117,6 +117,25 @@ def test_context_limit_and_features_match_eager():
             torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
 
 
+def test_growing_context_crosses_attention_spans():
+    """A decode whose context grows past a span (256 -> 512) stays equal to HF generate."""
+    model = tiny_model("llama", vocab=VOCAB, ctx=1024, seed=6)
+    target = StaticTarget(model, compile=False)
+    prompt = np.random.default_rng(2).integers(2, VOCAB, 240)
+    ref = hf_greedy(model, prompt, 40)
+    spans = set()
+    forward = target.tree_forward
+
+    def spy(tree):
+        spans.add(span_of(target.past_len + bucket_of(tree.size), target.capacity))
+        return forward(tree)
+
+    target.tree_forward = spy
+    res = Engine(target, RandomDrafter(VOCAB, seed=3), budget=20).generate(prompt, 40)
+    assert res.token_ids == ref
+    assert spans == {256, 512}  # both spans really ran
+
+
 def test_sampling_matches_eager_target():
     """Lossless sampling draws the same tokens on both targets (same seed, same logits)."""
     model = tiny_model("qwen2", vocab=VOCAB, seed=2)
