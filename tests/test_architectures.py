@@ -110,3 +110,17 @@ def test_tree_logits_equal_plain_forwards_past_the_window(name):
         with torch.no_grad():
             want = model(ids).logits[0, -1]
         torch.testing.assert_close(got[i], want, atol=1e-4, rtol=1e-4, msg=f"{name} node {i}")
+
+
+@pytest.mark.parametrize("draft", ["mistral-sw", "gemma3"])
+def test_sps_draft_model_with_a_sliding_window(draft):
+    """A draft model with window layers drafts past its window without crashing; output exact."""
+    from specblock.runtime.drafters.sps import SpsDrafter
+
+    model = tiny_model("qwen2-sw", vocab=V)
+    target = TargetModel(model)
+    drafter = SpsDrafter(tiny_model(draft, vocab=V, seed=1), gamma=4, top_k=2)
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        prompt = rng.integers(2, V, 3 * WINDOW)
+        assert Engine(target, drafter, budget=12).generate(prompt, 32).token_ids == hf_greedy(model, prompt, 32)

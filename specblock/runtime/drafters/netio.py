@@ -40,7 +40,8 @@ def save_net(net: nn.Module, cfg: BaseModel, kind: str, path: str | Path, frozen
     so an interrupted export never leaves new weights beside an old config."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in net.state_dict().items() if k not in frozen}
+    state = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous()
+             for k, v in net.state_dict().items() if k not in frozen}  # index maps (d2t) stay integers
     with AtomicFiles(path) as files:
         files.get("model.safetensors", "wb").write(save(state, metadata={"format": "pt", "kind": f"{kind}-drafter"}))
         files.get("config.json").write(json.dumps({"kind": kind, **cfg.model_dump()}, indent=1))

@@ -19,18 +19,16 @@ and top1-top10, the max probability and the entropy.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import save_file
 from torch import nn
 
 from specblock.errors import SpecBlockError
 from specblock.runtime.drafters.layers import DecoderLayer, RMSNorm, flat_kv, rope_cos_sin
-from specblock.runtime.drafters.netio import load_weights, read_config
+from specblock.runtime.drafters.netio import load_weights, read_config, save_net
 
 N_STATS = 15
 
@@ -214,16 +212,8 @@ class SpecBlockNet(nn.Module):
 
     # ----------------------------------------------------------------- files
     def save(self, path: str | Path) -> None:
-        """Config plus safetensors, written to a temporary name first so nothing half-written stays."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous()
-                 for k, v in self.state_dict().items() if k not in FROZEN_FROM_TARGET}  # d2t stays int64
-        tmp = path / "model.safetensors.tmp"
-        save_file(state, str(tmp), metadata={"format": "pt", "kind": "specblock-drafter"})
-        tmp.replace(path / "model.safetensors")
-        (path / "config.json.tmp").write_text(json.dumps({"kind": "specblock", **self.cfg.model_dump()}, indent=1))
-        (path / "config.json.tmp").replace(path / "config.json")
+        """Config plus safetensors (d2t stays int64); both replace the old pair together."""
+        save_net(self, self.cfg, "specblock", path, FROZEN_FROM_TARGET)
 
     @classmethod
     def load(cls, path: str | Path, target_embed: torch.Tensor, target_lm_head: torch.Tensor) -> "SpecBlockNet":

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from specblock.errors import SpecBlockError
 from specblock.policies.branching import DynamicBranching, TreePolicy, expand
 from specblock.policies.seeds import SeedPolicy, TopScoreSeeds
 from specblock.policies.tree import DraftTree
+from specblock.runtime.attention import attention_layout
 from specblock.runtime.drafters.base import DraftRequest, Drafter
 from specblock.runtime.target import DTYPES, TargetModel, load_causal_lm
 
@@ -52,6 +53,7 @@ class SpsDrafter(Drafter):
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self._min = torch.finfo(self.dtype).min
+        self.layout = attention_layout(model)
         self.reset()
 
     @classmethod
@@ -66,7 +68,10 @@ class SpsDrafter(Drafter):
         return cls(model, **kw)
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        # A draft model with sliding-window layers keeps every key too (runtime/attention.py): its
+        # window layers would otherwise drop keys that _crop assumes are there. Its tree masks
+        # then let drafted nodes see past the window: only the proposals differ, never the output.
+        self.cache = self.layout.new_cache(self.model.config)
         self.n_cached = 0  # committed tokens whose keys/values the draft cache holds
 
     def prefill(self, prompt: np.ndarray, features) -> None:
