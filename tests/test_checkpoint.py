@@ -170,3 +170,15 @@ def test_run_dir_that_is_a_file_is_refused(tmp_path, monkeypatch):
     (tmp_path / "run").write_text("x")
     with pytest.raises(SpecBlockError, match="--run-dir"):
         train_main(["--target", str(tmp_path / "t"), "--run-dir", str(tmp_path / "run")])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train", "--batch", "0"], "--batch"), (["train", "--lr", "nan"], "--lr"), (["train", "--max-steps", "0"], "--max-steps"),
+    (["sample", "--max-new-tokens", "0"], "--max-new-tokens"),
+])
+def test_lab_target_trainer_flags_are_one_line(tmp_path, args, needle):
+    from specblock.training.target import main as target_main
+
+    with pytest.raises(SpecBlockError, match=needle):
+        target_main(["--run-dir", str(tmp_path / "run"), *args])
+    assert not (tmp_path / "run").exists()  # refused before anything was built

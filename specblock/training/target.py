@@ -31,7 +31,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from specblock.errors import SpecBlockError
+from specblock.flags import OneLineParser, check
 from specblock.training.checkpoint import load_checkpoint, refuse_pickles, save_checkpoint
 from specblock.training.corpus import DOMAINS, MIX_WEIGHTS, SPLITS, iter_documents
 from specblock.training.tokenizer import load_tokenizer, train_tokenizer
@@ -357,9 +360,32 @@ def export(args) -> None:
     print(f"exported step {st['step']} to {out}")
 
 
+class TargetTrainFlags(BaseModel):
+    """Numeric flags of every subcommand (absent ones are skipped): a zero batch or step count
+    used to end in a traceback after the token cache was built."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    threads: int = Field(ge=1)
+    max_steps: int = Field(1, ge=1)
+    max_minutes: float = Field(1.0, gt=0, allow_inf_nan=False)
+    batch: int = Field(1, ge=1)
+    lr: float = Field(1.0, gt=0, allow_inf_nan=False)
+    min_lr: float = Field(0.0, ge=0, allow_inf_nan=False)
+    warmup: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+    clip: float = Field(1.0, gt=0, allow_inf_nan=False)
+    seed: int = Field(0, ge=0, lt=2**63)
+    eval_every: int = Field(1, ge=1)
+    eval_windows: int = Field(1, ge=1)
+    ckpt_every: int = Field(1, ge=1)
+    steps: int = Field(1, ge=1)
+    max_new_tokens: int = Field(1, ge=1)
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m specblock.training.target", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m specblock.training target", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", default="runs/target")
     p.add_argument("--threads", type=int, default=2)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -387,6 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("out")
     e.add_argument("--ckpt", default=None)
     args = p.parse_args(argv)
+    check(TargetTrainFlags, vars(args))
     if args.cmd == "train":
         train(args)
     elif args.cmd == "bench":
