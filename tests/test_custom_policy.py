@@ -281,3 +281,16 @@ def test_sweep_cache_follows_the_policy_file_not_just_its_name(tmp_path, capsys)
         assert sim_main(["sweep", str(g), "--no-progress", "--workers", "1"]) == 0
         outs.append(capsys.readouterr().out)
     assert "(0 cached)" in outs[0] and "(2 cached)" in outs[1] and "(0 cached)" in outs[2]
+
+
+def test_server_takes_the_same_flags(lab):
+    """The server parses the runtime's flags and builds its drafter from the same options."""
+    from specblock.serve.cli import parse
+
+    tdir, ddir, _ = lab
+    common = ["--target", str(tdir), "--method", "specblock", "--drafter", str(ddir)]
+    cfg, _ = parse(common + ["--policy", POLICY, "--policy-kwargs", '{"threshold": 0.1}'])
+    opts = cfg.drafter_options()
+    assert opts["policy"] == POLICY and opts["policy_kwargs"] == {"threshold": 0.1}
+    with pytest.raises(SpecBlockError, match="not a subclass"):
+        parse(common + ["--policy", "specblock.policies.seeds:TopScoreSeeds"])
