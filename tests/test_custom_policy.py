@@ -34,7 +34,7 @@ V = 96
 def lab(tmp_path_factory):
     """A tiny target and an untrained SpecBlock drafter for it, both on disk."""
     root = tmp_path_factory.mktemp("custom")
-    save_tiny(root / "t", "llama", vocab=V, ctx=128, layers=3)
+    save_tiny(root / "t", "llama", vocab=V, ctx=1024, layers=3)  # bench prompts are char-level here
     target = TargetModel.load(root / "t", "float32", "cpu")
     cfg = SpecBlockConfig(vocab_size=V, hidden_size=32, num_heads=4, intermediate_size=64, tap_layers=target.tap_layers)
     torch.manual_seed(0)
@@ -294,3 +294,26 @@ def test_server_takes_the_same_flags(lab):
     assert opts["policy"] == POLICY and opts["policy_kwargs"] == {"threshold": 0.1}
     with pytest.raises(SpecBlockError, match="not a subclass"):
         parse(common + ["--policy", "specblock.policies.seeds:TopScoreSeeds"])
+
+
+def test_user_bandit_serves_in_the_cli_and_the_bench(lab, tmp_path, capsys):
+    """--adapt-policy (CLI) and --set specblock+adapt:adapt_policy=... (bench) put the user's class
+    in charge: FixedArm told to play "heads" never plays "full"."""
+    tdir, ddir, _ = lab
+    code, out, err = run(capsys, "--target", tdir, "--method", "specblock", "--drafter", ddir, "--adapt",
+                         "--adapt-window", 2, "--adapt-policy", "specblock.policies.bandit:FixedArm",
+                         "--adapt-policy-kwargs", '{"arm": "heads"}', "--rollback-policy",
+                         "specblock.policies.rollback:ThreeWindowRollback", "--rollback-policy-kwargs", '{"n_windows": 2}',
+                         "--prompt", "abc abc abc abc", "--max-new-tokens", 24, "--dtype", "float32", "--json")
+    assert code == 0, err
+    rec = json.loads(out)
+    played = [w["arm"] for w in rec["adapt_windows"] if w["arm"]]
+    assert played and set(played) == {"heads"}
+    res = tmp_path / "b"
+    assert main(["bench", "--target", str(tdir), "--methods", "specblock+adapt", "--domains", "code", "--prompts", "1",
+                 "--max-new-tokens", "16", "--runs", "1", "--dtype", "float32", "--out", str(res),
+                 "--set", f"specblock+adapt:drafter={ddir}", "--set", "specblock+adapt:adapt_window=2",
+                 "--set", "specblock+adapt:adapt_policy=specblock.policies.bandit:FixedArm",
+                 "--set", 'specblock+adapt:adapt_policy_kwargs={"arm":"heads"}']) == 0
+    arms = json.loads(res.with_suffix(".json").read_text())["adapt"]["specblock+adapt"]["adapt_arms"]
+    assert arms["heads"] > 0 and arms["full"] == 0 and arms["skip"] == 0
