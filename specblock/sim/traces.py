@@ -38,8 +38,11 @@ drafter's top 16. Confidence concentration ``kappa`` is not identifiable without
 in the trace; it keeps its default. EAGLE-3's traces do log them (``positions``: per expanded
 node its whole top-k and the target's rank among it), and depth-by-depth methods then draw
 whole logged positions instead of a Beta confidence (:func:`position_pool`, ``pool.py``).
-SpecBlock's drafter does not log positions yet: its trees are shaped by the rank head's buckets,
-which the fit above already takes from the traces.
+SpecBlock's drafter logs them too, at every block position with a parent on the tree, with the
+block, in-block position and predicted bucket: the sim's SpecBlock model then draws whole rows
+by (block, position) and reachability, so a policy that reads the drafter's confidence (not only
+the rank head's buckets, which the fit above already takes from the traces) is simulated on the
+drafter's own confidence. Traces without them keep the Beta confidence.
 """
 
 from __future__ import annotations
