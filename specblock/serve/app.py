@@ -111,8 +111,8 @@ class Service:
             return error_response(e)
         shape = Shape(chat, req.model)
         if req.stream:
-            return StreamingResponse(self.sse(job, events, shape, req.include_usage, endpoint),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return _JobStream(job, self.sse(job, events, shape, req.include_usage, endpoint),
+                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self.whole(request, job, events, shape, endpoint)
 
     async def whole(self, request: Request, job: Job, events: asyncio.Queue, shape: Shape, endpoint: str) -> Response:
@@ -165,6 +165,21 @@ class Service:
             if status == CLIENT_GONE:
                 job.cancel.set()
             self.metrics.request(endpoint, status)
+
+
+class _JobStream(StreamingResponse):
+    """A stream that cancels its job however it ends: a client gone before the first event never
+    runs the generator's own ``finally``. After a finished job the cancel is a no-op."""
+
+    def __init__(self, job: Job, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel.set()
 
 
 def _sse(obj: dict) -> str:
