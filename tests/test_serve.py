@@ -355,3 +355,20 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_load_test_counts_errors_and_mixed_up_answers():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_load", ROOT / "experiments" / "serve_load.py")
+    load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load)
+    ref: dict[str, str] = {}
+    one = [{"id": "a", "text": "x", "tokens": 4, "ttft": 0.1, "tpot": 0.01, "tau": 2.0},
+           {"id": "b", "text": "y", "tokens": 4, "ttft": 0.3, "tpot": 0.03, "tau": 1.0}]
+    row = load.summarize(1, one, 2.0, ref)
+    assert row["mismatched"] == 0 and row["errors"] == 0 and row["throughput_tok_s"] == 4.0
+    assert row["ttft_s_p50"] == 0.2 and row["tpot_ms_p50"] == 20.0 and row["tau"] == 1.5
+    swapped = [{**one[0], "text": "y"}, {**one[1], "text": "x"}, {"id": "a", "error": "APIConnectionError: x"}]
+    row = load.summarize(4, swapped, 1.0, ref)  # answers handed to the wrong requests, one lost
+    assert row["mismatched"] == 2 and row["errors"] == 1 and "APIConnectionError" in row["first_error"]
