@@ -59,7 +59,7 @@ def atomic_open(path: str | Path, mode: str = "w", **kw) -> Iterator[IO]:
         if path.exists():
             os.chmod(tmp, path.stat().st_mode & 0o777)  # keep the old file's permissions
         else:
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would surprise next to ordinary files
+            os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would surprise next to ordinary files
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -76,6 +76,9 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+_UMASK = _umask()  # read once at import: os.umask is process-wide, so no thread may see it at 0 later
 
 
 class AtomicFiles(contextlib.ExitStack):
