@@ -101,3 +101,26 @@ def test_refuses_another_target(setup, tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and "another target" in res.stderr
     assert list(json.loads((out / "manifest.json").read_text())["shards"]) == ["shard_00000"]  # nothing written
+
+
+def test_windows_take_in_shards_finished_later(setup, tmp_path):
+    from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
+    from specblock.training.cachewindows import CacheWindows
+
+    target, data, model = setup
+    out = tmp_path / "cache"
+    build_cache(data, out, target, model, k=2, max_shards=2, log=lambda s: None)  # held-out shard 0 + shard 1
+    src = CacheWindows(FeatureCache(out, target), window=9)
+    assert src.train == ["shard_00001"] and src.held == ["shard_00000"]
+    net = SpecBlockNet(SpecBlockConfig(vocab_size=64, hidden_size=32, num_heads=4, intermediate_size=64,
+                                       tap_layers=default_taps(9), top_k=4))
+    tp = src.batch(3, net)
+    assert tp.tokens.shape == (3, 9) and tp.taps.shape == (3, 9, 96) and tp.y_ok is None
+    assert src.refresh() == 0
+    rows = [json.loads(x) for x in (data / "shard_00001.jsonl").read_text().splitlines()]
+    (data / "shard_00002.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    man = json.loads((data / "manifest.json").read_text())
+    man["shards"]["shard_00002"] = {"sequences": len(rows)}
+    (data / "manifest.json").write_text(json.dumps(man))
+    build_cache(data, out, target, model, k=2, log=lambda s: None)
+    assert src.refresh() == 1 and src.train == ["shard_00001", "shard_00002"] and src.held == ["shard_00000"]

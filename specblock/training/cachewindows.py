@@ -21,15 +21,28 @@ class CacheWindows:
     def __init__(self, cache: FeatureCache, window: int, seed: int = 0) -> None:
         self.cache, self.window = cache, window
         self.rng = np.random.default_rng(seed)
+        self._open: dict = {}
+        self._index()
+        if not self.train or not self.held:
+            raise SpecBlockError(f"feature cache {cache.root} needs a held-out shard and a training shard longer than "
+                                 f"--window {self.window}; let featcache run longer or lower --window")
+
+    def _index(self) -> None:
+        cache, window = self.cache, self.window
         held = set(cache.manifest.get("heldout_shards", []))
         sizes = {n: cache.manifest["shards"][n]["tokens"] for n in cache.names}
         self.train = [n for n in cache.names if n not in held and sizes[n] > window]
         self.held = [n for n in cache.names if n in held and sizes[n] > window]
-        if not self.train or not self.held:
-            raise SpecBlockError(f"feature cache {cache.root} needs a held-out shard and a training shard longer than "
-                                 f"--window {window}; let featcache run longer or lower --window")
         self.sizes = np.array([sizes[n] for n in self.train], dtype=np.float64)
-        self._open: dict = {}
+
+    def refresh(self) -> int:
+        """Take in training shards a running featcache finished since; the held-out set stays
+        as it was (evaluations stay comparable). Returns how many shards joined."""
+        before, held = len(self.train), self.held
+        self.cache.reload()
+        self._index()
+        self.held = held
+        return len(self.train) - before
 
     def _shard(self, name: str):
         if name not in self._open:

@@ -170,6 +170,11 @@ class FeatureCache:
         self.taps = tuple(self.manifest["taps"])
         self.bf16 = self.manifest["dtype"] == "bfloat16"
 
+    def reload(self) -> None:
+        """Re-read the manifest (a featcache still running adds shards to it atomically)."""
+        self.manifest = json.loads((self.root / "manifest.json").read_text())
+        self.names = sorted(self.manifest["shards"])
+
     def shard(self, name: str) -> Shard:
         d = self.root / name
         arrs = {n: np.load(d / f"{n}.npy", mmap_mode="r") for n in FILES}
