@@ -71,6 +71,7 @@ class StaticTarget(TargetModel):
         compile: bool = True,
         buckets: tuple[int, ...] = BUCKETS,
         mode: str | None = None,
+        options: dict | None = None,
     ) -> None:
         super().__init__(model, tap_layers)
         types = getattr(self.config, "layer_types", None)
@@ -91,7 +92,7 @@ class StaticTarget(TargetModel):
             use_disk_cache()
             _allow_recompiles()
             if self.mode is None:
-                self._step_fn = torch.compile(self._step, dynamic=False, options=CPU_OPTIONS)
+                self._step_fn = torch.compile(self._step, dynamic=False, options=CPU_OPTIONS if options is None else options)
             else:
                 self._step_fn = torch.compile(self._step, dynamic=False, mode=self.mode)
 
