@@ -87,8 +87,9 @@ def _functions(source: str, per_file: int) -> list[tuple[str, str]]:
         return []
     lines = source.splitlines(keepends=True)
     out = []
-    nodes = [n for top in tree.body for n in ([top] if not isinstance(top, ast.ClassDef) else top.body)]
-    for node in nodes:
+    nodes = [(top.name + ".", n) if isinstance(top, ast.ClassDef) else ("", n)
+             for top in tree.body for n in (top.body if isinstance(top, ast.ClassDef) else [top])]
+    for owner, node in nodes:
         if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.decorator_list:
             continue
         doc = node.body[0] if node.body else None
@@ -98,7 +99,7 @@ def _functions(source: str, per_file: int) -> list[tuple[str, str]]:
             continue
         code = textwrap.dedent("".join(lines[node.lineno - 1:doc.end_lineno]))
         if 40 <= len(code) <= 1500:
-            out.append((node.name, code))
+            out.append((owner + node.name, code))
         if len(out) >= per_file:
             break
     return out
