@@ -3,6 +3,8 @@ token outside its map, round-trips with its map, and trains from a feature cache
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -116,6 +118,17 @@ def test_trainer_from_a_feature_cache_with_a_draft_vocab(tmp_path):
     prompt = np.arange(3, 12)
     res = Engine(target, SpecBlockDrafter(net, policy=RankBucketBranching((2, 3, 4, 2))), budget=16).generate(prompt, 20)
     assert res.token_ids == hf_greedy(model, prompt, 20)
+    # Resume after featcache added a shard: the checkpoint's map wins over a recount of the new data.
+    rows = (data / "shard_00002.jsonl").read_text().splitlines()
+    (data / "shard_00003.jsonl").write_text("\n".join(rows[::-1]) + "\n")
+    man = json.loads((data / "manifest.json").read_text())
+    man["shards"]["shard_00003"] = {"sequences": len(rows)}
+    (data / "manifest.json").write_text(json.dumps(man))
+    build_cache(data, tmp_path / "cache", tdir, model, k=4, log=lambda s: None)
+    train_main(["--target", str(tdir), "--features", str(tmp_path / "cache"), "--draft-vocab", "20",
+                "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "drafter2"), "--window", "17", "--batch", "2",
+                "--max-steps", "5", "--eval-every", "2", "--layers", "1", "--intermediate", "32", "--threads", "1"])
+    assert torch.equal(SpecBlockDrafter.load(tmp_path / "drafter2", target).net.d2t, net.d2t)
     with pytest.raises(SpecBlockError, match="specblock only"):
         train_main(["--method", "eagle3", "--target", str(tdir), "--features", str(tmp_path / "cache"),
                     "--run-dir", str(tmp_path / "run2")])
