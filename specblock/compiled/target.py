@@ -36,10 +36,12 @@ BUCKETS: tuple[int, ...] = (1, 8, 16, 32, 64)
 MIN_SPAN = 256
 #: Inductor on CPU: ``freezing`` folds the (fixed) target weights into the graph as constants so
 #: the linears run on prepacked oneDNN weights, and ``cpp_wrapper`` calls the kernels from C++
-#: instead of a Python wrapper (both won in trials on the lab model; ``max_autotune``'s C++ GEMM
-#: templates were faster still there but took minutes to compile, against the goal of a first
-#: start under two). Frozen weights mean a compiled target must not be trained afterwards (the
-#: target never is); each compiled graph holds its own prepacked copy of them.
+#: instead of a Python wrapper. In interleaved trials on the lab model (bucket 1, a loaded
+#: machine) cpp_wrapper won clearly and freezing was within the noise; ``max_autotune``'s C++ GEMM
+#: templates were faster still but took minutes to compile. Frozen weights mean a compiled target
+#: must not be trained afterwards (the target never is), and each compiled graph holds its own
+#: prepacked copy of them (peak RSS 1.2 GB for the real model's five buckets): the first thing to
+#: re-measure on a quiet machine is ``{"cpp_wrapper": True}`` alone.
 CPU_OPTIONS = {"freezing": True, "cpp_wrapper": True}
 
 
