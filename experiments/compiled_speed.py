@@ -217,7 +217,8 @@ def measure_target(name: str, args) -> dict:
 def markdown(results: list[dict], args) -> str:
     where = f"this CPU, {args.threads} threads" if args.device == "cpu" else "CUDA"
     lines = [f"Compiled vs eager target, bf16, {where} (`python experiments/compiled_speed.py --device {args.device} "
-             f"--targets {args.targets} --threads {args.threads} --reps {args.reps} --runs {args.runs} --tokens {args.tokens}`).", ""]
+             f"--targets {args.targets} --threads {args.threads} --reps {args.reps} --runs {args.runs} --tokens {args.tokens}"
+             f"{' --skip-compile-times' if args.skip_compile_times else ''}`).", ""]
     for r in results:
         lines += [f"## {r['target']} ({r['layers']} layers, {r['weights_mb']} MB of weights)", "",
                   f"T(n) at context {r['ctx']}, median of {args.reps} interleaved forwards:", "",
