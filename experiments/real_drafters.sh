@@ -3,6 +3,9 @@
 # step is resumable: rerun the same line after an interruption and it continues where it stopped.
 # Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
 #   experiments/real_drafters.sh data|features|specblock|export|bench
+# One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
+# generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
+# side by side (featcache --follow picks up new chatgen shards, training new feature shards).
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 T=smollm2-135m-instruct
@@ -14,14 +17,15 @@ OUT=specblock/assets/drafters/$T/specblock
 case "${1:-}" in
   data)      # 1. self-generated data: 186 shards of 64 instructions, up to 256 new tokens each
     $PY -m specblock.training chatgen --target $T --out $DATA --shard-size 64 --batch 64 --max-new-tokens 256 \
-        --threads 2 ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
+        --threads 1 ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
   features)  # 2. the feature cache over every finished chatgen shard (--follow: wait for more)
-    $PY -m specblock.training featcache --target $T --data $DATA --out $FEAT --k 8 --threads 2 \
+    $PY -m specblock.training featcache --target $T --data $DATA --out $FEAT --k 8 --threads 1 \
         ${FOLLOW:+--follow} ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
   specblock) # 3. SpecBlock from the cache: K = 4, M = 2, the lab drafter's recipe, an 8k-row draft vocabulary
+    #            (frequencies: answers and the shared-data corpus 50/50)
     $PY -m specblock.training drafter --method specblock --target $T --features $FEAT --draft-vocab 8192 \
-        --run-dir $RUN --shared-norm --intermediate 1024 --lr 1e-3 --window 257 --batch 4 \
-        --max-minutes ${MAX_MINUTES:-60} --max-steps ${MAX_STEPS:-5000} --eval-every 100 --ckpt-every 25 --threads 2 ;;
+        --vocab-corpus 0.5 --run-dir $RUN --shared-norm --intermediate 1024 --lr 1e-3 --window 257 --batch 4 \
+        --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
   export)    # 4. the last checkpoint as a drafter plus its model card
     $PY experiments/export_drafter.py --run-dir $RUN --features $FEAT --data $DATA --out $OUT ;;
   bench)     # 5. a short check against plain decoding and prompt lookup
