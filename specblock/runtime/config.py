@@ -86,7 +86,7 @@ class RunConfig(BaseModel):
         if self.method == "auto":
             # lookup measured 1.51x mean Spd on the lab target, the shipped SpecBlock drafter 1.22x
             # (1.26x at M=1, bench_main.md); on the real model lookup is the only method with no
-            # training and no drafter is shipped for it yet (bench_real.md): auto picks lookup on both.
+            # training and no drafter is shipped for it yet (lookup 1.21x, bench_smollm2.md): auto picks lookup on both.
             self.method = "lookup"
         return self
 
