@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specblock.atomic import write_atomic
 from specblock.runtime.config import validate
 from specblock.runtime.target import TargetModel
 
@@ -85,9 +86,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for suffix, text in ((".json", json.dumps({"threads": args.threads, "results": results}, indent=1) + "\n"),
                          (".md", "\n".join(md))):
-        tmp = args.out.with_name(args.out.name + suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(args.out.with_name(args.out.name + suffix))
+        write_atomic(args.out.with_name(args.out.name + suffix), text)
     print("\n".join(md))
 
 

@@ -12,6 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
+from specblock.atomic import write_atomic
 from specblock.sim.latency import CalibratedLatency, LatencyMeasurements
 
 
@@ -38,9 +39,7 @@ def main() -> None:
     md += [f"| {r['n']} | {r['T_n_ms']:.2f} | {r['T_n_over_T1']:.2f} | {r['tau_needed']:.2f} |" for r in rows]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for suffix, text in ((".json", json.dumps(result, indent=1) + "\n"), (".md", "\n".join(md) + "\n")):
-        tmp = args.out.with_name(args.out.name + suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(args.out.with_name(args.out.name + suffix))
+        write_atomic(args.out.with_name(args.out.name + suffix), text)
     print("\n".join(md))
 
 

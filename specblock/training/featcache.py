@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specblock.models.convert import sha256
 from specblock.errors import SpecBlockError
 
 FILES = ("tokens", "offsets", "prompt_lens", "taps", "top", "topk_ids", "topk_logp")
@@ -57,12 +58,6 @@ def target_identity(target_dir: Path) -> dict:
     return {"name": target_dir.name, "weights_sha256": h.hexdigest()}
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -129,7 +124,7 @@ def write_shard(out_dir: Path, model, rows: list[dict], taps: tuple[int, ...], k
     info = {"sequences": len(seqs), "tokens": int(arrays["tokens"].size),
             "answer_tokens": int(sum(len(r["answer_ids"]) for r in rows)),
             "bytes": int(sum((tmp / f"{n}.npy").stat().st_size for n in FILES)),
-            "sha256": {n: _file_sha256(tmp / f"{n}.npy") for n in FILES}}
+            "sha256": {n: sha256(tmp / f"{n}.npy") for n in FILES}}
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return info
@@ -184,7 +179,7 @@ class FeatureCache:
         """Recompute every file's sha256 against the manifest (one line naming the first bad file)."""
         for name in self.names:
             for f, digest in self.manifest["shards"][name]["sha256"].items():
-                if _file_sha256(self.root / name / f"{f}.npy") != digest:
+                if sha256(self.root / name / f"{f}.npy") != digest:
                     raise SpecBlockError(f"{self.root / name / f}.npy does not match its checksum; delete "
                                          f"{self.root / name} and rerun featcache to rebuild it")
 
