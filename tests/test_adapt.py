@@ -14,13 +14,13 @@ import torch
 
 from specblock.policies.branching import RankBucketBranching
 from specblock.runtime.adapt import Adapter, AdaptSettings, block1_rows
-from specblock.runtime.cli import main
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
 from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
 from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel, default_taps
 from specblock.training.specblock_step import first_block, target_pass
 from tiny import hf_greedy, save_tiny, tiny_model
+from tiny import run_cli as cli
 
 V = 32
 GOOD_BUCKETS = torch.tensor([0.0, 0.0, 20.0, 0.0])  # always b2: wide trees, tau well above 1
@@ -194,11 +194,6 @@ def dirs(tmp_path_factory):
     prompts_file.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("abcabc", "hello there", "def f(x):")))
     return target_dir, root / "drafter", prompts_file
 
-
-def cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_cli_adapt_json_reports_windows_and_stays_identical(dirs, capsys):

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from specblock.runtime.cli import main
 from tiny import save_tiny
+from tiny import run_cli as run
 
 REQUIRED = {"method", "token_ids", "text", "new_tokens", "iterations", "tau", "tokens_per_s", "draft_share", "wall_s"}
 
@@ -16,11 +16,6 @@ REQUIRED = {"method", "token_ids", "text", "new_tokens", "iterations", "tau", "t
 def model_dir(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("tiny") / "m", "llama", vocab=96, ctx=64)
 
-
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_json_single_prompt_with_compare(model_dir, capsys):

@@ -10,19 +10,14 @@ import pytest
 from specblock.atomic import AtomicFiles, atomic_open, check_output, write_atomic
 from specblock.errors import SpecBlockError
 from specblock.runtime import bench
-from specblock.runtime.cli import main
 from tiny import save_tiny
+from tiny import run_cli as cli
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("out") / "m", "llama", vocab=96, ctx=2048)
 
-
-def cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def leftovers(d: Path) -> list[str]:

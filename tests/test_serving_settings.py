@@ -5,9 +5,9 @@ import json
 import shutil
 
 from specblock.runtime import drafters
-from specblock.runtime.cli import main
 from specblock.runtime.config import DEFAULT_DRAFTERS, DEFAULT_TARGET
 from specblock.runtime.target import TargetModel
+from tiny import run_cli as run
 
 
 def drafter_copy(tmp_path, serving: dict | str | None):
@@ -28,11 +28,6 @@ def test_serving_json_under_explicit_options(tmp_path):
     assert got["budget"] == 7 and got["M"] == 1
     assert drafters.serving_settings("lookup", target, {"budget": None}) == {}  # untrained methods: no file
 
-
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_cli_uses_the_drafters_budget_unless_told(tmp_path, capsys):

@@ -111,3 +111,12 @@ def perturb(net, noise: float) -> None:
         for p in net.parameters():
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * noise)
+
+
+def run_cli(capsys, *argv):
+    """``python -m specblock.runtime ARGV`` in-process: (exit status, stdout, stderr)."""
+    from specblock.runtime.cli import main
+
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
