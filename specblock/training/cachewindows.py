@@ -5,6 +5,8 @@ over all training tokens (shards weighted by size); like the lab corpus' windows
 sequence boundary, where the target's features restart with the new sequence's own context.
 Soft targets are the cached top-k renormalised (over the draft vocabulary when the drafter has
 one), so no V-sized tensor is ever built. Held-out windows come from the chatgen held-out shards.
+The hidden state handed to the step is the recipe's (``Recipe.cached``): the tap layers' for the
+feature drafters (a ``TargetPass``), the target's top state for Medusa (a ``MedusaPass``).
 """
 
 from __future__ import annotations
@@ -14,12 +16,18 @@ import torch
 
 from specblock.errors import SpecBlockError
 from specblock.training.featcache import FeatureCache, as_tensor
+from specblock.training.medusa_step import MedusaPass
 from specblock.training.specblock_step import TargetPass, to_draft_vocab
+
+#: Cached array -> the step input built around it (both: tokens, features, e_target, y_star, y_ok).
+PASSES = {"taps": TargetPass, "top": MedusaPass}
 
 
 class CacheWindows:
-    def __init__(self, cache: FeatureCache, window: int, seed: int = 0) -> None:
-        self.cache, self.window = cache, window
+    def __init__(self, cache: FeatureCache, window: int, seed: int = 0, feature: str = "taps") -> None:
+        if feature not in PASSES:
+            raise SpecBlockError(f"the feature cache holds no {feature!r} for training; use one of {', '.join(PASSES)}")
+        self.cache, self.window, self.feature = cache, window, feature
         self.rng = np.random.default_rng(seed)
         self._open: dict = {}
         self._index()
@@ -49,23 +57,23 @@ class CacheWindows:
             self._open[name] = self.cache.shard(name)
         return self._open[name]
 
-    def _passes(self, spans: list[tuple[str, int]], net) -> TargetPass:
+    def _passes(self, spans: list[tuple[str, int]], net) -> TargetPass | MedusaPass:
         w = self.window
         sh = [self._shard(n) for n, _ in spans]
         tokens = torch.from_numpy(np.stack([s.tokens[a:a + w] for s, (_, a) in zip(sh, spans)]).astype(np.int64))
-        taps = torch.stack([as_tensor(s.taps[a:a + w], s.bf16) for s, (_, a) in zip(sh, spans)]).float()
+        feats = torch.stack([as_tensor(getattr(s, self.feature)[a:a + w], s.bf16) for s, (_, a) in zip(sh, spans)]).float()
         ids = torch.from_numpy(np.stack([s.topk_ids[a:a + w] for s, (_, a) in zip(sh, spans)]).astype(np.int64))
         probs = torch.from_numpy(np.stack([s.topk_logp[a:a + w] for s, (_, a) in zip(sh, spans)])).float().exp()
         with torch.no_grad():
             e_target, y_star, y_ok = to_draft_vocab(probs, ids, net.lm_head.weight, net.t2d())
-        return TargetPass(tokens, taps, e_target, y_star, None if net.cfg.draft_vocab is None else y_ok)
+        return PASSES[self.feature](tokens, feats, e_target, y_star, None if net.cfg.draft_vocab is None else y_ok)
 
-    def batch(self, n: int, net) -> TargetPass:
+    def batch(self, n: int, net) -> TargetPass | MedusaPass:
         picks = self.rng.choice(len(self.train), size=n, p=self.sizes / self.sizes.sum())
         spans = [(self.train[i], int(self.rng.integers(0, int(self.sizes[i]) - self.window))) for i in picks]
         return self._passes(spans, net)
 
-    def heldout(self, n: int, net) -> TargetPass:
+    def heldout(self, n: int, net) -> TargetPass | MedusaPass:
         """``n`` fixed, evenly spaced windows over the held-out shards (the same at every evaluation)."""
         spans = []
         for j in range(n):

@@ -51,10 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, help="export the drafter (safetensors + config) here when done")
     ap.add_argument("--data", default="lab", help="'lab' (the shipped corpus) or a JSONL file with a 'text' field")
     ap.add_argument("--features", type=Path, default=None,
-                    help="specblock: train from a feature cache (python -m specblock.training featcache) instead of "
+                    help="specblock, eagle3, medusa: train from a feature cache (python -m specblock.training featcache) instead of "
                          "running the target per step; --data is then unused")
     ap.add_argument("--draft-vocab", type=int, default=None,
-                    help="specblock: LM-head rows = the N most frequent tokens of the training data (default: all)")
+                    help="specblock, eagle3, medusa: LM-head rows = the N most frequent tokens of the training data (default: all)")
     ap.add_argument("--vocab-corpus", type=float, default=0.0,
                     help="with --features: share of the shared-data corpus (human text of the same domains) in the "
                          "token frequencies behind --draft-vocab; the rest is the cached answers")
@@ -170,8 +170,8 @@ def train(args) -> None:
     from specblock.models import resolve_target
 
     args.target = resolve_target(args.target)  # a registry name (smollm2-135m-instruct) or a directory
-    if (args.features or args.draft_vocab) and args.method != "specblock":
-        raise SpecBlockError("--features and --draft-vocab are wired for --method specblock only so far")
+    if (args.features or args.draft_vocab) and recipe.cached is None:
+        raise SpecBlockError(f"--features and --draft-vocab are wired for --method {', '.join(recipes.with_cache())} only so far")
     target = load_causal_lm(args.target, "bfloat16", str(device.type), "sdpa", False).to(device).eval()
     for p in target.parameters():
         p.requires_grad_(False)
@@ -179,7 +179,8 @@ def train(args) -> None:
         from specblock.training.cachewindows import CacheWindows
         from specblock.training.featcache import FeatureCache
 
-        source = CacheWindows(FeatureCache(args.features, args.target), args.window, seed=args.seed + 1000 * rank)
+        source = CacheWindows(FeatureCache(args.features, args.target), args.window, seed=args.seed + 1000 * rank,
+                              feature=recipe.cached)
     else:
         source = WindowSource(args.data, args.target, args.window, seed=args.seed + 1000 * rank)
     args.d2t = _draft_vocab(args, source, target.config.vocab_size) if args.draft_vocab else None
@@ -206,7 +207,7 @@ def train(args) -> None:
         if main_proc:
             print(f"resumed from step {step}", flush=True)
     source.rng = np.random.default_rng(args.seed + 1000 * rank + step)  # a resumed run draws new windows
-    heldout = source.heldout(8, net) if args.features else source.heldout(8).to(device)
+    heldout = (source.heldout(8, net) if args.features else source.heldout(8)).to(device)
     gen = torch.Generator(device=device).manual_seed(args.seed + rank + step)
     stop = {"flag": False}
 

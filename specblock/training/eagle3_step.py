@@ -10,8 +10,10 @@ itself. Rows whose chain would start before the window (p < d-1) are masked out 
 
 Choices: tokens along a chain are teacher-forced from the window (EAGLE-3 does the same); the
 step losses are weighted 0.8^(d-1) (EAGLE-3's public training code); every position is
-supervised (no valid-prefix mask: EAGLE-3 has none); soft targets come from the target as for
-SpecBlock, through the ``lse - <h, E_p*[W]>`` identity with the frozen, shared LM head.
+supervised (no valid-prefix mask: EAGLE-3 has none) except, under a draft vocabulary, one whose
+target argmax has no head row (it can never be drafted right; ``TargetPass.y_ok``); soft targets
+come from the target as for SpecBlock, through the ``lse - <h, E_p*[W]>`` identity with the
+frozen, shared LM head (its draft-vocabulary rows).
 """
 
 from __future__ import annotations
@@ -64,16 +66,17 @@ def eagle3_step(net: Eagle3Net, tp: TargetPass, steps: int) -> Eagle3Result:
     r, dev = w - 1, tp.tokens.device
     p = torch.arange(r, device=dev)
     e_t, y_t = tp.e_target[:, 1:], tp.y_star[:, 1:]  # the distribution at p+1 predicts x_{p+2}
+    y_ok = torch.ones_like(y_t, dtype=torch.bool) if tp.y_ok is None else tp.y_ok[:, 1:]
     loss = torch.zeros((), device=dev)
     top1, valid = [], []
     for d, s in enumerate(ttt_states(net, tp.taps, tp.tokens, steps), start=1):
         normed = net.normed(s)
         logits = net.lm_head(normed).float()
         ce = torch.logsumexp(logits, -1) - (normed.float() * e_t).sum(-1)  # [B, R]
-        ok = p >= d - 1
-        loss = loss + STEP_DECAY ** (d - 1) * (ce * ok).sum() / (ok.sum() * b).clamp_min(1)
-        top1.append(logits.detach().argmax(-1) == y_t)
-        valid.append(ok)
+        ok = (p >= d - 1) & y_ok  # [B, R]
+        loss = loss + STEP_DECAY ** (d - 1) * (ce * ok).sum() / ok.sum().clamp_min(1)
+        top1.append((logits.detach().argmax(-1) == y_t) & y_ok)
+        valid.append(p >= d - 1)
     return Eagle3Result(loss, top1, valid)
 
 

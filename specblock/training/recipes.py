@@ -32,6 +32,9 @@ class Recipe:
     prepare: Callable[[Any, torch.Tensor, torch.nn.Module, argparse.Namespace], Any]  # no grad
     step: Callable[[torch.nn.Module, Any, torch.Generator, argparse.Namespace, float], StepOut]
     evaluate: Callable[[torch.nn.Module, Any, torch.Tensor, argparse.Namespace], dict]
+    # The feature-cache array the step reads in place of a target pass ("taps" or "top"; the cache's
+    # top-k gives the soft targets), None: no --features and no --draft-vocab for this method.
+    cached: str | None = None
 
 
 RECIPES: dict[str, Recipe] = {}
@@ -45,6 +48,18 @@ def get(name: str) -> Recipe:
     if name not in RECIPES:
         raise SpecBlockError(f"unknown training method {name!r}; choose one of {', '.join(sorted(RECIPES))}")
     return RECIPES[name]
+
+
+def with_cache() -> list[str]:
+    """Methods that train from a feature cache and with a draft vocabulary."""
+    return sorted(name for name, r in RECIPES.items() if r.cached is not None)
+
+
+def _draft_vocab(net, args):
+    """Set the draft vocabulary (``args.d2t``, computed by the trainer) before the head is tied."""
+    if net.cfg.draft_vocab is not None:
+        net.set_vocab(torch.as_tensor(args.d2t))
+    return net
 
 
 def _rope_theta(tcfg) -> float:
@@ -62,9 +77,7 @@ def _specblock_build(target, args):
         tap_layers=default_taps(tcfg.num_hidden_layers), rope_theta=_rope_theta(tcfg), shift=args.shift,
         prefix_broadcast=args.prefix_broadcast, draft_vocab=getattr(args, "draft_vocab", None),
     )
-    net = SpecBlockNet(cfg)
-    if cfg.draft_vocab is not None:
-        net.set_vocab(torch.as_tensor(args.d2t))
+    net = _draft_vocab(SpecBlockNet(cfg), args)
     net.tie_to_target(target)
     return net
 
@@ -112,7 +125,7 @@ def _specblock_evaluate(net, target, windows, args) -> dict:
     return out
 
 
-register(Recipe("specblock", _specblock_build, _taps_pass, _specblock_step, _specblock_evaluate))
+register(Recipe("specblock", _specblock_build, _taps_pass, _specblock_step, _specblock_evaluate, "taps"))
 
 
 # --------------------------------------------------------------------------- eagle3
@@ -123,9 +136,9 @@ def _eagle3_build(target, args):
     cfg = Eagle3Config(
         vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size, num_heads=tcfg.num_attention_heads,
         intermediate_size=args.intermediate, tap_layers=default_taps(tcfg.num_hidden_layers),
-        rope_theta=_rope_theta(tcfg),
+        rope_theta=_rope_theta(tcfg), draft_vocab=getattr(args, "draft_vocab", None),
     )
-    net = Eagle3Net(cfg)
+    net = _draft_vocab(Eagle3Net(cfg), args)
     net.tie_to_target(target)
     return net
 
@@ -142,18 +155,20 @@ def _eagle3_step(net, tp, gen, args, progress):
 def _eagle3_evaluate(net, target, windows, args) -> dict:
     """Held-out chain acceptance per depth (top-1 right at every depth up to d)."""
     from specblock.training.eagle3_step import chain_acceptance, eagle3_step
-    from specblock.training.specblock_step import target_pass
+    from specblock.training.specblock_step import TargetPass, target_pass
 
     net.eval()
     accs = []
-    for chunk in windows.split(4):
-        res = eagle3_step(net, target_pass(target, chunk, tuple(net.cfg.tap_layers)), args.ttt_steps)
-        accs.append(chain_acceptance(res))
+    # windows: token windows (the target runs here) or a TargetPass already read from a feature cache
+    passes = windows.split(4) if isinstance(windows, TargetPass) else [
+        target_pass(target, chunk, tuple(net.cfg.tap_layers), net) for chunk in windows.split(4)]
+    for tp in passes:
+        accs.append(chain_acceptance(eagle3_step(net, tp, args.ttt_steps)))
     net.train()
     return {"chain_acc": [round(float(x), 4) for x in torch.tensor(accs).mean(0)]}
 
 
-register(Recipe("eagle3", _eagle3_build, _taps_pass, _eagle3_step, _eagle3_evaluate))
+register(Recipe("eagle3", _eagle3_build, _taps_pass, _eagle3_step, _eagle3_evaluate, "taps"))
 
 
 # --------------------------------------------------------------------------- medusa
@@ -161,7 +176,9 @@ def _medusa_build(target, args):
     from specblock.runtime.drafters.medusa import MedusaConfig, MedusaNet
 
     tcfg = target.config
-    net = MedusaNet(MedusaConfig(vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size, heads=args.heads))
+    cfg = MedusaConfig(vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size, heads=args.heads,
+                       draft_vocab=getattr(args, "draft_vocab", None))
+    net = _draft_vocab(MedusaNet(cfg), args)
     net.tie_to_target(target)
     return net
 
@@ -169,14 +186,14 @@ def _medusa_build(target, args):
 def _medusa_prepare(target, tokens, net, args):
     from specblock.training.medusa_step import medusa_pass
 
-    return medusa_pass(target, tokens)
+    return medusa_pass(target, tokens, net)
 
 
 def _medusa_step(net, mp, gen, args, progress):
     from specblock.training.medusa_step import medusa_step
 
     res = medusa_step(net, mp, args.hard_labels)
-    h0 = float(res.top1[..., 0][:, res.valid[:, 0]].float().mean())
+    h0 = float(res.top1[..., 0][res.valid[..., 0]].float().mean())
     return StepOut(res.loss, {"top1_h0": f"{h0:.2f}"})
 
 
@@ -184,19 +201,22 @@ def _medusa_step(net, mp, gen, args, progress):
 def _medusa_evaluate(net, target, windows, args) -> dict:
     """Per-head top-1 on held-out text, and the per-(head, rank) accuracy table that calibrates
     the static tree: written into the network's config, so the exported drafter carries it."""
-    from specblock.training.medusa_step import medusa_pass, medusa_step, rank_accuracy
+    from specblock.training.medusa_step import MedusaPass, medusa_pass, medusa_step, rank_accuracy
 
     net.eval()
     tables = []
-    for chunk in windows.split(4):
-        tables.append(rank_accuracy(medusa_step(net, medusa_pass(target, chunk), args.hard_labels), net.cfg.top_k))
+    # windows: token windows (the target runs here) or a MedusaPass already read from a feature cache
+    passes = windows.split(4) if isinstance(windows, MedusaPass) else [
+        medusa_pass(target, chunk, net) for chunk in windows.split(4)]
+    for mp in passes:
+        tables.append(rank_accuracy(medusa_step(net, mp, args.hard_labels), net.cfg.top_k))
     net.train()
     acc = torch.stack(tables).mean(0)
     net.cfg.rank_acc = [[round(float(x), 5) for x in row] for row in acc]
     return {"head_top1": [round(float(x), 4) for x in acc[:, 0]], "head_top5": [round(float(x), 4) for x in acc[:, :5].sum(1)]}
 
 
-register(Recipe("medusa", _medusa_build, _medusa_prepare, _medusa_step, _medusa_evaluate))
+register(Recipe("medusa", _medusa_build, _medusa_prepare, _medusa_step, _medusa_evaluate, "top"))
 
 
 # --------------------------------------------------------------------------- sps

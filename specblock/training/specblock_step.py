@@ -8,7 +8,7 @@ token at that depth (cross-block training, so training sees what inference feeds
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -16,23 +16,30 @@ from specblock.runtime.drafters.specblock_net import SpecBlockNet
 from specblock.training.losses import BlockLoss, block_loss
 
 
+class Batched:
+    """Moving and chunking a dataclass of per-window tensors (any field may be None)."""
+
+    def _parts(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def to(self, device):
+        return type(self)(*(None if t is None else t.to(device) for t in self._parts()))
+
+    def split(self, n: int) -> list:
+        """Chunks of ``n`` windows (held-out evaluation runs in small batches)."""
+        parts = self._parts()
+        chunks = len(parts[0].split(n))
+        cut = lambda t: [None] * chunks if t is None else list(t.split(n))
+        return [type(self)(*row) for row in zip(*(cut(t) for t in parts))]
+
+
 @dataclass
-class TargetPass:
+class TargetPass(Batched):
     tokens: torch.Tensor  # [B, W]
     taps: torch.Tensor  # [B, W, n_taps*h]
     e_target: torch.Tensor  # [B, W, h] float: E_{v ~ p*}[W_v], p* the target's next-token distribution
     y_star: torch.Tensor  # [B, W] the target's argmax next token (a head row under a draft vocabulary)
     y_ok: torch.Tensor | None = None  # [B, W] bool: that token is in the draft vocabulary (None: all are)
-
-    def to(self, device) -> "TargetPass":
-        mv = lambda t: None if t is None else t.to(device)
-        return TargetPass(mv(self.tokens), mv(self.taps), mv(self.e_target), mv(self.y_star), mv(self.y_ok))
-
-    def split(self, n: int) -> list["TargetPass"]:
-        """Chunks of ``n`` windows (held-out evaluation runs in small batches)."""
-        cut = lambda t: [None] * len(self.tokens.split(n)) if t is None else list(t.split(n))
-        return [TargetPass(*parts) for parts in zip(*(cut(t) for t in (self.tokens, self.taps, self.e_target,
-                                                                          self.y_star, self.y_ok)))]
 
 
 def to_draft_vocab(e_probs: torch.Tensor, ids: torch.Tensor, head_rows: torch.Tensor, t2d: torch.Tensor):
@@ -48,23 +55,26 @@ def to_draft_vocab(e_probs: torch.Tensor, ids: torch.Tensor, head_rows: torch.Te
     return e_target, rows[..., 0].clamp_min(0), keep[..., 0]
 
 
-@torch.no_grad()
-def target_pass(model, tokens: torch.Tensor, tap_layers: tuple[int, ...], net=None) -> TargetPass:
-    """Features and soft targets in the target's own dtype (the one it serves in), so the
-    drafter trains on the features it will see at inference. The V-sized distribution is
-    reduced at once to its expectation over the (shared, frozen) LM head rows; under a draft
-    vocabulary (``net.cfg.draft_vocab``) to the N rows the drafter has."""
-    out = model(input_ids=tokens, output_hidden_states=True)
-    taps = torch.cat([out.hidden_states[i] for i in tap_layers], dim=-1).float()
-    p_star = torch.softmax(out.logits.float(), dim=-1)
+def soft_targets(logits: torch.Tensor, model, net=None):
+    """The target's next-token distribution reduced at once to its expectation over the (shared,
+    frozen) LM-head rows, its argmax, and whether that has a head row; under a draft vocabulary
+    (``net.cfg.draft_vocab``) over the N rows the drafter has, argmax as a head row (else None)."""
+    p_star = torch.softmax(logits.float(), dim=-1)
     if net is not None and getattr(net.cfg, "draft_vocab", None) is not None:
         p = p_star[..., net.d2t]
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-20)
-        y = out.logits.argmax(-1)
-        rows = net.t2d()[y]
-        return TargetPass(tokens, taps, p @ net.lm_head.weight.float(), rows.clamp_min(0), rows >= 0)
-    e_target = p_star @ model.get_output_embeddings().weight.float()
-    return TargetPass(tokens, taps, e_target, out.logits.argmax(-1))
+        rows = net.t2d()[logits.argmax(-1)]
+        return p @ net.lm_head.weight.float(), rows.clamp_min(0), rows >= 0
+    return p_star @ model.get_output_embeddings().weight.float(), logits.argmax(-1), None
+
+
+@torch.no_grad()
+def target_pass(model, tokens: torch.Tensor, tap_layers: tuple[int, ...], net=None) -> TargetPass:
+    """Features and soft targets in the target's own dtype (the one it serves in), so the
+    drafter trains on the features it will see at inference (soft targets: :func:`soft_targets`)."""
+    out = model(input_ids=tokens, output_hidden_states=True)
+    taps = torch.cat([out.hidden_states[i] for i in tap_layers], dim=-1).float()
+    return TargetPass(tokens, taps, *soft_targets(out.logits, model, net))
 
 
 def _gather_positions(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,8 @@ ancestors), each offering its own top ``top_k``; after ``depth`` steps the tree 
 node budget by cumulative log-prob (``DynamicBranching.prune``).
 
 Choices the papers leave open or that we simplify ("-style"): the draft vocabulary is the target's
-full vocabulary and the LM head is the target's, frozen and not saved (EAGLE-3 trains its own head
-over a reduced, frequency-selected vocabulary); the fed-back state is the layer output before the
+full one or, with ``draft_vocab``, EAGLE-3's reduced frequency-selected one (``draftvocab.py``), but
+the LM head rows are the target's, frozen and not saved (EAGLE-3 trains its own head); the fed-back state is the layer output before the
 final norm; feature and embedding are RMS-normed separately and mixed by one ``Linear(2h -> h)``
 into the residual stream of a standard pre-norm layer (EAGLE-3 keeps the feature as residual and
 widens q/k/v to 2h); RoPE positions continue the sequence's (g_p at position p); the first token
@@ -36,6 +36,7 @@ from specblock.policies.branching import DynamicBranching, TreePolicy, expand
 from specblock.policies.seeds import SeedPolicy, TopScoreSeeds
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
+from specblock.runtime.drafters.draftvocab import DraftVocab, DraftVocabSize
 from specblock.runtime.drafters.layers import DecoderLayer, FusedInputHeads, RMSNorm, flat_kv
 from specblock.runtime.drafters.netio import load_net, save_net, tie_frozen
 from specblock.runtime.target import TargetModel, TargetOutput
@@ -56,9 +57,10 @@ class Eagle3Config(BaseModel):
     rms_eps: float = 1e-6
     depth: int = Field(6, ge=1)  # serving defaults, overridable per run
     top_k: int = Field(8, ge=1)
+    draft_vocab: DraftVocabSize = None  # LM-head rows (a token outside them is never drafted); None = all
 
 
-class Eagle3Net(FusedInputHeads, nn.Module):
+class Eagle3Net(FusedInputHeads, DraftVocab, nn.Module):
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
         self.cfg = cfg
@@ -69,7 +71,7 @@ class Eagle3Net(FusedInputHeads, nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layer = DecoderLayer(h, cfg.num_heads, cfg.intermediate_size, cfg.rope_theta, cfg.rms_eps)
         self.norm = RMSNorm(h, cfg.rms_eps)
-        self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
+        self.lm_head = self.draft_head(h)
 
     # ----------------------------------------------------------------- files
     def save(self, path: str | Path) -> None:
@@ -148,8 +150,9 @@ class Eagle3Drafter(Drafter):
 
     # ---------------------------------------------------------------- drafting
     def _top(self, states: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        top = torch.log_softmax(self.net.logits(states), -1).topk(self.top_k, dim=-1)
-        return top.indices.cpu().numpy(), top.values.cpu().numpy()
+        logits = self.net.logits(states)
+        top = torch.log_softmax(logits, -1).topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        return self.net.token_ids(top.indices).cpu().numpy(), top.values.cpu().numpy()  # head rows -> token ids
 
     @torch.no_grad()
     def propose(self, req: DraftRequest) -> DraftTree:

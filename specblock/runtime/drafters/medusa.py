@@ -14,7 +14,7 @@ held-out data; ``rank_acc`` in the config holds them (the trainer writes them at
 Verification is the project's lossless one, never Medusa's "typical acceptance".
 
 Choices: the LM head is the target's, frozen and shared by all heads (Medusa-1 gives each head a
-trainable copy, initialised from it); without calibration the prior accuracy of (head i, rank r)
+trainable copy, initialised from it), optionally cut to a draft vocabulary (``draftvocab.py``); without calibration the prior accuracy of (head i, rank r)
 is ``0.6 * 0.8**i * 0.5**r`` (our placeholder, so an untrained drafter still builds a sensible
 tree); the first token of a one-token prompt gets no draft (no target state yet).
 """
@@ -32,6 +32,7 @@ from torch import nn
 from specblock.policies.static_tree import static_tree
 from specblock.policies.tree import NO_BUCKET, DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
+from specblock.runtime.drafters.draftvocab import DraftVocab, DraftVocabSize
 from specblock.runtime.drafters.netio import load_net, save_net, tie_frozen
 from specblock.runtime.target import TargetModel, TargetOutput
 from specblock.runtime.verify import Verdict
@@ -47,6 +48,7 @@ class MedusaConfig(BaseModel):
     heads: int = Field(4, ge=1)
     top_k: int = Field(10, ge=1)  # candidates per head the static tree may use
     rank_acc: list[list[float]] | None = None  # [heads, top_k] calibrated accuracy of each (head, rank)
+    draft_vocab: DraftVocabSize = None  # LM-head rows (a token outside them is never drafted); None = all
 
     def accuracy_table(self) -> np.ndarray:
         if self.rank_acc is not None:
@@ -56,7 +58,7 @@ class MedusaConfig(BaseModel):
         return 0.6 * 0.8 ** np.arange(self.heads)[:, None] * 0.5 ** np.arange(self.top_k)[None, :]
 
 
-class MedusaNet(nn.Module):
+class MedusaNet(DraftVocab, nn.Module):
     def __init__(self, cfg: MedusaConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -65,7 +67,7 @@ class MedusaNet(nn.Module):
         with torch.no_grad():
             for lin in self.res:
                 lin.weight.zero_()
-        self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
+        self.lm_head = self.draft_head(h)
 
     def states(self, top: torch.Tensor) -> torch.Tensor:
         """[..., h] -> [..., heads, h]."""
@@ -122,7 +124,7 @@ class MedusaDrafter(Drafter):
         if self.top is None or req.budget < 1 or req.max_depth < 1:
             return DraftTree.root_only(root)
         top = torch.log_softmax(self.net.logits(self.top.to(self.net.lm_head.weight.dtype))[0], -1).topk(self.net.cfg.top_k, -1)
-        ids, lps = top.indices.cpu().numpy(), top.values.cpu().numpy()  # [heads, k]
+        ids, lps = self.net.token_ids(top.indices).cpu().numpy(), top.values.cpu().numpy()  # [heads, k] token ids
         parent, depth, rank = self.tree_shape(req.budget)
         head = np.maximum(depth - 1, 0)
         r = np.maximum(rank, 0)

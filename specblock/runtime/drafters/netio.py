@@ -18,6 +18,7 @@ from torch import nn
 
 from specblock.atomic import AtomicFiles
 from specblock.errors import SpecBlockError
+from specblock.runtime.drafters.draftvocab import DraftVocab
 
 #: Module attribute -> how to get the tensor from the target model.
 TARGET_TENSORS = {
@@ -26,12 +27,18 @@ TARGET_TENSORS = {
 }
 
 
+def from_target(net: nn.Module, name: str, target_model) -> torch.Tensor:
+    """The target's tensor for ``net``'s parameter ``name``: a reduced head takes rows ``W[d2t]``."""
+    t = TARGET_TENSORS[name](target_model)
+    return net.head_rows(t) if name == "lm_head.weight" and isinstance(net, DraftVocab) else t
+
+
 def tie_frozen(net: nn.Module, target_model, names: tuple[str, ...]) -> None:
     """Copy (not share) the named target tensors into ``net`` and freeze them."""
     params = dict(net.named_parameters())
     with torch.no_grad():
         for name in names:
-            params[name].copy_(TARGET_TENSORS[name](target_model))
+            params[name].copy_(from_target(net, name, target_model))
             params[name].requires_grad_(False)
 
 
@@ -106,7 +113,9 @@ def load_net(net_cls, cfg_cls, path: str | Path, kind: str, label: str, target_m
             f"the target has {emb.shape[0]} / {emb.shape[1]}; train a drafter for this target"
         )
     net = net_cls(cfg)
-    load_weights(net, path, {name: TARGET_TENSORS[name](target_model).detach().float() for name in frozen}, label)
+    if isinstance(net, DraftVocab):
+        net.load_vocab(path, label)  # the head rows below are gathered with the saved map
+    load_weights(net, path, {name: from_target(net, name, target_model).detach().float() for name in frozen}, label)
     for name, p in net.named_parameters():
         if name in frozen:
             p.requires_grad_(False)

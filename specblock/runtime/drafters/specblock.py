@@ -109,7 +109,7 @@ class SpecBlockDrafter(Drafter):
         logits, rank = self.net.heads(hq[0])
         top = torch.log_softmax(logits.float(), -1).topk(self.net.cfg.top_k, dim=-1)
         # Head rows to target ids (a reduced draft vocabulary): nothing outside it is ever drafted.
-        ids = top.indices if self.net.cfg.draft_vocab is None else self.net.d2t[top.indices]
+        ids = self.net.token_ids(top.indices)
         # One device->host copy for all three: pack ids and buckets beside the log-probs.
         packed = torch.cat([top.values, ids.float(), rank.argmax(-1, keepdim=True).float()], -1).cpu().numpy()
         k = self.net.cfg.top_k

@@ -27,25 +27,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from specblock.errors import SpecBlockError
+from specblock.runtime.drafters.draftvocab import DraftVocab, DraftVocabSize
 from specblock.runtime.drafters.layers import DecoderLayer, RMSNorm, flat_kv, rope_cos_sin
 from specblock.runtime.drafters.netio import load_weights, read_config, save_net
 
 N_STATS = 15
 
 
-def _read_d2t(path: Path, n: int, vocab: int) -> torch.Tensor:
-    """The saved draft-vocabulary map, checked before the head rows are gathered with it."""
-    from safetensors import safe_open
-
-    f = Path(path) / "model.safetensors"
-    try:
-        with safe_open(str(f), "pt") as fh:
-            d2t = fh.get_tensor("d2t").long()
-    except Exception as e:  # noqa: BLE001 - missing key, truncated file
-        raise SpecBlockError(f"cannot read the draft vocabulary (d2t) from {f} ({type(e).__name__}); re-export the SpecBlock drafter") from None
-    if d2t.shape != (n,) or int(d2t.min()) < 0 or int(d2t.max()) >= vocab:
-        raise SpecBlockError(f"{f}: d2t does not fit draft_vocab {n} / vocab {vocab}; re-export the SpecBlock drafter")
-    return d2t
 FROZEN_FROM_TARGET = ("embed.weight", "lm_head.weight")
 
 
@@ -68,7 +56,7 @@ class SpecBlockConfig(BaseModel):
     # LM-head rows: the N most frequent target tokens (EAGLE-3's reduced draft vocabulary; the
     # ``d2t`` map is saved with the weights), None = the target's whole vocabulary. A token outside
     # it is never drafted; the head's cost shrinks by V / N, and it runs K x M times per step.
-    draft_vocab: int | None = Field(None, gt=0)
+    draft_vocab: DraftVocabSize = None
 
 
 def rank_stats(logits: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,7 +73,7 @@ def rank_stats(logits: torch.Tensor, lse: torch.Tensor | None = None) -> torch.T
     return torch.cat([top, gaps, top[..., :1].exp(), entropy[..., None]], dim=-1)
 
 
-class SpecBlockNet(nn.Module):
+class SpecBlockNet(DraftVocab, nn.Module):
     def __init__(self, cfg: SpecBlockConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -103,27 +91,8 @@ class SpecBlockNet(nn.Module):
                 s.weight.zero_()
                 s.weight[:, :h].copy_(torch.eye(h))
         self.norm = RMSNorm(h, cfg.rms_eps)
-        n = cfg.draft_vocab or cfg.vocab_size
-        if n > cfg.vocab_size or n < cfg.top_k:
-            raise SpecBlockError(f"draft_vocab {n} must lie between top_k {cfg.top_k} and the vocabulary {cfg.vocab_size}")
-        self.lm_head = nn.Linear(h, n, bias=False)
-        # head row -> target token id; saved only for a reduced vocabulary (identity otherwise)
-        self.register_buffer("d2t", torch.arange(n), persistent=cfg.draft_vocab is not None)
+        self.lm_head = self.draft_head(h)  # and d2t: head row -> target id (draftvocab.py)
         self.rank_head = nn.Sequential(nn.Linear(h + N_STATS, cfg.rank_hidden), nn.SiLU(), nn.Linear(cfg.rank_hidden, 4))
-
-    # ----------------------------------------------------------------- draft vocabulary
-    def set_vocab(self, d2t: torch.Tensor) -> None:
-        """Head rows for these target ids (distinct, ascending); call before ``tie_to_target``."""
-        d2t = torch.as_tensor(d2t, dtype=torch.long)
-        if d2t.shape != self.d2t.shape or d2t.unique().numel() != d2t.numel() or int(d2t.max()) >= self.cfg.vocab_size:
-            raise SpecBlockError(f"a draft vocabulary needs {self.d2t.numel()} distinct ids below {self.cfg.vocab_size}")
-        self.d2t.copy_(d2t)
-
-    def t2d(self) -> torch.Tensor:
-        """Target id -> head row, -1 outside the draft vocabulary."""
-        out = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
-        out[self.d2t] = torch.arange(self.d2t.numel(), device=self.d2t.device)
-        return out
 
     # ----------------------------------------------------------------- pieces
     def g_from_target(self, taps: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
@@ -225,11 +194,8 @@ class SpecBlockNet(nn.Module):
                 f"the target has {target_embed.shape[0]} / {target_embed.shape[1]}; train a drafter for this target"
             )
         net = cls(cfg)
-        head = target_lm_head.detach().float()
-        if cfg.draft_vocab is not None:
-            d2t = _read_d2t(path, cfg.draft_vocab, cfg.vocab_size)
-            net.d2t.copy_(d2t)
-            head = head[d2t]
+        net.load_vocab(path, "SpecBlock")
+        head = net.head_rows(target_lm_head.detach().float())
         load_weights(net, path, {"embed.weight": target_embed.detach().float(), "lm_head.weight": head}, "SpecBlock")
         return net.eval()
 
@@ -265,6 +231,6 @@ class SpecBlockNet(nn.Module):
         """Copy (not share) the target's embedding and LM head, frozen: training never moves them."""
         with torch.no_grad():
             self.embed.weight.copy_(target_model.get_input_embeddings().weight)
-            self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[self.d2t])
+            self.lm_head.weight.copy_(self.head_rows(target_model.get_output_embeddings().weight))
         self.embed.weight.requires_grad_(False)
         self.lm_head.weight.requires_grad_(False)

@@ -1,0 +1,120 @@
+"""Draft vocabulary and feature-cache training for EAGLE-3 and Medusa (issue 14): a reduced head
+stays lossless, never drafts a token outside its map, round-trips with its map, masks targets
+outside it in training, and both methods train from a feature cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from specblock.runtime.drafters.base import DraftRequest
+from specblock.runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Net
+from specblock.runtime.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaNet
+from specblock.runtime.engine import Engine
+from specblock.runtime.target import TargetModel, load_causal_lm
+from specblock.training.eagle3_step import eagle3_step
+from specblock.training.medusa_step import medusa_pass, medusa_step
+from specblock.training.specblock_step import target_pass
+from tests.test_featcache import _fake_chatgen
+from tests.tiny import hf_greedy, perturb, save_tiny, tiny_model
+
+V, N = 32, 12
+DRAFTERS = {"eagle3": Eagle3Drafter, "medusa": MedusaDrafter}
+
+
+def make(method: str, seed: int = 0, draft_vocab: int | None = N):
+    model = tiny_model("llama", vocab=V, seed=seed, layers=3)
+    target = TargetModel(model)
+    torch.manual_seed(seed)
+    if method == "eagle3":
+        net = Eagle3Net(Eagle3Config(vocab_size=V, hidden_size=32, num_heads=4, intermediate_size=64,
+                                     tap_layers=target.tap_layers, top_k=4, draft_vocab=draft_vocab))
+    else:
+        net = MedusaNet(MedusaConfig(vocab_size=V, hidden_size=32, heads=3, top_k=4, draft_vocab=draft_vocab))
+    if draft_vocab is not None:
+        net.set_vocab(torch.as_tensor(np.sort(np.random.default_rng(seed).choice(V, draft_vocab, replace=False))))
+    net.tie_to_target(model)
+    perturb(net, 0.3)
+    return model, target, net.eval()
+
+
+@pytest.mark.parametrize("method", sorted(DRAFTERS))
+def test_reduced_head_is_lossless_and_drafts_only_its_tokens(method):
+    model, target, net = make(method, seed=1)
+    allowed = set(net.d2t.tolist())
+    target.want_features = True
+    rng = np.random.default_rng(0)
+    for length in (1, 5, 13):
+        prompt = rng.integers(2, V, length)
+        res = Engine(target, DRAFTERS[method](net), budget=12).generate(prompt, 30)
+        assert res.token_ids == hf_greedy(model, prompt, 30)
+        d = DRAFTERS[method](net)
+        d.prefill(prompt, target.prefill(prompt[:-1]))
+        tree = d.propose(DraftRequest(tokens=prompt, budget=12, max_depth=20))
+        if length > 1:
+            assert tree.size > 1 and set(tree.tokens[1:].tolist()) <= allowed
+
+
+@pytest.mark.parametrize("method", sorted(DRAFTERS))
+def test_save_load_keeps_the_map(method, tmp_path):
+    model, target, net = make(method, seed=2)
+    net.save(tmp_path / "d")
+    loaded = DRAFTERS[method].load(tmp_path / "d", target).net
+    assert torch.equal(loaded.d2t, net.d2t) and loaded.lm_head.weight.shape == (N, 32)
+    torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight[net.d2t])
+    with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as fh:
+        assert fh.get_tensor("d2t").dtype == torch.int64 and "lm_head.weight" not in fh.keys()
+    # A full-vocabulary drafter keeps its old files: no d2t saved.
+    _, _, full = make(method, seed=2, draft_vocab=None)
+    full.save(tmp_path / "f")
+    with safe_open(str(tmp_path / "f" / "model.safetensors"), "pt") as fh:
+        assert "d2t" not in fh.keys()
+    assert DRAFTERS[method].load(tmp_path / "f", target).net.lm_head.weight.shape == (V, 32)
+
+
+@torch.no_grad()
+def test_targets_outside_the_vocab_are_not_supervised():
+    """Changing the soft target where the target's argmax has no head row changes neither loss."""
+    model, target, net = make("eagle3", seed=3)
+    tokens = torch.as_tensor(np.random.default_rng(0).integers(2, V, (2, 17)))
+    tp = target_pass(model, tokens, target.tap_layers, net)
+    assert not bool(tp.y_ok.all())
+    res = eagle3_step(net, tp, 3)
+    tp.e_target[~tp.y_ok] = 1e3
+    assert float(eagle3_step(net, tp, 3).loss) == pytest.approx(float(res.loss))
+    assert not bool(res.top1[0][~tp.y_ok[:, 1:]].any())
+    model, target, mnet = make("medusa", seed=3)
+    mp = medusa_pass(model, tokens, mnet)
+    mres = medusa_step(mnet, mp)
+    mp.e_target[~mp.y_ok] = 1e3
+    assert float(medusa_step(mnet, mp).loss) == pytest.approx(float(mres.loss))
+    assert torch.isfinite(medusa_step(mnet, mp, hard=True).loss)
+
+
+@pytest.mark.parametrize("method", sorted(DRAFTERS))
+def test_trainer_from_a_feature_cache_with_a_draft_vocab(method, tmp_path):
+    from specblock.training.drafter import main as train_main
+    from specblock.training.featcache import build_cache
+
+    tdir = save_tiny(tmp_path / "t", layers=9)
+    data = tmp_path / "gen"
+    _fake_chatgen(data, tdir, shards=3)
+    model = load_causal_lm(tdir, "float32", "cpu", "sdpa", False).eval()
+    build_cache(data, tmp_path / "cache", tdir, model, k=4, log=lambda s: None)
+    out = tmp_path / "drafter"
+    train_main(["--method", method, "--target", str(tdir), "--features", str(tmp_path / "cache"), "--draft-vocab", "20",
+                "--run-dir", str(tmp_path / "run"), "--out", str(out), "--window", "17", "--batch", "2",
+                "--max-steps", "3", "--eval-every", "2", "--intermediate", "32", "--ttt-steps", "2", "--heads", "2",
+                "--threads", "1"])
+    target = TargetModel(model)
+    net = DRAFTERS[method].load(out, target).net
+    assert net.cfg.draft_vocab == 20 and net.lm_head.weight.shape[0] == 20
+    torch.testing.assert_close(net.lm_head.weight, model.lm_head.weight[net.d2t])
+    if method == "medusa":  # the held-out calibration from the cache reached the exported config
+        assert net.cfg.rank_acc is not None and len(net.cfg.rank_acc) == 2
+    target.want_features = True
+    prompt = np.arange(3, 12)
+    res = Engine(target, DRAFTERS[method](net), budget=12).generate(prompt, 20)
+    assert res.token_ids == hf_greedy(model, prompt, 20)
