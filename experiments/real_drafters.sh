@@ -2,7 +2,7 @@
 # Drafters for the real target (SmolLM2-135M-Instruct, issue 14), every command in order. Each
 # step is resumable: rerun the same line after an interruption and it continues where it stopped.
 # Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
-#   experiments/real_drafters.sh data|features|specblock|export|bench
+#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|export|bench
 # One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
 # generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
 # side by side (featcache --follow picks up new chatgen shards, training new feature shards).
@@ -11,6 +11,7 @@ PY=${PY:-.venv/bin/python}
 T=smollm2-135m-instruct
 H=$($PY -c "from specblock.models import specblock_home; print(specblock_home())")
 DATA=$H/data/chatgen/$T          # the target's own greedy answers (jsonl shards of token ids)
+REFS=$H/data/reference/$T        # reference answers from ../shared/data in the same format (refanswers)
 FEAT=$H/features/$T              # taps, top hidden state, top-8 soft targets (memory-mapped .npy)
 RUN=${RUN:-$H/runs/$T/specblock} # checkpoints and metrics.jsonl of the SpecBlock drafter
 OUT=specblock/assets/drafters/$T/specblock
@@ -18,18 +19,29 @@ case "${1:-}" in
   data)      # 1. self-generated data: 186 shards of 64 instructions, up to 256 new tokens each
     $PY -m specblock.training chatgen --target $T --out $DATA --shard-size 64 --batch 64 --max-new-tokens 256 \
         --threads 1 ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
-  features)  # 2. the feature cache over every finished chatgen shard (--follow: wait for more)
-    $PY -m specblock.training featcache --target $T --data $DATA --out $FEAT --k 8 --threads 1 \
+  refs)      # 1b. reference answers (AlpacaEval responses, GSM8K solutions, stdlib functions): ~10x the
+    #            tokens per CPU minute of generation, since only features are computed for them
+    $PY -m specblock.training refanswers --target $T --out $REFS ;;
+  features)  # 2. the feature cache: every finished chatgen shard first, then reference shards (--follow: wait for more)
+    $PY -m specblock.training featcache --target $T --data $DATA --data $REFS --out $FEAT --k 8 --threads 1 \
         ${FOLLOW:+--follow} ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
   specblock) # 3. SpecBlock from the cache: K = 4, M = 2, the lab drafter's recipe, an 8k-row draft vocabulary
     #            (frequencies: answers and the shared-data corpus 50/50)
     $PY -m specblock.training drafter --method specblock --target $T --features $FEAT --draft-vocab 8192 \
         --vocab-corpus 0.5 --run-dir $RUN --shared-norm --intermediate 1024 --lr 1e-3 --window 257 --batch 4 \
         --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
+  eagle3)    # 3b. EAGLE-3 on the same cache, vocabulary and minutes (one layer, TTT 6 depths, its public recipe)
+    $PY -m specblock.training drafter --method eagle3 --target $T --features $FEAT --draft-vocab 8192 \
+        --vocab-corpus 0.5 --run-dir $H/runs/$T/eagle3 --intermediate 1536 --lr 1e-3 --window 257 --batch 4 \
+        --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
+  medusa)    # 3c. Medusa-1: 4 heads on the top hidden state, same cache and vocabulary
+    $PY -m specblock.training drafter --method medusa --target $T --features $FEAT --draft-vocab 8192 \
+        --vocab-corpus 0.5 --run-dir $H/runs/$T/medusa --lr 1e-3 --window 257 --batch 4 \
+        --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
   export)    # 4. the last checkpoint as a drafter plus its model card
     $PY experiments/export_drafter.py --run-dir $RUN --features $FEAT --data $DATA --out $OUT ;;
   bench)     # 5. a short check against plain decoding and prompt lookup
     $PY -m specblock.runtime bench --target $T --methods ar,lookup,specblock --prompts 2 --runs 1 --max-new-tokens 64 \
         --out experiments/results/bench_smollm2_specblock_short ;;
-  *) echo "usage: $0 data|features|specblock|export|bench" >&2; exit 2 ;;
+  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|export|bench" >&2; exit 2 ;;
 esac

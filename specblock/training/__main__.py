@@ -1,4 +1,4 @@
-"""``python -m specblock.training {drafter,target,chatgen,featcache} ...``"""
+"""``python -m specblock.training {drafter,target,chatgen,featcache,refanswers} ...``"""
 
 import importlib
 import sys
@@ -6,7 +6,8 @@ import sys
 from specblock.errors import SpecBlockError
 
 COMMANDS = {"drafter": "specblock.training.drafter", "target": "specblock.training.target",
-            "chatgen": "specblock.training.chatgen", "featcache": "specblock.training.featcache"}
+            "chatgen": "specblock.training.chatgen", "featcache": "specblock.training.featcache",
+            "refanswers": "specblock.training.refanswers"}
 
 
 def main(argv: list[str]) -> int:

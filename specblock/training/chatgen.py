@@ -78,9 +78,9 @@ def chat_instructions() -> list[Instruction]:
     return [Instruction(f"alpaca_eval/{i}", "chat", seen[i]) for i in sorted(seen)]
 
 
-def _functions(source: str, per_file: int) -> list[tuple[str, str]]:
-    """Public functions and methods with a docstring, cut right after it (HumanEval's shape;
-    a method is dedented out of its class)."""
+def _functions(source: str, per_file: int) -> list[tuple[str, str, str]]:
+    """Public functions and methods with a docstring: name, the head cut right after the docstring
+    (HumanEval's shape) and the whole function (a method is dedented out of its class)."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -99,7 +99,8 @@ def _functions(source: str, per_file: int) -> list[tuple[str, str]]:
             continue
         code = textwrap.dedent("".join(lines[node.lineno - 1:doc.end_lineno]))
         if 40 <= len(code) <= 1500:
-            out.append((owner + node.name, code))
+            whole = textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno]))
+            out.append((owner + node.name, code, whole))
         if len(out) >= per_file:
             break
     return out
@@ -116,7 +117,7 @@ def code_instructions(per_file: int = 12) -> list[Instruction]:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        out += [Instruction(f"stdlib/{rel}:{name}", "code", code_prompt(code)) for name, code in _functions(text, per_file)]
+        out += [Instruction(f"stdlib/{rel}:{name}", "code", code_prompt(code)) for name, code, _ in _functions(text, per_file)]
     return out
 
 

@@ -208,24 +208,40 @@ def open_manifest(out: Path, ident: dict, settings: dict) -> dict:
 
 
 def check_sources(data: Path, out: Path, target_dir: Path) -> tuple[dict, dict]:
-    """Refuse, before any model is loaded, answers or a cache that belong to another target."""
+    """Refuse, before any model is loaded, answers or a cache that belong to another target.
+    ``data`` is a chatgen directory (the target's own answers) or a refanswers one (reference text
+    encoded with the target's tokenizer and template)."""
     src = data / "manifest.json"
     if not src.is_file():
         raise SpecBlockError(f"{data} holds no chatgen manifest; run `python -m specblock.training chatgen` first")
     gen = json.loads(src.read_text())
     ident = target_identity(target_dir)
     if gen.get("target_sha256") != ident["weights_sha256"]:
-        raise SpecBlockError(f"{data} holds answers of target {gen.get('target')}, not {ident['name']}; "
+        what = "reference answers encoded for" if gen.get("kind") == "specblock-reference" else "answers of"
+        raise SpecBlockError(f"{data} holds {what} target {gen.get('target')}, not {ident['name']}; "
                              "features must come from the model that wrote the answers")
     if (out / "manifest.json").is_file():
         open_manifest(out, ident, {})
     return gen, ident
 
 
-def build_cache(data: Path, out: Path, target_dir: Path, model, k: int = 8, batch_tokens: int = 2048,
+def pending(data: list[Path], out: Path, man: dict) -> list[tuple[Path, str]]:
+    """Shards of every data directory not yet in the cache, the first directory's first (the
+    target's own answers before reference text, so a --follow run keeps up with chatgen)."""
+    todo = []
+    for d in data:
+        gen = json.loads((d / "manifest.json").read_text())
+        todo += [(d, n) for n in sorted(gen["shards"]) if not (n in man["shards"] and (out / n).is_dir())]
+    return todo
+
+
+def build_cache(data: Path | list[Path], out: Path, target_dir: Path, model, k: int = 8, batch_tokens: int = 2048,
                 max_shards: int | None = None, max_minutes: float | None = None, log=print) -> dict:
-    """Features for every chatgen shard of ``data`` not yet in ``out``; returns the manifest."""
-    gen, ident = check_sources(data, out, target_dir)
+    """Features for every shard of ``data`` (one directory or several) not yet in ``out``;
+    returns the manifest."""
+    data = [data] if isinstance(data, Path) else list(data)
+    gens = [check_sources(d, out, target_dir)[0] for d in data]
+    ident = target_identity(target_dir)
     from specblock.runtime.target import default_taps
 
     taps = tuple(default_taps(model.config.num_hidden_layers))
@@ -233,16 +249,14 @@ def build_cache(data: Path, out: Path, target_dir: Path, model, k: int = 8, batc
     settings = {"taps": list(taps), "k": k, "dtype": dtype, "hidden_size": model.config.hidden_size}
     out.mkdir(parents=True, exist_ok=True)
     man = open_manifest(out, ident, settings)
-    man["heldout_shards"] = [f"shard_{i:05d}" for i in gen.get("heldout_shards", [])]
+    man["heldout_shards"] = [f"shard_{i:05d}" for g in gens for i in g.get("heldout_shards", [])]
+    man["sources"] = {str(d): g.get("kind", "specblock-chatgen") for d, g in zip(data, gens)}
     t0 = time.perf_counter()
-    done = 0
-    for name in sorted(gen["shards"]):
-        if name in man["shards"] and (out / name).is_dir():
-            continue
+    for done, (d, name) in enumerate(pending(data, out, man)):
         if (max_shards is not None and done >= max_shards) or (
                 max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes):
             break
-        rows = [json.loads(line) for line in (data / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+        rows = [json.loads(line) for line in (d / f"{name}.jsonl").read_text().splitlines() if line.strip()]
         ts = time.perf_counter()
         info = write_shard(out / name, model, rows, taps, k, batch_tokens)
         info["seconds"] = round(time.perf_counter() - ts, 2)
@@ -251,7 +265,6 @@ def build_cache(data: Path, out: Path, target_dir: Path, model, k: int = 8, batc
                          "gb": round(sum(s["bytes"] for s in man["shards"].values()) / 1e9, 3),
                          "minutes": round(sum(s["seconds"] for s in man["shards"].values()) / 60, 2)}
         _write_json(out / "manifest.json", man)
-        done += 1
         log(json.dumps({"shard": name, "tokens": info["tokens"], "tok_s": round(info["tokens"] / info["seconds"], 1),
                         **man["totals"]}))
     _write_json(out / "manifest.json", man)
@@ -261,7 +274,8 @@ def build_cache(data: Path, out: Path, target_dir: Path, model, k: int = 8, batc
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specblock.training featcache", description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, help="a model name or directory (the one that wrote --data)")
-    ap.add_argument("--data", type=Path, required=True, help="a chatgen output directory")
+    ap.add_argument("--data", type=Path, required=True, action="append",
+                    help="a chatgen (or refanswers) output directory; repeat to add more, the first one's shards first")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--k", type=int, default=8, help="soft targets kept per position")
     ap.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per target forward")
@@ -281,15 +295,23 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     target_dir = resolve_target(args.target)
-    check_sources(args.data, args.out, target_dir)
+    for d in args.data:
+        check_sources(d, args.out, target_dir)
     model = load_causal_lm(target_dir, args.dtype, "cpu", "sdpa", False).eval()
-    t0 = time.perf_counter()
+    t0, man, added = time.perf_counter(), {}, 0
     while True:
         left = None if args.max_minutes is None else args.max_minutes - (time.perf_counter() - t0) / 60
-        man = build_cache(args.data, args.out, target_dir, model, args.k, args.batch_tokens, args.max_shards, left,
-                          log=lambda s: print(s, flush=True))
-        if not args.follow or (left is not None and left <= 0):
+        if (left is not None and left <= 0) or (args.max_shards is not None and added >= args.max_shards):
             break
-        time.sleep(60)
+        path = args.out / "manifest.json"
+        before = len(json.loads(path.read_text())["shards"]) if path.is_file() else 0
+        # One shard per pass under --follow: a chatgen shard finished meanwhile goes before reference text.
+        man = build_cache(args.data, args.out, target_dir, model, args.k, args.batch_tokens,
+                          1 if args.follow else args.max_shards, left, log=lambda s: print(s, flush=True))
+        if not args.follow:
+            break
+        added += len(man["shards"]) - before
+        if len(man["shards"]) == before:
+            time.sleep(60)
     print(json.dumps({"out": str(args.out), **man.get("totals", {})}), flush=True)
     return 0
