@@ -1,9 +1,13 @@
 """Compiled versus eager target (issue 16), in one run per target: T(n) for the tree-size buckets,
 plain-decoding tokens/s against HF ``generate`` (plain, static cache, static cache +
 ``torch.compile(mode="reduce-overhead")``), compile time cold and warm (fresh processes on an empty
-and then the same inductor cache), and the memory-bandwidth floor beside T(1).
+and then the same inductor cache), and the memory-bandwidth floor beside T(1). ``--modes`` picks
+the compile modes measured side by side: ``regions`` (one layer step shared by all layers) and/or
+``whole`` (the whole forward); each mode's cold compile starts from its own empty cache.
 
     python experiments/compiled_speed.py --targets lab,smollm2-135m-instruct [--threads 2] [--reps 20]
+    python experiments/compiled_speed.py --targets lab --modes regions,whole --skip-decoding --sizes 1,16 \
+        --out experiments/results/compiled_regions
 
 Writes experiments/results/compiled_speed.{json,md}. Timings are medians of interleaved reps
 (compiled and eager alternate, so a load change on the machine hits both).
@@ -15,6 +19,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -156,7 +161,8 @@ def probe(args) -> None:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     path = validate({"target": args.target}).target_dir
-    target = StaticTarget.wrap(TargetModel.load(path, "bfloat16", args.device), compile=True)
+    target = StaticTarget.wrap(TargetModel.load(path, "bfloat16", args.device), compile=True,
+                               regions=args.mode == "regions")
     t1 = time.perf_counter()
     rng = np.random.default_rng(0)
     target.prefill(rng.integers(0, target.vocab_size, args.ctx))
@@ -172,42 +178,54 @@ def probe(args) -> None:
                       "cpu_s": round(cpu_s, 1), "peak_rss_mb": round(me.ru_maxrss / 1024)}))
 
 
-def compile_times(target: str, threads: int, ctx: int, device: str) -> dict:
+def compile_times(target: str, threads: int, ctx: int, device: str, mode: str) -> dict:
     """Cold: a fresh process on an empty inductor cache; warm: another fresh process on the same
     cache (this run's, ``TORCHINDUCTOR_CACHE_DIR``, emptied by ``run_target``)."""
     res = {}
     for kind in ("cold", "warm"):
         cmd = [sys.executable, __file__, "--probe", "--target", target, "--threads", str(threads), "--ctx", str(ctx),
-               "--device", device]
+               "--device", device, "--mode", mode]
         out = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, check=True).stdout
         res[kind] = json.loads(out.strip().splitlines()[-1])
-        print(f"compile {kind}: {res[kind]}", flush=True)
+        print(f"compile {mode} {kind}: {res[kind]}", flush=True)
     return res
 
 
 def run_target(name: str, args) -> dict:
-    with tempfile.TemporaryDirectory(prefix="inductor_") as cache:  # cold means cold: a cache of our own
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-        return measure_target(name, args)
+    """Each mode's probes on an empty cache of its own (cold means cold), then the timings in
+    this process on the union of those caches (warm for every mode)."""
+    with tempfile.TemporaryDirectory(prefix="inductor_") as root:
+        compile_s = {}
+        for mode in args.mode_list:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, mode)
+            if not args.skip_compile_times:
+                compile_s[mode] = compile_times(name, args.threads, args.ctx, args.device, mode)
+        merged = os.path.join(root, "all")
+        for mode in args.mode_list:
+            if os.path.isdir(os.path.join(root, mode)):
+                shutil.copytree(os.path.join(root, mode), merged, dirs_exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = merged
+        return measure_target(name, args, compile_s or None)
 
 
-def measure_target(name: str, args) -> dict:
+def measure_target(name: str, args, compile_s: dict | None) -> dict:
     torch.set_num_threads(args.threads)
-    compile_s = compile_times(name, args.threads, args.ctx, args.device) if not args.skip_compile_times else None
     path = validate({"target": name}).target_dir
     eager = TargetModel.load(path, "bfloat16", args.device)
-    compiled = StaticTarget.wrap(eager, compile=True)  # same weights; the disk cache is warm from the probes
-    sizes = list(BUCKETS)
-    t_ms = time_trees({"eager": eager, "compiled": compiled}, args.ctx, sizes, args.reps)
+    compiled = {f"compiled {m}": StaticTarget.wrap(eager, compile=True, regions=m == "regions")  # same weights
+                for m in args.mode_list}
+    sizes = args.size_list
+    t_ms = time_trees({"eager": eager, **compiled}, args.ctx, sizes, args.reps)
     bw = bandwidth_gbs(args.device)
     wbytes = weight_bytes(eager.model)
     floor_ms = wbytes / (bw * 1e9) * 1e3
     prompt = np.random.default_rng(1).integers(3, eager.vocab_size, args.prompt_len)
-    decoding = time_decoding(eager, compiled, prompt, args.tokens, args.runs)
+    first = next(iter(compiled.values()))
+    decoding = None if args.skip_decoding else time_decoding(eager, first, prompt, args.tokens, args.runs)
     return {
         "target": name, "device": str(eager.device), "layers": int(eager.config.num_hidden_layers), "weights_mb": round(wbytes / 2**20, 1),
-        "ctx": args.ctx, "n": sizes, "T_ms": t_ms,
-        "T_ratio_eager_over_compiled": [round(a / b, 2) for a, b in zip(t_ms["eager"], t_ms["compiled"])],
+        "ctx": args.ctx, "n": sizes, "T_ms": t_ms, "modes": args.mode_list,
+        "T_ratio_eager_over_compiled": {k: [round(a / b, 2) for a, b in zip(t_ms["eager"], t_ms[k])] for k in compiled},
         "bandwidth_gbs": round(bw, 1), "floor_ms": round(floor_ms, 3),
         "T1_over_floor": {k: round(v[0] / floor_ms, 2) for k, v in t_ms.items()},
         "decoding": decoding, "compile_s": compile_s,
@@ -217,27 +235,30 @@ def measure_target(name: str, args) -> dict:
 def markdown(results: list[dict], args) -> str:
     where = f"this CPU, {args.threads} threads" if args.device == "cpu" else "CUDA"
     lines = [f"Compiled vs eager target, bf16, {where} (`python experiments/compiled_speed.py --device {args.device} "
-             f"--targets {args.targets} --threads {args.threads} --reps {args.reps} --runs {args.runs} --tokens {args.tokens}"
-             f"{' --skip-compile-times' if args.skip_compile_times else ''}`).", ""]
+             f"--targets {args.targets} --modes {args.modes} --sizes {args.sizes} --threads {args.threads} --reps {args.reps} "
+             f"--runs {args.runs} --tokens {args.tokens}{' --skip-compile-times' if args.skip_compile_times else ''}"
+             f"{' --skip-decoding' if args.skip_decoding else ''} --out {args.out}`).", ""]
     for r in results:
         lines += [f"## {r['target']} ({r['layers']} layers, {r['weights_mb']} MB of weights)", "",
                   f"T(n) at context {r['ctx']}, median of {args.reps} interleaved forwards:", "",
                   "| n | " + " | ".join(str(n) for n in r["n"]) + " |", "|---" * (len(r["n"]) + 1) + "|"]
-        for k in ("eager", "compiled"):
-            lines.append(f"| {k} ms | " + " | ".join(f"{x:.2f}" for x in r["T_ms"][k]) + " |")
-        lines.append("| eager / compiled | " + " | ".join(f"{x:.2f}x" for x in r["T_ratio_eager_over_compiled"]) + " |")
+        for k, v in r["T_ms"].items():
+            lines.append(f"| {k} ms | " + " | ".join(f"{x:.2f}" for x in v) + " |")
+        for k, v in r["T_ratio_eager_over_compiled"].items():
+            lines.append(f"| eager / {k} | " + " | ".join(f"{x:.2f}x" for x in v) + " |")
+        floors = ", ".join(f"{v:.1f}x {k}" for k, v in r["T1_over_floor"].items())
         lines += ["", f"Bandwidth floor: {r['weights_mb']} MB / {r['bandwidth_gbs']} GB/s = {r['floor_ms']:.2f} ms; "
-                  f"T(1) is {r['T1_over_floor']['eager']:.1f}x the floor eager, {r['T1_over_floor']['compiled']:.1f}x compiled.", "",
-                  f"Plain decoding, {args.tokens} new tokens after a {args.prompt_len}-token prompt (prefill included), "
-                  f"median of {args.runs} interleaved runs:", "",
-                  f"| decoder | tokens/s | first call s | tokens equal to HF plain's / ours eager's (of {args.tokens}) |",
-                  "|---|---|---|---|"]
-        for k, d in r["decoding"].items():
-            lines.append(f"| {k} | {d['tokens_per_s']:.1f} | {d['first_call_s']:.1f} | "
-                         f"{d['common_prefix_with_hf_plain']} / {d['common_prefix_with_ours_eager']} |")
-        if r["compile_s"]:
-            c = r["compile_s"]
-            lines += ["", "Compile time (fresh process; load, then the first forward of each bucket "
+                  f"T({r['n'][0]}) is {floors}.", ""]
+        if r["decoding"]:
+            lines += [f"Plain decoding, {args.tokens} new tokens after a {args.prompt_len}-token prompt (prefill included), "
+                      f"median of {args.runs} interleaved runs:", "",
+                      f"| decoder | tokens/s | first call s | tokens equal to HF plain's / ours eager's (of {args.tokens}) |",
+                      "|---|---|---|---|"]
+            for k, d in r["decoding"].items():
+                lines.append(f"| {k} | {d['tokens_per_s']:.1f} | {d['first_call_s']:.1f} | "
+                             f"{d['common_prefix_with_hf_plain']} / {d['common_prefix_with_ours_eager']} |")
+        for mode, c in (r["compile_s"] or {}).items():
+            lines += ["", f"Compile time, {mode} (fresh process; load, then the first forward of each bucket "
                       f"{list(BUCKETS)}): cold {c['cold']['total_s']:.1f} s (empty inductor cache), "
                       f"warm {c['warm']['total_s']:.1f} s (same cache); per bucket cold {c['cold']['first_forward_s']}, "
                       f"warm {c['warm']['first_forward_s']}; CPU time (all threads and compiler processes) cold "
@@ -259,8 +280,14 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--ctx", type=int, default=192, help="cached tokens for T(n); 192 + 64 keeps one attention span")
     ap.add_argument("--skip-compile-times", action="store_true")
+    ap.add_argument("--skip-decoding", action="store_true", help="no plain-decoding tokens/s (HF's compiled generate is slow to build)")
+    ap.add_argument("--modes", default="regions", help="compile modes side by side: regions, whole or both")
+    ap.add_argument("--mode", default="regions", choices=["regions", "whole"], help=argparse.SUPPRESS)  # --probe's mode
+    ap.add_argument("--sizes", default=",".join(map(str, BUCKETS)), help="tree sizes n for T(n)")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/compiled_speed"))
     args = ap.parse_args()
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.size_list = [int(n) for n in args.sizes.split(",")]
     if args.probe:
         return probe(args)
     results = [run_target(t.strip(), args) for t in args.targets.split(",") if t.strip()]

@@ -1,7 +1,9 @@
 """The static-shape target: padding, stale cache slots and compilation never change a result.
 
 Most tests run the padded step eagerly (``compile=False``: the same code, no compile time on two
-cores); one test compiles it for real, with two buckets only.
+cores); one test compiles it for real, with two buckets only. Both compile modes are checked:
+``regions=True`` (one layer step shared by all layers, eager embedding/norm/head) and
+``regions=False`` (the whole forward).
 """
 
 import numpy as np
@@ -21,6 +23,8 @@ VOCAB = 12
 MODEL = tiny_model("qwen3", vocab=32, seed=1)
 EAGER = TargetModel(MODEL)
 STATIC = StaticTarget(MODEL, compile=False)
+STATICS = {True: STATIC, False: StaticTarget(MODEL, compile=False, regions=False)}
+REGIONS = pytest.mark.parametrize("regions", [True, False], ids=["regions", "whole"])
 
 
 def random_tree(rng: np.random.Generator, n: int, root: int, vocab: int = 32) -> DraftTree:
@@ -36,9 +40,10 @@ def test_buckets_and_spans():
     assert [span_of(n, 1088) for n in (1, 256, 257, 600, 1088)] == [256, 256, 512, 1024, 1088]
 
 
+@REGIONS
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 40), st.integers(1, 40), st.integers(0, 10**6))
-def test_padded_tree_gives_the_unpadded_logits(prompt_len, n_nodes, seed):
+def test_padded_tree_gives_the_unpadded_logits(regions, prompt_len, n_nodes, seed):
     """Real rows of a padded tree forward equal the eager, unpadded one; and the same after a
     commit, with stale tree slots (rejected nodes, padding) left in the static buffers."""
     rng = np.random.default_rng(seed)
@@ -47,7 +52,7 @@ def test_padded_tree_gives_the_unpadded_logits(prompt_len, n_nodes, seed):
     path = tree.path_to(int(rng.integers(0, n_nodes)))
     nxt = random_tree(rng, int(rng.integers(1, 10)), int(rng.integers(0, 32)))
     outs = []
-    for target in (EAGER, STATIC):
+    for target in (EAGER, STATICS[regions]):
         target.prefill(prompt[:-1])
         first = target.tree_forward(tree).logits
         target.commit(path)
@@ -59,8 +64,10 @@ def test_padded_tree_gives_the_unpadded_logits(prompt_len, n_nodes, seed):
     torch.testing.assert_close(b2, a2, atol=1e-5, rtol=1e-5)
 
 
-def test_garbage_in_padding_and_unused_slots_changes_nothing():
+@REGIONS
+def test_garbage_in_padding_and_unused_slots_changes_nothing(regions):
     """Fill every slot past the committed context with noise, pad with other tokens: same logits."""
+    STATIC = STATICS[regions]
     rng = np.random.default_rng(3)
     prompt = rng.integers(0, 32, 17)
     tree = random_tree(rng, 5, int(prompt[-1]))
@@ -79,11 +86,12 @@ def test_garbage_in_padding_and_unused_slots_changes_nothing():
     torch.testing.assert_close(logits, clean, atol=1e-5, rtol=1e-5)
 
 
+@REGIONS
 @pytest.mark.parametrize("family", FAMILIES)
-def test_static_path_is_lossless(family):
+def test_static_path_is_lossless(family, regions):
     """ar / lookup / random on the padded static path equal HF generate, token for token (fp32)."""
     model = tiny_model(family, vocab=VOCAB)
-    target = StaticTarget(model, compile=False)
+    target = StaticTarget(model, compile=False, regions=regions)
     rng = np.random.default_rng(5)
     accepted = 0
     for trial in range(3):
@@ -96,10 +104,12 @@ def test_static_path_is_lossless(family):
     assert accepted > 0
 
 
-def test_context_limit_and_features_match_eager():
-    """At the context limit (padding must fit the buffer) and with hidden-state taps on."""
-    model = tiny_model("llama", vocab=VOCAB, ctx=40)
-    eager, static = TargetModel(model), StaticTarget(model, compile=False)
+@REGIONS
+def test_context_limit_and_features_match_eager(regions):
+    """At the context limit (padding must fit the buffer) and with hidden-state taps on (every
+    hidden state, the embeddings and the final-norm one included)."""
+    model = tiny_model("llama", vocab=VOCAB, ctx=40, layers=3)
+    eager, static = TargetModel(model, (0, 1, 2, 3)), StaticTarget(model, (0, 1, 2, 3), compile=False, regions=regions)
     prompt = np.arange(2, 12)
     ref = Engine(eager, LookupDrafter(branches=2), budget=30).generate(prompt, 100)
     res = Engine(static, LookupDrafter(branches=2), budget=30).generate(prompt, 100)
@@ -117,10 +127,11 @@ def test_context_limit_and_features_match_eager():
             torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
 
 
-def test_growing_context_crosses_attention_spans():
+@REGIONS
+def test_growing_context_crosses_attention_spans(regions):
     """A decode whose context grows past a span (256 -> 512) stays equal to HF generate."""
     model = tiny_model("llama", vocab=VOCAB, ctx=1024, seed=6)
-    target = StaticTarget(model, compile=False)
+    target = StaticTarget(model, compile=False, regions=regions)
     prompt = np.random.default_rng(2).integers(2, VOCAB, 240)
     ref = hf_greedy(model, prompt, 40)
     spans = set()
@@ -153,19 +164,29 @@ def test_cli_hook_and_refusals():
     from specblock.runtime.cli import build_parser, maybe_compile
 
     assert build_parser().parse_args(["--compile"]).compile and not build_parser().parse_args([]).compile
+    assert build_parser().parse_args([]).compile_mode == "regions"
+    assert build_parser().parse_args(["--compile-mode", "whole"]).compile_mode == "whole"
     assert maybe_compile(EAGER, False) is EAGER
     wrapped = maybe_compile(EAGER, True)  # compiles lazily, on a bucket's first forward: nothing runs here
-    assert isinstance(wrapped, StaticTarget) and wrapped.compiled and wrapped.model is MODEL
+    assert isinstance(wrapped, StaticTarget) and wrapped.compiled and wrapped.model is MODEL and wrapped.regions
+    assert not maybe_compile(EAGER, True, "whole").regions
+    with pytest.raises(SpecBlockError, match="compile mode"):
+        maybe_compile(EAGER, True, "layers")
     cfg = MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                         num_key_value_heads=2, sliding_window=8)
     with pytest.raises(SpecBlockError, match="sliding-window"):
         StaticTarget(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), compile=False)
 
 
-def test_compiled_path_is_lossless():
-    """The real thing: compiled with inductor (two buckets to bound compile time on two cores)."""
-    model = tiny_model("llama", vocab=VOCAB, seed=4)
-    target = StaticTarget(model, compile=True, buckets=(1, 8))
+@REGIONS
+def test_compiled_path_is_lossless(regions):
+    """The real thing: compiled with inductor (two buckets to bound compile time on two cores).
+    Regions: one graph per bucket however many layers (the layers share the compiled step)."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama", vocab=VOCAB, seed=4, layers=3)
+    target = StaticTarget(model, compile=True, buckets=(1, 8), regions=regions)
+    graphs = counters["stats"]["unique_graphs"]
     rng = np.random.default_rng(11)
     for trial in range(2):
         prompt = rng.integers(2, VOCAB, 12)
@@ -173,6 +194,8 @@ def test_compiled_path_is_lossless():
         for drafter in (ARDrafter(), RandomDrafter(VOCAB, seed=trial), LookupDrafter(branches=2, max_ngram=2)):
             res = Engine(target, drafter, budget=7).generate(prompt, 24)
             assert res.token_ids == ref, (drafter.name, trial)
+    if regions:
+        assert counters["stats"]["unique_graphs"] - graphs == 2  # buckets 1 and 8, one span; not 3 layers x 2
     eager = TargetModel(model)  # hidden-state taps (trained drafters read them) through the compiled graph
     tree = random_tree(rng, 6, int(prompt[-1]), VOCAB)
     outs = []
@@ -185,10 +208,11 @@ def test_compiled_path_is_lossless():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (experiments/gpu_check.sh runs it where one is)")
-def test_cuda_graphs_path_is_lossless():
+@REGIONS
+def test_cuda_graphs_path_is_lossless(regions):
     """CUDA: static buffers on the device, compiled with mode='reduce-overhead' (CUDA graphs)."""
     model = tiny_model("llama", vocab=VOCAB, seed=4).cuda()
-    target = StaticTarget(model, compile=True, buckets=(1, 8, 16))
+    target = StaticTarget(model, compile=True, buckets=(1, 8, 16), regions=regions)
     assert target.mode == "reduce-overhead" and target.static.keys[0].is_cuda
     rng = np.random.default_rng(12)
     for trial in range(3):

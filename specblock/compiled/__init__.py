@@ -4,14 +4,18 @@ A room above ``runtime``: it imports ``runtime`` and ``policies``; ``runtime`` r
 through the CLI's lazy ``--compile`` hook (``runtime.cli``), never at import time.
 """
 
-from specblock.compiled.target import BUCKETS, StaticTarget, bucket_of, span_of
+from specblock.compiled.target import BUCKETS, COMPILE_MODES, StaticTarget, bucket_of, span_of
+from specblock.errors import SpecBlockError
 from specblock.runtime.target import TargetModel
 
 
-def compile_target(target: TargetModel) -> StaticTarget:
+def compile_target(target: TargetModel, mode: str = "regions") -> StaticTarget:
     """The CLI's ``--compile``: the loaded target behind static shapes, compiled per bucket on
-    first use (inductor on CPU, CUDA graphs on CUDA)."""
-    return StaticTarget.wrap(target, compile=True)
+    first use (inductor on CPU, CUDA graphs on CUDA); ``mode`` ``regions`` compiles one layer step
+    shared by all layers, ``whole`` the whole forward."""
+    if mode not in COMPILE_MODES:
+        raise SpecBlockError(f"compile mode {mode!r}: one of {', '.join(COMPILE_MODES)}")
+    return StaticTarget.wrap(target, compile=True, regions=mode == "regions")
 
 
-__all__ = ["BUCKETS", "StaticTarget", "bucket_of", "compile_target", "span_of"]
+__all__ = ["BUCKETS", "COMPILE_MODES", "StaticTarget", "bucket_of", "compile_target", "span_of"]

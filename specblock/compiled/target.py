@@ -15,17 +15,24 @@ C++ kernels on CPU, CUDA graphs via ``mode="reduce-overhead"`` on CUDA). Fixed s
 
 Prefill runs the same step uncompiled (one call per prompt, any length). Committing a path is one
 gather over all layers' static buffers (``TreeStaticCache.keep``).
+
+What is compiled: ``regions=True`` (the default) compiles one decoder-layer step shared by all
+layers (``compiled/regions.py``; mask, embedding, final norm and LM head eager), ``regions=False``
+the whole forward per shape. Same padding and masks either way; see
+``experiments/results/compiled_regions.md`` for compile time and per-token speed of each.
 """
 
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from specblock.compiled.regions import check_regional, layer_step, regional_forward
 from specblock.compiled.static_cache import TreeStaticCache
 from specblock.errors import SpecBlockError
 from specblock.models.registry import specblock_home
@@ -43,6 +50,9 @@ MIN_SPAN = 256
 #: prepacked copy of them (peak RSS 1.2 GB for the real model's five buckets): the first thing to
 #: re-measure on a quiet machine is ``{"cpp_wrapper": True}`` alone.
 CPU_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+#: Regions: the weights are graph inputs (shared by every layer), so there is nothing to freeze.
+REGION_CPU_OPTIONS = {"cpp_wrapper": True}
+COMPILE_MODES = ("regions", "whole")
 
 
 def bucket_of(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
@@ -64,7 +74,8 @@ def span_of(need: int, capacity: int) -> int:
 
 class StaticTarget(TargetModel):
     """``TargetModel`` with the same three moves on static buffers; ``compile=False`` runs the
-    identical padded step eagerly (the tests' cheap way to check the padding)."""
+    identical padded step eagerly (the tests' cheap way to check the padding); ``regions`` picks
+    one compiled layer step for all layers (True) or one compiled whole forward (False)."""
 
     def __init__(
         self,
@@ -74,6 +85,7 @@ class StaticTarget(TargetModel):
         buckets: tuple[int, ...] = BUCKETS,
         mode: str | None = None,
         options: dict | None = None,
+        regions: bool = True,
     ) -> None:
         super().__init__(model, tap_layers)
         types = getattr(self.config, "layer_types", None)
@@ -87,16 +99,22 @@ class StaticTarget(TargetModel):
         kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
         self.capacity = self.max_context + self.buckets[-1]  # padding never spills past the buffer
         self.static = TreeStaticCache(int(cfg.num_hidden_layers), kv_heads, head_dim, self.capacity, self.dtype, self.device)
+        if regions:
+            check_regional(model)
+        self.regions = regions
         self.compiled = compile
         self.mode = mode if mode is not None else ("reduce-overhead" if self.device.type == "cuda" else None)
         self._step_fn = self._step
         if compile:
             use_disk_cache()
             _allow_recompiles()
+            fn = layer_step if regions else self._step
             if self.mode is None:
-                self._step_fn = torch.compile(self._step, dynamic=False, options=CPU_OPTIONS if options is None else options)
+                default = REGION_CPU_OPTIONS if regions else CPU_OPTIONS
+                fn = torch.compile(fn, dynamic=False, options=default if options is None else options)
             else:
-                self._step_fn = torch.compile(self._step, dynamic=False, mode=self.mode)
+                fn = torch.compile(fn, dynamic=False, mode=self.mode)
+            self._step_fn = partial(self._step, layer=fn) if regions else fn
 
     @classmethod
     def wrap(cls, target: TargetModel, **kw) -> "StaticTarget":
@@ -106,9 +124,10 @@ class StaticTarget(TargetModel):
     # ------------------------------------------------------------------ the step
     def _step(
         self, ids: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor, past: torch.Tensor, span: int,
-        want: bool, last_only: bool,
+        want: bool, last_only: bool, layer=layer_step,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """One padded forward: ``ids``/``depth`` ``[B]``, ``anc`` ``[B, B]`` bool, ``past`` 0-d."""
+        """One padded forward: ``ids``/``depth`` ``[B]``, ``anc`` ``[B, B]`` bool, ``past`` 0-d;
+        ``layer``: the (compiled or eager) layer step of the regional mode."""
         b = ids.shape[0]
         slots = past + torch.arange(b, device=ids.device)
         cols = torch.arange(span, device=ids.device)
@@ -118,20 +137,25 @@ class StaticTarget(TargetModel):
         visible = seen | (cols < past)
         zero = torch.zeros((), dtype=self.dtype, device=ids.device)
         mask = torch.where(visible, zero, torch.full_like(zero, self._min))[None, None]
-        self.static.begin(slots, span)
-        out = self.model(
-            input_ids=ids[None],
-            attention_mask=mask,
-            position_ids=(past + depth)[None],
-            past_key_values=self.static,
-            use_cache=True,
-            output_hidden_states=want,
-            logits_to_keep=1 if last_only else 0,
-        )
-        logits = out.logits[0]
+        positions = (past + depth)[None]
+        if self.regions:
+            st = self.static
+            logits, hs = regional_forward(self.model, layer, st.keys, st.values, ids, mask, positions, slots, span,
+                                          want, last_only)
+        else:
+            self.static.begin(slots, span)
+            out = self.model(
+                input_ids=ids[None],
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=self.static,
+                use_cache=True,
+                output_hidden_states=want,
+                logits_to_keep=1 if last_only else 0,
+            )
+            logits, hs = out.logits[0], out.hidden_states
         if not want:
             return logits, None, None
-        hs = out.hidden_states
         return logits, hs[-1][0], torch.cat([hs[i][0] for i in self.tap_layers], dim=-1)
 
     def _run(self, ids: np.ndarray, depth: np.ndarray, anc: np.ndarray, n: int, compiled: bool, last_only: bool):

@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench"))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     ap.add_argument("--compile", action="store_true", help="static-shape target compiled per tree-size bucket")
+    ap.add_argument("--compile-mode", default="regions", choices=["regions", "whole"],
+                    help="--compile: one layer step shared by all layers, or the whole forward")
     return ap
 
 
@@ -136,7 +138,7 @@ def run_bench(args, traces: AtomicFiles | None = None) -> dict:
         torch.set_num_threads(args.threads)
     cfg = validate({"target": args.target, "dtype": args.dtype})
     path = cfg.target_dir
-    target = maybe_compile(TargetModel.load(path, args.dtype, "auto"), args.compile)
+    target = maybe_compile(TargetModel.load(path, args.dtype, "auto"), args.compile, args.compile_mode)
     tok = load_tokenizer(path, False)
     eos = chat.stop_ids(tok, read_generation_eos(path))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up decode")
     p.add_argument("--compile", action="store_true",
                    help="static-shape target compiled per tree-size bucket (specblock/compiled; first use compiles)")
+    p.add_argument("--compile-mode", default="regions", choices=["regions", "whole"],
+                   help="--compile: one layer step shared by all layers (regions: compiles fastest) or the whole forward")
     p.add_argument("--drafter", type=Path, help="trained drafter directory (default: the shipped one for --method)")
     p.add_argument("--M", type=int, help="specblock: block iterations per step (default: serving.json, else 2)")
     p.add_argument("--max-seeds", type=int, help="specblock: seeds that start each later block (default 2)")
@@ -140,7 +142,8 @@ class Session:
     @classmethod
     def open(cls, cfg: RunConfig, trace) -> "Session":
         path = cfg.target_dir
-        target = maybe_compile(TargetModel.load(path, cfg.dtype, cfg.device, cfg.attn, cfg.trust_remote_code), cfg.compile)
+        target = maybe_compile(TargetModel.load(path, cfg.dtype, cfg.device, cfg.attn, cfg.trust_remote_code), cfg.compile,
+                               cfg.compile_mode)
         tokenizer = load_tokenizer(path, cfg.trust_remote_code)
         eos = chat.stop_ids(tokenizer, read_generation_eos(path))
 
@@ -171,13 +174,13 @@ class Session:
             eng.generate(ids[-16:], 4, seed=self.cfg.seed)
 
 
-def maybe_compile(target: TargetModel, compile: bool) -> TargetModel:
+def maybe_compile(target: TargetModel, compile: bool, mode: str = "regions") -> TargetModel:
     """The one hook into ``specblock.compiled`` (imported only when asked: it sits above runtime)."""
     if not compile:
         return target
     from specblock.compiled import compile_target
 
-    return compile_target(target)
+    return compile_target(target, mode)
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool):
