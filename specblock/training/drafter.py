@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specblock.errors import SpecBlockError
 from specblock.flags import OneLineParser, check
-from specblock.runtime.target import load_causal_lm
+from specblock.runtime.target import load_causal_lm, native_bf16
 from specblock.training import recipes
 from specblock.training.checkpoint import load_checkpoint, refuse_pickles, save_checkpoint
 from specblock.training.windows import WindowSource
@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--glance-end", type=float, default=0.25, help="falcon: ... and at the end (linear in between)")
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
+                    help="bf16 autocast of the drafter's step; auto: on CUDA and on CPUs with bf16 instructions, "
+                         "off elsewhere (on an AVX2 CPU bf16 products run ~50x slower than fp32)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="auto: cuda:LOCAL_RANK when CUDA is available, else cpu")
@@ -166,6 +169,7 @@ def train(args) -> None:
     torch.manual_seed(args.seed)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu")
+    amp = args.amp == "bf16" or (args.amp == "auto" and native_bf16(device))
     recipe = recipes.get(args.method)
     from specblock.models import resolve_target
 
@@ -244,7 +248,7 @@ def train(args) -> None:
             tokens = source.batch(args.batch).to(device)
             with torch.no_grad():
                 batch = recipe.prepare(target, tokens, net, args)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             res = model(batch, gen, done)
         opt.zero_grad(set_to_none=True)
         res.loss.backward()  # under DDP, gradients are averaged across processes here
