@@ -178,6 +178,25 @@ def test_cli_hook_and_refusals():
         StaticTarget(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), compile=False)
 
 
+def test_regions_refuse_a_model_forward_they_do_not_rebuild():
+    """Regions call the layers, norm and head themselves: a model whose own forward does more (here
+    it doubles the last hidden state) is refused at construction, and runs in the whole mode."""
+    from specblock.errors import SpecBlockError
+
+    model = tiny_model("llama", vocab=VOCAB, seed=7)
+    inner, forward = model.model, model.model.forward
+
+    def doubled(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.last_hidden_state = out.last_hidden_state * 2
+        return out
+
+    inner.forward = doubled
+    with pytest.raises(SpecBlockError, match="compile-mode whole"):
+        StaticTarget(model, compile=False)
+    assert not StaticTarget(model, compile=False, regions=False).regions
+
+
 @REGIONS
 def test_compiled_path_is_lossless(regions):
     """The real thing: compiled with inductor (two buckets to bound compile time on two cores).
@@ -195,7 +214,8 @@ def test_compiled_path_is_lossless(regions):
             res = Engine(target, drafter, budget=7).generate(prompt, 24)
             assert res.token_ids == ref, (drafter.name, trial)
     if regions:
-        assert counters["stats"]["unique_graphs"] - graphs == 2  # buckets 1 and 8, one span; not 3 layers x 2
+        # buckets 1 and 8, one span: the inputs, one layer step and the head each; not 3 layers x 2
+        assert counters["stats"]["unique_graphs"] - graphs == 6
     eager = TargetModel(model)  # hidden-state taps (trained drafters read them) through the compiled graph
     tree = random_tree(rng, 6, int(prompt[-1]), VOCAB)
     outs = []

@@ -11,7 +11,9 @@ shape. Two things would break the sharing and are kept out of the compiled regio
   indexing a per-model cache by it would recompile per layer. The region instead gets this
   layer's key/value buffers as tensor arguments, in a one-layer cache (``_LayerCache``) that
   ignores the index.
-- The embedding, rotary tables, final norm and LM head run once per forward: they stay eager.
+- The embedding, rotary tables and tree mask (``inputs``), and the final norm and LM head
+  (``head``) run once per forward: two more small compiled regions (eager, their ~40 aten calls
+  cost more than the layers' guard checks).
 
 The layer is called as HF's own model forward calls it (same mask, position embeddings and cache
 protocol), and hidden states are collected as HF's ``capture_outputs`` does (embeddings, each
@@ -20,6 +22,7 @@ layer's output, the last one after the final norm), so logits and taps equal the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -51,6 +54,30 @@ def layer_step(
     )
 
 
+def embed(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Tensor):
+    """Token embeddings ``[1, B, H]`` and the rotary tables, as HF's decoder forward makes them."""
+    hidden = model.model.embed_tokens(ids[None])
+    cos, sin = model.model.rotary_emb(hidden, position_ids=positions)
+    return hidden, cos, sin
+
+
+def head(model: PreTrainedModel, hidden: torch.Tensor, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final norm and LM head: the normed hidden state and logits ``[B or 1, V]``."""
+    hidden = model.model.norm(hidden)
+    return hidden, model.lm_head(hidden[:, -1:] if last_only else hidden)[0]
+
+
+@dataclass(frozen=True)
+class RegionFns:
+    """The regional forward's pieces, compiled or eager: ``inputs(ids, depth, anc, past, span)``
+    gives ``mask, slots, positions, hidden, cos, sin``; ``layer`` is ``layer_step``'s signature,
+    ``head`` is ``head``'s."""
+
+    inputs: Callable
+    layer: Callable = layer_step
+    head: Callable = head
+
+
 def check_regional(model: PreTrainedModel) -> None:
     """Regions call the model's parts directly: only the plain decoder-only layout (Llama, Qwen2/3,
     Mistral, SmolLM2 ...) is supported; anything that scales or caps outside the layers is refused."""
@@ -66,23 +93,19 @@ def check_regional(model: PreTrainedModel) -> None:
 
 
 def regional_forward(
-    model: PreTrainedModel, step: Callable, keys: list[torch.Tensor], values: list[torch.Tensor],
-    ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, slots: torch.Tensor, span: int,
+    model: PreTrainedModel, fns: RegionFns, keys: list[torch.Tensor], values: list[torch.Tensor],
+    ids: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor, past: torch.Tensor, span: int,
     want: bool, last_only: bool,
 ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    """HF's decoder forward with ``step`` (``layer_step``, compiled or not) for each layer.
-    Returns logits ``[B or 1, V]`` and, if ``want``, the hidden states as HF's ``output_hidden_states``."""
-    inner = model.model
-    hidden = inner.embed_tokens(ids[None])
-    cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
+    """HF's decoder forward from ``fns``' pieces, ``fns.layer`` once per layer. Returns logits
+    ``[B or 1, V]`` and, if ``want``, the hidden states as HF's ``output_hidden_states``."""
+    mask, slots, positions, hidden, cos, sin = fns.inputs(ids, depth, anc, past, span)
     states = [hidden] if want else None
-    layers = inner.layers[: model.config.num_hidden_layers]
-    for i, layer in enumerate(layers):
-        hidden = step(layer, hidden, mask, cos, sin, position_ids, keys[i], values[i], slots, span)
+    for i, layer in enumerate(model.model.layers[: model.config.num_hidden_layers]):
+        hidden = fns.layer(layer, hidden, mask, cos, sin, positions, keys[i], values[i], slots, span)
         if want:
             states.append(hidden)
-    hidden = inner.norm(hidden)
+    normed, logits = fns.head(model, hidden, last_only)
     if want:
-        states[-1] = hidden  # HF ties the last hidden state to the normed one
-    logits = model.lm_head(hidden[:, -1:] if last_only else hidden)[0]
+        states[-1] = normed  # HF ties the last hidden state to the normed one
     return logits, states

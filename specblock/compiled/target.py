@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from specblock.compiled.regions import check_regional, layer_step, regional_forward
+from specblock.compiled.regions import RegionFns, check_regional, embed, head, layer_step, regional_forward
 from specblock.compiled.static_cache import TreeStaticCache
 from specblock.errors import SpecBlockError
 from specblock.models.registry import specblock_home
@@ -99,22 +99,27 @@ class StaticTarget(TargetModel):
         kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
         self.capacity = self.max_context + self.buckets[-1]  # padding never spills past the buffer
         self.static = TreeStaticCache(int(cfg.num_hidden_layers), kv_heads, head_dim, self.capacity, self.dtype, self.device)
+        self.regions = regions
+        eager_fns = RegionFns(self._region_inputs)
+        self._eager_step = partial(self._step, fns=eager_fns) if regions else self._step
         if regions:
             check_regional(model)
-        self.regions = regions
+            self._check_regions()
         self.compiled = compile
         self.mode = mode if mode is not None else ("reduce-overhead" if self.device.type == "cuda" else None)
-        self._step_fn = self._step
+        self._step_fn = self._eager_step
         if compile:
             use_disk_cache()
             _allow_recompiles()
-            fn = layer_step if regions else self._step
-            if self.mode is None:
-                default = REGION_CPU_OPTIONS if regions else CPU_OPTIONS
-                fn = torch.compile(fn, dynamic=False, options=default if options is None else options)
+            if self.mode is not None:
+                kw = {"mode": self.mode}
             else:
-                fn = torch.compile(fn, dynamic=False, mode=self.mode)
-            self._step_fn = partial(self._step, layer=fn) if regions else fn
+                kw = {"options": options if options is not None else REGION_CPU_OPTIONS if regions else CPU_OPTIONS}
+            if regions:
+                fns = RegionFns(*(torch.compile(f, dynamic=False, **kw) for f in (self._region_inputs, layer_step, head)))
+                self._step_fn = partial(self._step, fns=fns)
+            else:
+                self._step_fn = torch.compile(self._step, dynamic=False, **kw)
 
     @classmethod
     def wrap(cls, target: TargetModel, **kw) -> "StaticTarget":
@@ -124,25 +129,15 @@ class StaticTarget(TargetModel):
     # ------------------------------------------------------------------ the step
     def _step(
         self, ids: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor, past: torch.Tensor, span: int,
-        want: bool, last_only: bool, layer=layer_step,
+        want: bool, last_only: bool, fns: RegionFns | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One padded forward: ``ids``/``depth`` ``[B]``, ``anc`` ``[B, B]`` bool, ``past`` 0-d;
-        ``layer``: the (compiled or eager) layer step of the regional mode."""
-        b = ids.shape[0]
-        slots = past + torch.arange(b, device=ids.device)
-        cols = torch.arange(span, device=ids.device)
-        rel = cols - past
-        in_tree = (rel >= 0) & (rel < b)
-        seen = anc[:, rel.clamp(0, b - 1)] & in_tree  # [B, span]: tree slots each row may read
-        visible = seen | (cols < past)
-        zero = torch.zeros((), dtype=self.dtype, device=ids.device)
-        mask = torch.where(visible, zero, torch.full_like(zero, self._min))[None, None]
-        positions = (past + depth)[None]
-        if self.regions:
+        ``fns``: the (compiled or eager) pieces of the regional mode, None: the whole model."""
+        if fns is not None:
             st = self.static
-            logits, hs = regional_forward(self.model, layer, st.keys, st.values, ids, mask, positions, slots, span,
-                                          want, last_only)
+            logits, hs = regional_forward(self.model, fns, st.keys, st.values, ids, depth, anc, past, span, want, last_only)
         else:
+            mask, slots, positions = self._tree_inputs(ids, depth, anc, past, span)
             self.static.begin(slots, span)
             out = self.model(
                 input_ids=ids[None],
@@ -158,11 +153,29 @@ class StaticTarget(TargetModel):
             return logits, None, None
         return logits, hs[-1][0], torch.cat([hs[i][0] for i in self.tap_layers], dim=-1)
 
+    def _tree_inputs(self, ids: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor, past: torch.Tensor, span: int):
+        """The padded tree's mask ``[1, 1, B, span]``, cache write slots ``[B]`` and positions ``[1, B]``."""
+        b = ids.shape[0]
+        slots = past + torch.arange(b, device=ids.device)
+        cols = torch.arange(span, device=ids.device)
+        rel = cols - past
+        in_tree = (rel >= 0) & (rel < b)
+        seen = anc[:, rel.clamp(0, b - 1)] & in_tree  # [B, span]: tree slots each row may read
+        visible = seen | (cols < past)
+        zero = torch.zeros((), dtype=self.dtype, device=ids.device)
+        mask = torch.where(visible, zero, torch.full_like(zero, self._min))[None, None]
+        return mask, slots, (past + depth)[None]
+
+    def _region_inputs(self, ids: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor, past: torch.Tensor, span: int):
+        """The regional mode's first piece: the tree inputs, then embeddings and rotary tables."""
+        mask, slots, positions = self._tree_inputs(ids, depth, anc, past, span)
+        return (mask, slots, positions, *embed(self.model, ids, positions))
+
     def _run(self, ids: np.ndarray, depth: np.ndarray, anc: np.ndarray, n: int, compiled: bool, last_only: bool):
         dev = self.device
         past = torch.tensor(self.past_len, device=dev)
         span = span_of(self.past_len + len(ids), self.capacity)
-        fn = self._step_fn if compiled else self._step
+        fn = self._step_fn if compiled else self._eager_step
         logits, top, taps = fn(
             torch.as_tensor(ids, device=dev), torch.as_tensor(depth, device=dev), torch.as_tensor(anc, device=dev),
             past, span, self.want_features, last_only,
@@ -173,6 +186,20 @@ class StaticTarget(TargetModel):
         if top is None:
             return TargetOutput(logits[rows])
         return TargetOutput(logits[rows], top=top[:n], taps=taps[:n])
+
+    @torch.no_grad()
+    def _check_regions(self, n: int = 4) -> None:
+        """Regions rebuild HF's decoder forward from its parts; a family that does more outside its
+        layers (an embedding scale, a logit cap) would differ silently, so compare one small eager
+        forward of each way (the same kernels: equal up to rounding) before anything is compiled."""
+        dev = self.device
+        ids = torch.arange(n, device=dev) % self.vocab_size
+        args = (ids, torch.arange(n, device=dev), torch.ones(n, n, dtype=torch.bool, device=dev).tril(),
+                torch.tensor(0, device=dev), span_of(n, self.capacity), False, False)
+        whole, parts = self._step(*args)[0].float(), self._eager_step(*args)[0].float()
+        if (whole - parts).abs().max() > 1e-3 * whole.abs().max() + 1e-5:
+            raise SpecBlockError(f"{type(self.model).__name__}: the regional forward differs from the model's own; "
+                                 "use the whole-model compile mode (--compile-mode whole)")
 
     # ------------------------------------------------------------------ the three moves
     def reset(self) -> None:
