@@ -1,4 +1,4 @@
-"""Export a SpecBlock training run (``--run-dir``) as a drafter directory with its model card.
+"""Export a drafter training run (SpecBlock, EAGLE-3, Medusa) (``--run-dir``) as a drafter directory with its model card.
 
 The card's figures all come from files: steps, training minutes and threads from the checkpoint,
 held-out acceptance from the run's last ``metrics.jsonl`` record, data and feature totals from the
@@ -12,43 +12,67 @@ import argparse as _ap
 import json
 from pathlib import Path
 
+from specblock.atomic import write_atomic
 from specblock.runtime.target import load_causal_lm
 from specblock.training import recipes
 from specblock.training.checkpoint import load_checkpoint
 from specblock.training.drafter import CKPT
 
 
-def card(run: dict, last: dict, gen: dict, feat: dict, net) -> str:
+DESCRIBE = {
+    "specblock": lambda c: (f"A SpecBlock drafter (`specblock/runtime/drafters/specblock_net.py`): {c.num_layers} decoder layers at hidden "
+                            f"{c.hidden_size} with MLP {c.intermediate_size}, K = {c.K} positions per block, layer-wise shift {c.shift}, "
+                            f"prefix broadcast {c.prefix_broadcast}, rank head over b0..b3, taps {list(c.tap_layers)}."),
+    "eagle3": lambda c: (f"An EAGLE-3 drafter (`specblock/runtime/drafters/eagle3.py`): one decoder layer at hidden {c.hidden_size} "
+                         f"with MLP {c.intermediate_size}, fusing taps {list(c.tap_layers)}, trained with training-time test."),
+    "medusa": lambda c: f"Medusa-1 heads (`specblock/runtime/drafters/medusa.py`): {c.heads} heads on the top hidden state.",
+}
+
+
+def _acc(xs) -> str:
+    return " / ".join(f"{x:.3f}" for x in xs) if isinstance(xs, list) and all(isinstance(x, (int, float)) for x in xs) else str(xs)
+
+
+def _training_line(run: dict, method: str) -> str:
     a = run["args"]
-    cfg = net.cfg
-    tokens = run["step"] * a["batch"] * a["window"]
+    extra = {"specblock": f", rank head frozen for the first {a['rank_freeze']:.0%}, valid-prefix mask {a['valid_prefix']}, "
+                          f"cross-block {a['cross_block']}, shared norm {not a['per_k_norm']}",
+             "eagle3": f", training-time test over {a['ttt_steps']} depths",
+             "medusa": ", soft targets from the cached top-8"}.get(method, "")
+    return (f"{run['step']:,} steps in {run['train_s'] / 60:.1f} minutes of training on {a['threads']} thread(s): batch {a['batch']} x "
+            f"{a['window']}-token windows ({run['step'] * a['batch'] * a['window']:,} window tokens seen), AdamW lr {a['lr']} with "
+            f"warmup and cosine decay over wall time{extra}.")
+
+
+def card(run: dict, last: dict, gen: dict, refs: dict | None, feat: dict, net, target_name: str) -> str:
+    method, cfg = run["method"], net.cfg
     g, f = gen.get("totals", {}), feat.get("totals", {})
-    acc = lambda xs: " / ".join(f"{x:.3f}" for x in xs)
-    return f"""# SpecBlock drafter for smollm2-135m-instruct
+    ref_tokens = sum(s.get("answer_tokens", 0) for n, s in feat.get("shards", {}).items() if n.startswith("ref_"))
+    ref_line = ""
+    if refs is not None:
+        ref_line = (f"\n- Reference answers (`training/refanswers.py`, cached in the feature cache as `ref_*` shards): "
+                    f"{sum(1 for n in feat.get('shards', {}) if n.startswith('ref_'))} shards, {ref_tokens:,} answer tokens of "
+                    "AlpacaEval 0-699 responses by 11 open chat models, GSM8K training solutions and whole stdlib "
+                    "functions, encoded with the target's chat template; soft targets and features from the target.")
+    figures = "\n".join(f"  - {k}: {_acc(v)}" for k, v in last.items() if k not in ("step", "train_s", "final", "loss"))
+    return f"""# {method} drafter for {target_name}
 
-A SpecBlock drafter (`specblock/runtime/drafters/specblock_net.py`) for SmolLM2-135M-Instruct:
-{cfg.num_layers} decoder layers at hidden {cfg.hidden_size} with MLP {cfg.intermediate_size}, K = {cfg.K} positions per
-block, layer-wise shift {cfg.shift}, prefix broadcast {cfg.prefix_broadcast}, rank head over b0..b3, taps
-{list(cfg.tap_layers)}. Draft vocabulary: {cfg.draft_vocab or cfg.vocab_size} of the target's {cfg.vocab_size} tokens (the most frequent in
-the training answers; `d2t` in `model.safetensors`); a token outside it is never drafted. The
-embedding and the LM head rows are the target's and are not stored here.
+{DESCRIBE.get(method, lambda c: f"A {method} drafter.")(cfg)} Draft vocabulary: {getattr(cfg, 'draft_vocab', None) or cfg.vocab_size}
+of the target's {cfg.vocab_size} tokens (the most frequent in the training answers, mixed 50/50 with the shared-data
+corpus; `d2t` in `model.safetensors`); a token outside it is never drafted. The embedding and the LM head rows
+are the target's and are not stored here.
 
-## Training (`experiments/real_drafters.sh data features specblock export`)
+## Training (`experiments/real_drafters.sh`)
 
-- Data: the target's own greedy answers (bf16, its chat template, up to 256 new tokens) to
-  training instructions (GSM8K train, AlpacaEval 0-699, stdlib functions framed as the bench's code
-  prompts, Shakespeare continuations): {g.get('sequences', 0):,} sequences, {g.get('answer_tokens', 0):,} answer tokens
-  ({g.get('prompt_tokens', 0):,} prompt tokens) in {g.get('minutes', 0)} minutes ({g.get('answer_tokens_per_s', 0)} answer tokens/s on a
-  shared 2-core CPU; `training/chatgen.py`). Held-out: chatgen shard 0.
-- Features: {f.get('tokens', 0):,} tokens in {f.get('shards', 0)} shards, {f.get('gb', 0)} GB, {f.get('minutes', 0)} minutes
-  (`training/featcache.py`).
-- {run['step']:,} steps in {run['train_s'] / 60:.1f} minutes of training on {a['threads']} threads: batch {a['batch']} x {a['window']}-token
-  windows ({tokens:,} window tokens seen), AdamW lr {a['lr']} with warmup and cosine decay,
-  rank head frozen for the first {a['rank_freeze']:.0%}, valid-prefix mask {a['valid_prefix']}, cross-block {a['cross_block']},
-  shared norm {not a['per_k_norm']}.
-- Held-out chain acceptance by in-block position (the run's last evaluation, step {last.get('step')}):
-  block 1 {acc(last.get('block1_acc', []))}; block 2 {acc(last.get('block2_acc', []))};
-  rank-head accuracy {last.get('block1_rank_acc')} / {last.get('block2_rank_acc')}.
+- Data: the target's own greedy answers (bf16, its chat template, up to 256 new tokens) to training
+  instructions (GSM8K train, AlpacaEval 0-699, stdlib functions framed as the bench's code prompts,
+  Shakespeare continuations): {g.get('sequences', 0):,} sequences, {g.get('answer_tokens', 0):,} answer tokens in
+  {g.get('minutes', 0)} minutes ({g.get('answer_tokens_per_s', 0)} answer tokens/s; `training/chatgen.py`). Held-out: chatgen shard 0.{ref_line}
+- Features: {f.get('tokens', 0):,} tokens (prompts and answers) in {f.get('shards', 0)} shards, {f.get('gb', 0)} GB,
+  {f.get('minutes', 0)} minutes (`training/featcache.py`).
+- {_training_line(run, method)}
+- Held-out figures at the run's last evaluation (step {last.get('step')}), from `metrics.jsonl`:
+{figures}
 """
 
 
@@ -57,6 +81,7 @@ def main() -> None:
     ap.add_argument("--run-dir", type=Path, required=True)
     ap.add_argument("--features", type=Path, required=True)
     ap.add_argument("--data", type=Path, required=True)
+    ap.add_argument("--refs", type=Path, default=None, help="the refanswers directory, when the cache holds reference shards")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     run = load_checkpoint(args.run_dir / CKPT)
@@ -68,8 +93,9 @@ def main() -> None:
     net.save(args.out)
     lines = [json.loads(x) for x in (args.run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     gen = json.loads((args.data / "manifest.json").read_text())
+    refs = json.loads((args.refs / "manifest.json").read_text()) if args.refs else None
     feat = json.loads((args.features / "manifest.json").read_text())
-    (args.out / "README.md").write_text(card(run, lines[-1] if lines else {}, gen, feat, net))
+    write_atomic(args.out / "README.md", card(run, lines[-1] if lines else {}, gen, refs, feat, net, Path(targs.target).name))
     print(f"exported step {run['step']} to {args.out} "
           f"({(args.out / 'model.safetensors').stat().st_size / 1e6:.1f} MB)")
 

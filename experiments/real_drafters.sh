@@ -2,7 +2,7 @@
 # Drafters for the real target (SmolLM2-135M-Instruct, issue 14), every command in order. Each
 # step is resumable: rerun the same line after an interruption and it continues where it stopped.
 # Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
-#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|export|bench
+#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|export|bench|table
 # One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
 # generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
 # side by side (featcache --follow picks up new chatgen shards, training new feature shards).
@@ -25,10 +25,11 @@ case "${1:-}" in
   features)  # 2. the feature cache: every finished chatgen shard first, then reference shards (--follow: wait for more)
     $PY -m specblock.training featcache --target $T --data $DATA --data $REFS --out $FEAT --k 8 --threads 1 \
         ${FOLLOW:+--follow} ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
-  specblock) # 3. SpecBlock from the cache: K = 4, M = 2, the lab drafter's recipe, an 8k-row draft vocabulary
+  specblock) # 3. SpecBlock from the cache: K = 4, M = 2, the lab recipe with one layer (the issue's plan: a step costs
+    #            ~130 GFLOP per window on a CPU that does ~40 GFLOP/s per core; a second layer costs 1.4x), an 8k-row draft vocabulary
     #            (frequencies: answers and the shared-data corpus 50/50)
     $PY -m specblock.training drafter --method specblock --target $T --features $FEAT --draft-vocab 8192 \
-        --vocab-corpus 0.5 --run-dir $RUN --shared-norm --intermediate 1024 --lr 1e-3 --window 257 --batch 4 \
+        --vocab-corpus 0.5 --run-dir $RUN --layers 1 --shared-norm --intermediate 1024 --lr 1e-3 --window 257 --batch 4 \
         --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
   eagle3)    # 3b. EAGLE-3 on the same cache, vocabulary and minutes (one layer, TTT 6 depths, its public recipe)
     $PY -m specblock.training drafter --method eagle3 --target $T --features $FEAT --draft-vocab 8192 \
@@ -39,9 +40,29 @@ case "${1:-}" in
         --vocab-corpus 0.5 --run-dir $H/runs/$T/medusa --lr 1e-3 --window 257 --batch 4 \
         --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
   export)    # 4. the last checkpoint as a drafter plus its model card
-    $PY experiments/export_drafter.py --run-dir $RUN --features $FEAT --data $DATA --out $OUT ;;
+    METHOD=${METHOD:-specblock}  # METHOD=eagle3 / METHOD=medusa export those runs
+    $PY experiments/export_drafter.py --run-dir $H/runs/$T/$METHOD --features $FEAT --data $DATA --refs $REFS --out specblock/assets/drafters/$T/$METHOD ;;
   bench)     # 5. a short check against plain decoding and prompt lookup
     $PY -m specblock.runtime bench --target $T --methods ar,lookup,specblock --prompts 2 --runs 1 --max-new-tokens 64 \
         --out experiments/results/bench_smollm2_specblock_short ;;
-  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|export|bench" >&2; exit 2 ;;
+  table)     # 6. each tree method's node budget (1 prompt per domain), then the main table at the best
+    #            budgets (3 prompts per domain, medians of 3 interleaved runs, bf16) and the fp32 lossless run
+    SWEEP=""; SETS=()
+    for m in specblock specblock@m1 eagle3 medusa; do
+      for b in 8 16 32; do
+        SWEEP+="$m@b$b,"; SETS+=(--set "$m@b$b:budget=$b")
+        [[ $m == specblock@m1 ]] && SETS+=(--set "$m@b$b:M=1")
+      done
+    done
+    $PY -m specblock.runtime bench --target $T --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts 1 --runs 2 \
+        --max-new-tokens 64 --threads 2 --out experiments/results/bench_smollm2_budgets
+    read -r -a BEST <<< "$($PY experiments/best_budgets.py experiments/results/bench_smollm2_budgets.json \
+        --alias specblock+adapt=specblock)"
+    METHODS=ar,lookup,hf-lookup,medusa,eagle3,specblock,specblock@m1,specblock+adapt
+    $PY -m specblock.runtime bench --target $T --methods $METHODS "${BEST[@]}" --set specblock@m1:M=1 \
+        --prompts 3 --runs 3 --max-new-tokens 96 --threads 2 --out experiments/results/bench_smollm2_main \
+        --trace-dir runs/traces_smollm2_main
+    $PY -m specblock.runtime bench --target $T --methods $METHODS "${BEST[@]}" --set specblock@m1:M=1 \
+        --dtype float32 --prompts 3 --runs 1 --max-new-tokens 96 --threads 2 --out experiments/results/bench_smollm2_main_fp32 ;;
+  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|export|bench|table" >&2; exit 2 ;;
 esac

@@ -265,8 +265,8 @@ def build_cache(data: Path | list[Path], out: Path, target_dir: Path, model, k: 
                          "gb": round(sum(s["bytes"] for s in man["shards"].values()) / 1e9, 3),
                          "minutes": round(sum(s["seconds"] for s in man["shards"].values()) / 60, 2)}
         _write_json(out / "manifest.json", man)
-        log(json.dumps({"shard": name, "tokens": info["tokens"], "tok_s": round(info["tokens"] / info["seconds"], 1),
-                        **man["totals"]}))
+        log(json.dumps({"shard": name, "shard_tokens": info["tokens"], "tok_s": round(info["tokens"] / info["seconds"], 1),
+                        "cache": man["totals"]}))
     _write_json(out / "manifest.json", man)
     return man
 
