@@ -111,7 +111,7 @@ class Eagle3Drafter(Drafter):
     def load(cls, path: str | Path, target: TargetModel, **kw) -> "Eagle3Drafter":
         net = Eagle3Net.load(path, target.model)
         target.tap_layers = tuple(net.cfg.tap_layers)  # the drafter decides which layers it reads
-        return cls(net.to(device=target.device, dtype=target.dtype), **kw)
+        return cls(net.to(device=target.device, dtype=target.drafter_dtype), **kw)
 
     def reset(self) -> None:
         self.cache: tuple[torch.Tensor, torch.Tensor] | None = None  # [1, H, C, d] committed positions

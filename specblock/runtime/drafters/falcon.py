@@ -90,7 +90,7 @@ class FalconDrafter(Drafter):
     def load(cls, path: str | Path, target: TargetModel, **kw) -> "FalconDrafter":
         net = FalconNet.load(path, target.model)
         target.tap_layers = tuple(net.cfg.tap_layers)
-        return cls(net.to(device=target.device, dtype=target.dtype), **kw)
+        return cls(net.to(device=target.device, dtype=target.drafter_dtype), **kw)
 
     def reset(self) -> None:
         self.ctx = CommittedContext(self.net, self.device, self.dtype)

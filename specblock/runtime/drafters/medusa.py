@@ -100,7 +100,7 @@ class MedusaDrafter(Drafter):
     @classmethod
     def load(cls, path: str | Path, target: TargetModel) -> "MedusaDrafter":
         net = MedusaNet.load(path, target.model)
-        return cls(net.to(device=target.device, dtype=target.dtype))
+        return cls(net.to(device=target.device, dtype=target.drafter_dtype))
 
     def reset(self) -> None:
         self.top: torch.Tensor | None = None  # [1, h] target's top state at the root's parent

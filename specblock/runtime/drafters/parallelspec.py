@@ -216,7 +216,7 @@ class ParallelSpecDrafter(Drafter):
     def load(cls, path: str | Path, target: TargetModel, **kw) -> "ParallelSpecDrafter":
         net = ParallelSpecNet.load(path, target.model)
         target.tap_layers = tuple(net.cfg.tap_layers)
-        return cls(net.to(device=target.device, dtype=target.dtype), **kw)
+        return cls(net.to(device=target.device, dtype=target.drafter_dtype), **kw)
 
     def reset(self) -> None:
         self.ctx = CommittedContext(self.net, self.device, self.dtype)

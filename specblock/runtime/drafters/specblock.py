@@ -49,7 +49,7 @@ class SpecBlockDrafter(Drafter):
     def load(cls, path: str | Path, target: TargetModel, **kw) -> "SpecBlockDrafter":
         m = target.model
         net = SpecBlockNet.load(path, m.get_input_embeddings().weight, m.get_output_embeddings().weight)
-        return cls(net.to(device=target.device, dtype=target.dtype), **kw)
+        return cls(net.to(device=target.device, dtype=target.drafter_dtype), **kw)
 
     def reset(self) -> None:
         self.cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
