@@ -39,6 +39,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bench", type=Path, help="a bench JSON with METHOD@bN variants")
     ap.add_argument("--alias", action="append", default=[], metavar="NEW=METHOD")
+    ap.add_argument("--write-serving", type=Path, default=None, metavar="DRAFTERS_DIR",
+                    help="also write each swept drafter's serving.json there (DIR/METHOD/serving.json): its best "
+                         "budget, and for specblock the better of M = 2 and M = 1 (a specblock@m1 sweep)")
     args = ap.parse_args(argv)
     if not args.bench.is_file():
         print(f"error: no bench JSON at {args.bench}", file=sys.stderr)
@@ -56,7 +59,25 @@ def main(argv: list[str]) -> int:
     for k, d in means.items():
         print(f"{k}: " + ", ".join(f"b{b} {v:.3f}x" for b, v in d.items()) + f" -> {best[k]}", file=sys.stderr)
     print(" ".join(f"--set {k}:budget={b}" for k, b in best.items()))
+    if args.write_serving is not None:
+        write_serving(args.write_serving, best, means, args.bench)
     return 0
+
+
+def write_serving(drafters: Path, best: dict[str, int], means: dict[str, dict[int, float]], bench: Path) -> None:
+    """serving.json beside each shipped drafter that was swept (the engine reads it when no flag is given)."""
+    from specblock.atomic import write_atomic
+
+    for method in sorted(m for m in means if "@" not in m and (drafters / m).is_dir()):
+        cfg: dict = {"budget": best[method]}
+        where = f"{bench.with_suffix('.md').as_posix()}: the best mean Spd of node budgets {'/'.join(map(str, means[method]))}"
+        m1 = means.get(f"{method}@m1")
+        if m1 and max(m1.values()) > means[method][best[method]]:
+            cfg = {"budget": best[f"{method}@m1"], "M": 1}
+            where += " at M = 2 and M = 1"
+        cfg["measured"] = where
+        write_atomic(drafters / method / "serving.json", json.dumps(cfg, indent=1) + "\n")
+        print(f"wrote {drafters / method / 'serving.json'}: {cfg}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -57,12 +57,12 @@ case "${1:-}" in
     $PY -m specblock.runtime bench --target $T --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts 1 --runs 2 \
         --max-new-tokens 64 --threads 2 --out experiments/results/bench_smollm2_budgets
     read -r -a BEST <<< "$($PY experiments/best_budgets.py experiments/results/bench_smollm2_budgets.json \
-        --alias specblock+adapt=specblock)"
+        --alias specblock+adapt=specblock --write-serving specblock/assets/drafters/$T)"
     METHODS=ar,lookup,hf-lookup,medusa,eagle3,specblock,specblock@m1,specblock+adapt
-    $PY -m specblock.runtime bench --target $T --methods $METHODS "${BEST[@]}" --set specblock@m1:M=1 \
+    $PY -m specblock.runtime bench --target $T --methods $METHODS "${BEST[@]}" --set specblock:M=2 --set specblock+adapt:M=2 --set specblock@m1:M=1 \
         --prompts 3 --runs 3 --max-new-tokens 96 --threads 2 --out experiments/results/bench_smollm2_main \
         --trace-dir runs/traces_smollm2_main
-    $PY -m specblock.runtime bench --target $T --methods $METHODS "${BEST[@]}" --set specblock@m1:M=1 \
-        --dtype float32 --prompts 3 --runs 1 --max-new-tokens 96 --threads 2 --out experiments/results/bench_smollm2_main_fp32 ;;
+    $PY -m specblock.runtime bench --target $T --methods $METHODS "${BEST[@]}" --set specblock:M=2 --set specblock+adapt:M=2 --set specblock@m1:M=1 \
+        --dtype float32 --prompts 3 --runs ${FP32_RUNS:-1} --max-new-tokens 96 --threads 2 --out experiments/results/bench_smollm2_main_fp32 ;;
   *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|export|bench|table" >&2; exit 2 ;;
 esac

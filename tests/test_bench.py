@@ -56,6 +56,17 @@ def test_best_budgets_picks_the_fastest_budget_per_method(tmp_path, capsys):
     assert capsys.readouterr().out.split()[-2:] == ["--set", "specblock+adapt:budget=24"]
     assert bb.main([str(f), "--alias", "x=medusa"]) == 2
     assert bb.main([str(tmp_path / "none.json")]) == 2
+    # serving.json for each swept drafter present in the directory; M = 1 where its sweep won
+    bench["rows"] += [row("specblock@m1@b8", "code", 1.3, 1.3)]
+    f.write_text(json.dumps(bench))
+    drafters = tmp_path / "drafters"
+    (drafters / "eagle3").mkdir(parents=True)
+    (drafters / "specblock").mkdir()
+    assert bb.main([str(f), "--write-serving", str(drafters)]) == 0
+    assert json.loads((drafters / "eagle3" / "serving.json").read_text())["budget"] == 16
+    sb = json.loads((drafters / "specblock" / "serving.json").read_text())
+    assert (sb["budget"], sb["M"]) == (8, 1)
+    assert not (drafters / "medusa").exists()
 
 
 def test_bench_adapt_row_is_lossless_and_restarts_from_theta0_each_run(tmp_path):
