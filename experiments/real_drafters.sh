@@ -2,7 +2,7 @@
 # Drafters for the real target (SmolLM2-135M-Instruct, issue 14), every command in order. Each
 # step is resumable: rerun the same line after an interruption and it continues where it stopped.
 # Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
-#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|export|bench|table
+#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|export|bench|table|eval
 # One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
 # generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
 # side by side (featcache --follow picks up new chatgen shards, training new feature shards).
@@ -64,5 +64,9 @@ case "${1:-}" in
         --trace-dir runs/traces_smollm2_main
     $PY -m specblock.runtime bench --target $T --methods $METHODS "${BEST[@]}" --set specblock:M=2 --set specblock+adapt:M=2 --set specblock@m1:M=1 \
         --dtype float32 --prompts 3 --runs ${FP32_RUNS:-1} --max-new-tokens 96 --threads 2 --out experiments/results/bench_smollm2_main_fp32 ;;
-  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|export|bench|table" >&2; exit 2 ;;
+  eval)      # 7. SpecBlock per domain: acceptance by in-block position, rank head, physical limit tau*T(1)/T(n)
+    $PY experiments/specblock_eval.py --target $T --drafter specblock/assets/drafters/$T/specblock --windows 4 \
+        --dtype float32 --bench experiments/results/bench_smollm2_main.json \
+        --latency specblock/sim/data/latency_cpu_smollm2.json --out experiments/results/specblock_eval_smollm2.json ;;
+  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|export|bench|table|eval" >&2; exit 2 ;;
 esac
