@@ -281,8 +281,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=192, help="cached tokens for T(n); 192 + 64 keeps one attention span")
     ap.add_argument("--skip-compile-times", action="store_true")
     ap.add_argument("--skip-decoding", action="store_true", help="no plain-decoding tokens/s (HF's compiled generate is slow to build)")
-    ap.add_argument("--modes", default="regions", help="compile modes side by side: regions, whole or both")
-    ap.add_argument("--mode", default="regions", choices=["regions", "whole"], help=argparse.SUPPRESS)  # --probe's mode
+    ap.add_argument("--modes", default="whole", help="compile modes side by side: regions, whole or both")
+    ap.add_argument("--mode", default="whole", choices=["regions", "whole"], help=argparse.SUPPRESS)  # --probe's mode
     ap.add_argument("--sizes", default=",".join(map(str, BUCKETS)), help="tree sizes n for T(n)")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/compiled_speed"))
     args = ap.parse_args()

@@ -23,7 +23,7 @@ VOCAB = 12
 MODEL = tiny_model("qwen3", vocab=32, seed=1)
 EAGER = TargetModel(MODEL)
 STATIC = StaticTarget(MODEL, compile=False)
-STATICS = {True: STATIC, False: StaticTarget(MODEL, compile=False, regions=False)}
+STATICS = {True: StaticTarget(MODEL, compile=False, regions=True), False: STATIC}
 REGIONS = pytest.mark.parametrize("regions", [True, False], ids=["regions", "whole"])
 
 
@@ -164,12 +164,12 @@ def test_cli_hook_and_refusals():
     from specblock.runtime.cli import build_parser, maybe_compile
 
     assert build_parser().parse_args(["--compile"]).compile and not build_parser().parse_args([]).compile
-    assert build_parser().parse_args([]).compile_mode == "regions"
-    assert build_parser().parse_args(["--compile-mode", "whole"]).compile_mode == "whole"
+    assert build_parser().parse_args([]).compile_mode == "whole"
+    assert build_parser().parse_args(["--compile-mode", "regions"]).compile_mode == "regions"
     assert maybe_compile(EAGER, False) is EAGER
     wrapped = maybe_compile(EAGER, True)  # compiles lazily, on a bucket's first forward: nothing runs here
-    assert isinstance(wrapped, StaticTarget) and wrapped.compiled and wrapped.model is MODEL and wrapped.regions
-    assert not maybe_compile(EAGER, True, "whole").regions
+    assert isinstance(wrapped, StaticTarget) and wrapped.compiled and wrapped.model is MODEL and not wrapped.regions
+    assert maybe_compile(EAGER, True, "regions").regions
     with pytest.raises(SpecBlockError, match="compile mode"):
         maybe_compile(EAGER, True, "layers")
     cfg = MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -193,8 +193,8 @@ def test_regions_refuse_a_model_forward_they_do_not_rebuild():
 
     inner.forward = doubled
     with pytest.raises(SpecBlockError, match="compile-mode whole"):
-        StaticTarget(model, compile=False)
-    assert not StaticTarget(model, compile=False, regions=False).regions
+        StaticTarget(model, compile=False, regions=True)
+    assert not StaticTarget(model, compile=False).regions
 
 
 @REGIONS

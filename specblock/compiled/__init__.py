@@ -9,7 +9,7 @@ from specblock.errors import SpecBlockError
 from specblock.runtime.target import TargetModel
 
 
-def compile_target(target: TargetModel, mode: str = "regions") -> StaticTarget:
+def compile_target(target: TargetModel, mode: str = "whole") -> StaticTarget:
     """The CLI's ``--compile``: the loaded target behind static shapes, compiled per bucket on
     first use (inductor on CPU, CUDA graphs on CUDA); ``mode`` ``regions`` compiles one layer step
     shared by all layers, ``whole`` the whole forward."""

@@ -16,10 +16,11 @@ C++ kernels on CPU, CUDA graphs via ``mode="reduce-overhead"`` on CUDA). Fixed s
 Prefill runs the same step uncompiled (one call per prompt, any length). Committing a path is one
 gather over all layers' static buffers (``TreeStaticCache.keep``).
 
-What is compiled: ``regions=True`` (the default) compiles one decoder-layer step shared by all
-layers (``compiled/regions.py``; mask, embedding, final norm and LM head eager), ``regions=False``
-the whole forward per shape. Same padding and masks either way; see
-``experiments/results/compiled_regions.md`` for compile time and per-token speed of each.
+What is compiled: ``regions=True`` compiles one decoder-layer step shared by all layers, plus
+the tree inputs with the embedding and the final norm with the LM head (``compiled/regions.py``);
+``regions=False`` (the default) the whole forward per shape. Same padding and masks either way.
+Regions compile several times faster but ran T(1) 13% slower on the lab model
+(``experiments/results/compiled_regions.md``), hence not the default yet.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class StaticTarget(TargetModel):
         buckets: tuple[int, ...] = BUCKETS,
         mode: str | None = None,
         options: dict | None = None,
-        regions: bool = True,
+        regions: bool = False,
     ) -> None:
         super().__init__(model, tap_layers)
         types = getattr(self.config, "layer_types", None)

@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=Path("experiments/results/bench"))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     ap.add_argument("--compile", action="store_true", help="static-shape target compiled per tree-size bucket")
-    ap.add_argument("--compile-mode", default="regions", choices=["regions", "whole"],
+    ap.add_argument("--compile-mode", default="whole", choices=["regions", "whole"],
                     help="--compile: one layer step shared by all layers, or the whole forward")
     return ap
 

@@ -46,7 +46,7 @@ class RunConfig(BaseModel):
     branches: int = Field(1, ge=1)
     warmup: bool = True
     compile: bool = False  # static shapes + torch.compile per tree bucket (specblock/compiled)
-    compile_mode: Literal["regions", "whole"] = "regions"  # one shared layer step, or the whole forward
+    compile_mode: Literal["regions", "whole"] = "whole"  # one shared layer step, or the whole forward
     drafter: Path | None = None
     # None: the drafter's measured best (serving.json beside it), else the drafter's own default
     M: int | None = Field(None, ge=1, le=8)
