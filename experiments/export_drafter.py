@@ -54,6 +54,11 @@ def card(run: dict, last: dict, gen: dict, refs: dict | None, feat: dict, net, t
                     f"{sum(1 for n in feat.get('shards', {}) if n.startswith('ref_'))} shards, {ref_tokens:,} answer tokens of "
                     "AlpacaEval 0-699 responses by 11 open chat models, GSM8K training solutions and whole stdlib "
                     "functions, encoded with the target's chat template; soft targets and features from the target.")
+    held = set(feat.get("heldout_shards", []))
+    own = sum(s["tokens"] for n, s in feat.get("shards", {}).items() if n.startswith("shard_") and n not in held)
+    ref = sum(s["tokens"] for n, s in feat.get("shards", {}).items() if n.startswith("ref_"))
+    mix_line = (f"\n- Training windows are drawn from {own:,} tokens of the target's own answers and {ref:,} tokens of "
+                f"reference answers (prompts included); the held-out shards ({', '.join(sorted(held)) or 'none'}) are never trained on.")
     figures = "\n".join(f"  - {k}: {_acc(v)}" for k, v in last.items() if k not in ("step", "train_s", "final", "loss"))
     return f"""# {method} drafter for {target_name}
 
@@ -64,12 +69,12 @@ are the target's and are not stored here.
 
 ## Training (`experiments/real_drafters.sh`)
 
-- Data: the target's own greedy answers (bf16, its chat template, up to 256 new tokens) to training
+- Data: the target's own greedy answers ({gen.get('dtype', 'dtype not recorded')}, its chat template, up to {gen.get('settings', {}).get('max_new_tokens', '?')} new tokens) to training
   instructions (GSM8K train, AlpacaEval 0-699, stdlib functions framed as the bench's code prompts,
   Shakespeare continuations): {g.get('sequences', 0):,} sequences, {g.get('answer_tokens', 0):,} answer tokens in
   {g.get('minutes', 0)} minutes ({g.get('answer_tokens_per_s', 0)} answer tokens/s; `training/chatgen.py`). Held-out: chatgen shard 0.{ref_line}
 - Features: {f.get('tokens', 0):,} tokens (prompts and answers) in {f.get('shards', 0)} shards, {f.get('gb', 0)} GB,
-  {f.get('minutes', 0)} minutes (`training/featcache.py`).
+  {f.get('minutes', 0)} minutes, the target in {feat.get('dtype')} (`training/featcache.py`).{mix_line}
 - {_training_line(run, method)}
 - Held-out figures at the run's last evaluation (step {last.get('step')}), from `metrics.jsonl`:
 {figures}

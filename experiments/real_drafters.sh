@@ -6,6 +6,8 @@
 # One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
 # generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
 # side by side (featcache --follow picks up new chatgen shards, training new feature shards).
+# fp32 for data and features: on an AVX2-only CPU (no native bf16) batched bf16 products ran ~50x slower
+# (runtime.target.native_bf16); the drafters train in fp32 there too (--amp auto).
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 T=smollm2-135m-instruct
@@ -18,12 +20,12 @@ OUT=specblock/assets/drafters/$T/specblock
 case "${1:-}" in
   data)      # 1. self-generated data: 186 shards of 64 instructions, up to 256 new tokens each
     $PY -m specblock.training chatgen --target $T --out $DATA --shard-size 64 --batch 64 --max-new-tokens 256 \
-        --threads 1 ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
+        --dtype float32 --threads 1 ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
   refs)      # 1b. reference answers (AlpacaEval responses, GSM8K solutions, stdlib functions): ~10x the
     #            tokens per CPU minute of generation, since only features are computed for them
     $PY -m specblock.training refanswers --target $T --out $REFS ;;
   features)  # 2. the feature cache: every finished chatgen shard first, then reference shards (--follow: wait for more)
-    $PY -m specblock.training featcache --target $T --data $DATA --data $REFS --out $FEAT --k 8 --threads 1 \
+    $PY -m specblock.training featcache --target $T --data $DATA --data $REFS --out $FEAT --k 8 --dtype float32 --threads 1 \
         ${FOLLOW:+--follow} ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
   specblock) # 3. SpecBlock from the cache: K = 4, M = 2, the lab recipe with one layer (the plan: a step costs
     #            ~130 GFLOP per window on a CPU that does ~40 GFLOP/s per core; a second layer costs 1.4x), an 8k-row draft vocabulary

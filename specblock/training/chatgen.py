@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     man = open_manifest(args.out, target_dir, _settings(args))
+    if man.get("dtype", args.dtype) != args.dtype:  # answers of one run come from one dtype (they differ at near-ties)
+        raise SpecBlockError(f"{args.out} holds answers generated in {man['dtype']}; pass --dtype {man['dtype']} or use another --out")
+    man["dtype"] = args.dtype
     tok = AutoTokenizer.from_pretrained(target_dir)
     if not has_template(tok):
         raise SpecBlockError(f"{target_dir} has no chat template; chatgen asks chat models (use selfgen for base models)")
