@@ -2,7 +2,7 @@
 # Drafters for the real target (SmolLM2-135M-Instruct, issue 14), every command in order. Each
 # step is resumable: rerun the same line after an interruption and it continues where it stopped.
 # Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
-#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|export|bench|table|eval
+#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|export|bench|calibrate|table|eval
 # One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
 # generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
 # side by side (featcache --follow picks up new chatgen shards, training new feature shards).
@@ -47,8 +47,9 @@ case "${1:-}" in
   bench)     # 5. a short check against plain decoding and prompt lookup
     $PY -m specblock.runtime bench --target $T --methods ar,lookup,specblock --prompts 2 --runs 1 --max-new-tokens 64 \
         --out experiments/results/bench_smollm2_specblock_short ;;
-  table)     # 6. each tree method's node budget (1 prompt per domain), then the main table at the best
-    #            budgets (3 prompts per domain, medians of 3 interleaved runs, bf16) and the fp32 lossless run
+  table)     # 6. On this AVX2 CPU bf16 has no native kernels and the target's T(16) is several times T(1) in bf16 (see
+    #            calibrate), so the tables run in fp32 (what --dtype auto picks here), which is also the lossless run,
+    #            plus a smaller bf16 table that shows the bf16 penalty. Each tree method's node budget first.
     SWEEP=""; SETS=()
     for m in specblock specblock@m1 eagle3 medusa; do
       for b in 8 16 32; do
@@ -56,19 +57,22 @@ case "${1:-}" in
         [[ $m == specblock@m1 ]] && SETS+=(--set "$m@b$b:M=1")
       done
     done
-    $PY -m specblock.runtime bench --target $T --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts 1 --runs 2 \
-        --max-new-tokens 64 --threads 2 --out experiments/results/bench_smollm2_budgets
+    $PY -m specblock.runtime bench --target $T --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts 1 --runs 1 \
+        --max-new-tokens 64 --dtype float32 --threads 2 --out experiments/results/bench_smollm2_budgets
     read -r -a BEST <<< "$($PY experiments/best_budgets.py experiments/results/bench_smollm2_budgets.json \
         --alias specblock+adapt=specblock --write-serving specblock/assets/drafters/$T)"
-    METHODS=ar,lookup,hf-lookup,medusa,eagle3,specblock,specblock@m1,specblock+adapt
-    $PY -m specblock.runtime bench --target $T --methods $METHODS "${BEST[@]}" --set specblock:M=2 --set specblock+adapt:M=2 --set specblock@m1:M=1 \
-        --prompts 3 --runs 3 --max-new-tokens 96 --threads 2 --out experiments/results/bench_smollm2_main \
-        --trace-dir runs/traces_smollm2_main
-    $PY -m specblock.runtime bench --target $T --methods $METHODS "${BEST[@]}" --set specblock:M=2 --set specblock+adapt:M=2 --set specblock@m1:M=1 \
-        --dtype float32 --prompts 3 --runs ${FP32_RUNS:-1} --max-new-tokens 96 --threads 2 --out experiments/results/bench_smollm2_main_fp32 ;;
+    PIN=(--set specblock:M=2 --set specblock+adapt:M=2 --set specblock@m1:M=1)
+    $PY -m specblock.runtime bench --target $T --methods ar,lookup,hf-lookup,medusa,eagle3,specblock,specblock@m1,specblock+adapt \
+        "${BEST[@]}" "${PIN[@]}" --dtype float32 --prompts 3 --runs 3 --max-new-tokens 64 --threads 2 \
+        --out experiments/results/bench_smollm2_main --trace-dir runs/traces_smollm2_main
+    $PY -m specblock.runtime bench --target $T --methods ar,lookup,medusa,eagle3,specblock "${BEST[@]}" "${PIN[@]}" \
+        --dtype bfloat16 --prompts 1 --runs 3 --max-new-tokens 64 --threads 2 --out experiments/results/bench_smollm2_main_bf16 ;;
+  calibrate) # 5b. T(n) of the target on this CPU in both dtypes (the simulator's latency files)
+    $PY -m specblock.runtime calibrate --target $T --dtype float32 --reps 9 --out specblock/sim/data/latency_cpu_smollm2_fp32.json
+    $PY -m specblock.runtime calibrate --target $T --dtype bfloat16 --reps 9 --out specblock/sim/data/latency_cpu_smollm2_avx2_bf16.json ;;
   eval)      # 7. SpecBlock per domain: acceptance by in-block position, rank head, physical limit tau*T(1)/T(n)
     $PY experiments/specblock_eval.py --target $T --drafter specblock/assets/drafters/$T/specblock --windows 4 \
         --dtype float32 --bench experiments/results/bench_smollm2_main.json \
-        --latency specblock/sim/data/latency_cpu_smollm2.json --out experiments/results/specblock_eval_smollm2.json ;;
-  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|export|bench|table|eval" >&2; exit 2 ;;
+        --latency specblock/sim/data/latency_cpu_smollm2_fp32.json --out experiments/results/specblock_eval_smollm2.json ;;
+  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|export|bench|calibrate|table|eval" >&2; exit 2 ;;
 esac
