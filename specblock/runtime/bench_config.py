@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
@@ -44,7 +43,7 @@ class BenchFlags(BaseModel):
     prompts: int = Field(ge=1)
     runs: int = Field(ge=1)
     max_new_tokens: int = RunConfig.model_fields["max_new_tokens"]
-    dtype: Literal["bfloat16", "float32"]
+    dtype: RunConfig.model_fields["dtype"].annotation
     budget: int | None = Field(None, ge=0, le=256)
     threads: int = Field(0, ge=0, le=1024)  # 0: torch's default
     drafter_dir: Path | None = None

@@ -26,7 +26,7 @@ from specblock.policies.tree import DraftTree
 from specblock.models import drafters_dir
 from specblock.runtime.config import validate
 from specblock.runtime.drafters.base import DraftRequest
-from specblock.runtime.target import TargetModel
+from specblock.runtime.target import DTYPE_HELP, TargetModel, resolve_dtype
 from specblock.runtime.verify import GreedyVerifier
 
 N_GRID = [1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 64]
@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
     ap = OneLineParser(prog="python -m specblock.runtime calibrate", description=__doc__.splitlines()[0])
     ap.add_argument("--target", help="a model name (see `models`) or an HF model directory (default: the real chat model)")
     ap.add_argument("--out", type=Path, default=Path("specblock/sim/data/latency_cpu.json"))
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help=DTYPE_HELP)
     ap.add_argument("--reps", type=int, default=15, help="timed repetitions per point (at least 1)")
     ap.add_argument("--ctx", type=_ctx_list, default=CTX_GRID, help="context lengths, e.g. 64,256,1024")
     ap.add_argument("--drafter-dir", type=Path, help="drafters to time (default: those shipped for the target)")
@@ -158,6 +158,7 @@ def main(argv: list[str]) -> int:
         raise SpecBlockError("--reps: give at least 1 timed repetition")
     check_output(args.out, "--out", make_parents=True)
     cfg = validate({"target": args.target, "dtype": args.dtype})
+    args.dtype = resolve_dtype(args.dtype, "auto")  # the latency JSON records what ran, never "auto"
     target = TargetModel.load(cfg.target_dir, args.dtype, "auto")
     drafter_dir = args.drafter_dir or drafters_dir(cfg.target_dir)
     rng = np.random.default_rng(0)

@@ -1,0 +1,58 @@
+"""``--dtype auto``: bf16 only where it is native, resolved in one place, recorded as resolved."""
+
+import json
+
+import pytest
+import torch
+
+from specblock.errors import SpecBlockError
+from specblock.runtime import target as target_mod
+from specblock.runtime.bench import build_parser as bench_parser
+from specblock.runtime.cli import build_parser, main
+from specblock.runtime.config import RunConfig
+from specblock.runtime.target import TargetModel, resolve_dtype
+from tiny import save_tiny
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("native, want", [(True, "bfloat16"), (False, "float32")])
+def test_auto_follows_native_bf16(monkeypatch, native, want):
+    monkeypatch.setattr(target_mod, "native_bf16", lambda device: native)
+    assert resolve_dtype("auto", CPU) == want
+    assert resolve_dtype("auto", "cpu") == want  # a device name resolves the same way
+
+
+def test_explicit_names_pass_through(monkeypatch):
+    monkeypatch.setattr(target_mod, "native_bf16", lambda device: pytest.fail("an explicit dtype asked the hardware"))
+    for name in ("bfloat16", "float32", "float16"):
+        assert resolve_dtype(name, CPU) == name
+
+
+def test_unknown_dtype_is_one_line():
+    with pytest.raises(SpecBlockError) as e:
+        resolve_dtype("fp8", CPU)
+    msg = str(e.value)
+    assert "\n" not in msg and "'fp8'" in msg and "auto" in msg
+
+
+def test_auto_is_every_default():
+    assert RunConfig().dtype == "auto"
+    assert build_parser().parse_args([]).dtype == "auto"
+    assert bench_parser().parse_args([]).dtype == "auto"
+
+
+@pytest.mark.parametrize("native, want", [(True, torch.bfloat16), (False, torch.float32)])
+def test_load_resolves_auto(tmp_path, monkeypatch, native, want):
+    save_tiny(tmp_path / "t", "llama", vocab=32)
+    monkeypatch.setattr(target_mod, "native_bf16", lambda device: native)
+    assert TargetModel.load(tmp_path / "t", "auto", "cpu").dtype == want
+
+
+def test_bench_records_resolved_dtype(tmp_path, monkeypatch):
+    save_tiny(tmp_path / "t", "llama", vocab=96, ctx=2048)
+    monkeypatch.setattr(target_mod, "native_bf16", lambda device: False)
+    out = tmp_path / "bench"
+    assert main(["bench", "--target", str(tmp_path / "t"), "--methods", "lookup", "--domains", "code",
+                 "--prompts", "1", "--max-new-tokens", "4", "--runs", "1", "--out", str(out)]) == 0
+    assert json.loads(out.with_suffix(".json").read_text())["config"]["dtype"] == "float32"
