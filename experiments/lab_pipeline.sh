@@ -55,7 +55,7 @@ fi
 if [[ $step == all || $step == measure ]]; then
   # On a quiet machine: every figure below is a timing (op counts and acceptance excepted).
   rm -rf runs/traces
-  $PY -m specblock.runtime calibrate --target lab --out specblock/sim/data/latency_cpu.json --reps 45
+  $PY -m specblock.runtime calibrate --target lab --dtype bfloat16 --out specblock/sim/data/latency_cpu.json --reps 45
   # 1. each tree method's node budget on this CPU (2 prompts per domain, 2 runs, 48 tokens)
   SWEEP=""; SETS=()
   for m in specblock specblock@m1 eagle3 medusa parallelspec falcon; do
@@ -64,18 +64,18 @@ if [[ $step == all || $step == measure ]]; then
       [[ $m == specblock@m1 ]] && SETS+=(--set "$m@b$b:M=1")
     done
   done
-  $PY -m specblock.runtime bench --target lab --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts 2 --runs 2 \
+  $PY -m specblock.runtime bench --target lab --dtype bfloat16 --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts 2 --runs 2 \
       --max-new-tokens 48 --out experiments/results/bench_budgets
   read -r -a BEST <<< "$($PY experiments/best_budgets.py experiments/results/bench_budgets.json \
       --alias specblock+adapt=specblock)"
   # 2. the main table: every method at its best budget, medians of 3 interleaved runs
-  $PY -m specblock.runtime bench --target lab \
+  $PY -m specblock.runtime bench --target lab --dtype bfloat16 \
       --methods ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt \
       "${BEST[@]}" --set specblock@m1:M=1 --prompts 3 --runs 3 --max-new-tokens 64 \
       --out experiments/results/bench_main --trace-dir runs/traces
   # 3. the trained ablations (experiments/specblock_ablations.sh) and fixed top-k branching, same prompts
   A=runs/ablations
-  $PY -m specblock.runtime bench --target lab --methods ar,specblock@full,specblock@no-shift,specblock@no-prefix-broadcast,specblock@no-valid-prefix,specblock@no-cross-block,specblock@topk2 \
+  $PY -m specblock.runtime bench --target lab --dtype bfloat16 --methods ar,specblock@full,specblock@no-shift,specblock@no-prefix-broadcast,specblock@no-valid-prefix,specblock@no-cross-block,specblock@topk2 \
       --set specblock@full:drafter=$A/full/drafter --set specblock@no-shift:drafter=$A/no-shift/drafter \
       --set specblock@no-prefix-broadcast:drafter=$A/no-prefix-broadcast/drafter \
       --set specblock@no-valid-prefix:drafter=$A/no-valid-prefix/drafter \
@@ -92,7 +92,7 @@ if [[ $step == all || $step == measure ]]; then
   $PY experiments/sim_fidelity.py --bench experiments/results/bench_main.json
   # 4. the simulator's check on a bench of its own methods with 5 runs (steadier medians than 3)
   rm -rf runs/traces_fidelity
-  $PY -m specblock.runtime bench --target lab --methods ar,lookup,sps,medusa,eagle3,specblock,specblock@m1 \
+  $PY -m specblock.runtime bench --target lab --dtype bfloat16 --methods ar,lookup,sps,medusa,eagle3,specblock,specblock@m1 \
       "${BEST[@]}" --set specblock@m1:M=1 --prompts 3 --runs 5 --max-new-tokens 64 \
       --out experiments/results/bench_fidelity --trace-dir runs/traces_fidelity
   $PY experiments/sim_fidelity.py --bench experiments/results/bench_fidelity.json --traces runs/traces_fidelity \

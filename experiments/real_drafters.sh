@@ -31,7 +31,7 @@ case "${1:-}" in
     #            ~130 GFLOP per window on a CPU that does ~40 GFLOP/s per core; a second layer costs 1.4x), an 8k-row draft vocabulary
     #            (frequencies: answers and the shared-data corpus 50/50)
     $PY -m specblock.training drafter --method specblock --target $T --features $FEAT --draft-vocab 8192 \
-        --vocab-corpus 0.5 --run-dir $RUN --layers 1 --shared-norm --intermediate 1024 --lr 1e-3 --window 257 --batch 4 \
+        --vocab-corpus 0.5 --run-dir $RUN --layers 2 --shared-norm --intermediate 1024 --lr 1e-3 --window 257 --batch 4 \
         --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
   eagle3)    # 3b. EAGLE-3 on the same cache, vocabulary and minutes (one layer, TTT 6 depths, its public recipe)
     $PY -m specblock.training drafter --method eagle3 --target $T --features $FEAT --draft-vocab 8192 \
