@@ -66,6 +66,7 @@ case "${1:-}" in
     $PY -m specblock.runtime bench --target $T --methods ar,lookup,hf-lookup,medusa,eagle3,specblock,specblock@m1,specblock+adapt \
         "${BEST[@]}" "${PIN[@]}" --dtype float32 --prompts 3 --runs 3 --max-new-tokens 64 --threads 2 \
         --out experiments/results/bench_smollm2_main --trace-dir runs/traces_smollm2_main
+    $PY experiments/best_method.py experiments/results/bench_smollm2_main.json --write specblock/assets/drafters/$T
     $PY -m specblock.runtime bench --target $T --methods ar,lookup,medusa,eagle3,specblock "${BEST[@]}" "${PIN[@]}" \
         --dtype bfloat16 --prompts 1 --runs 3 --max-new-tokens 64 --threads 2 --out experiments/results/bench_smollm2_main_bf16 ;;
   calibrate) # 5b. T(n) of the target on this CPU in both dtypes (the simulator's latency files)

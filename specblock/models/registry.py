@@ -120,3 +120,27 @@ def drafters_dir(path: Path) -> Path:
     # Another directory: the lab drafters, whose loaders refuse a target of another vocabulary
     # or hidden size with a message naming both (a copy of the lab model still finds them).
     return spec.drafters if spec is not None else MODELS["lab"].drafters
+
+
+#: ``--method auto`` where no bench has picked one for the target (no training, no drafter needed).
+FALLBACK_METHOD = "lookup"
+
+
+def best_method(target: str | Path | None) -> str:
+    """What ``--method auto`` runs for this target: the fastest method of its measured main table,
+    written as ``best.json`` beside its shipped drafters (``experiments/best_method.py``), else
+    prompt lookup. Reads no model and builds nothing."""
+    spec = MODELS.get(str(target or DEFAULT_TARGET_NAME))
+    if spec is None and target is not None and Path(target).is_dir():
+        spec = spec_for(Path(target))
+    f = spec.drafters / "best.json" if spec is not None else None
+    if f is None or not f.is_file():
+        return FALLBACK_METHOD
+    try:
+        import json
+
+        method = json.loads(f.read_text())["method"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise SpecBlockError(f"{f} is not a valid best-method record; rerun experiments/best_method.py or delete it") from None
+    return str(method)
+

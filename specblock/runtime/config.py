@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from specblock.errors import SpecBlockError
 from specblock.flags import bad_text
 from specblock.models import MODELS, resolve_target
+from specblock.models.registry import best_method
 from specblock.runtime.chat import parse_messages
 
 #: The lab model and its drafters (the fast fixture); the default target is a name in
@@ -24,7 +25,7 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     target: str | None = None  # a name in specblock.models (default: the real chat model) or a directory
-    method: str = "auto"  # the best shipped method by measurement (experiments/results/bench_main.md)
+    method: str = "auto"  # the target's fastest method by measurement (models.registry.best_method)
     prompt: str | None = None
     system: str | None = None  # a system message before --prompt (chat templates only)
     raw: bool = False  # send --prompt as is, without the chat template
@@ -85,10 +86,10 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _resolve_method(self) -> "RunConfig":
         if self.method == "auto":
-            # lookup measured 1.51x mean Spd on the lab target, the shipped SpecBlock drafter 1.22x
-            # (1.26x at M=1, bench_main.md); on the real model lookup is the only method with no
-            # training and no drafter is shipped for it yet (lookup 1.21x, bench_smollm2.md): auto picks lookup on both.
-            self.method = "lookup"
+            # The fastest method of the target's measured main table (best.json beside its drafters,
+            # experiments/best_method.py), else lookup. The lab has no record: lookup measured 1.51x
+            # there against SpecBlock's 1.22x (bench_main.md).
+            self.method = best_method(self.target)
         return self
 
     @field_validator("adapt_arms")

@@ -1,0 +1,51 @@
+"""--method auto: the target's fastest method by measurement (models.registry.best_method)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from specblock.errors import SpecBlockError
+from specblock.models import registry
+
+
+@pytest.fixture()
+def fake_target(tmp_path, monkeypatch):
+    spec = dataclasses.replace(registry.MODELS["lab"], name="fake", drafters=tmp_path)
+    monkeypatch.setitem(registry.MODELS, "fake", spec)
+    return tmp_path
+
+
+def test_auto_falls_back_to_lookup_then_follows_the_record(fake_target):
+    assert registry.best_method("fake") == registry.FALLBACK_METHOD == "lookup"
+    (fake_target / "best.json").write_text(json.dumps({"method": "eagle3"}))
+    assert registry.best_method("fake") == "eagle3"
+    from specblock.runtime.config import RunConfig
+
+    assert RunConfig(target="fake", method="auto").method == "eagle3"
+    assert RunConfig(target="fake", method="lookup").method == "lookup"  # an explicit choice stays
+    (fake_target / "best.json").write_text("{not json")
+    with pytest.raises(SpecBlockError, match="best_method.py"):
+        registry.best_method("fake")
+
+
+def test_best_method_script_picks_the_highest_mean_among_runnable_methods(tmp_path):
+    path = Path(__file__).resolve().parents[1] / "experiments" / "best_method.py"
+    spec = importlib.util.spec_from_file_location("best_method", path)
+    bm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bm)
+    row = lambda m, d, s: {"method": m, "domain": d, "speedup": s}
+    bench = {"config": {"dtype": "float32"},
+             "rows": [row("ar", "code", 1.0), row("ar", "chat", 1.0), row("lookup", "code", 1.3), row("lookup", "chat", 1.1),
+                      row("eagle3", "code", 1.5), row("eagle3", "chat", 0.8), row("hf-lookup", "code", 9.0),
+                      row("specblock@m1", "code", 9.0)]}
+    assert bm.fastest(bench)[0] == "lookup"  # mean 1.2 beats eagle3's 1.15; peers and variants do not count
+    f = tmp_path / "b.json"
+    f.write_text(json.dumps(bench))
+    assert bm.main([str(f), "--write", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "best.json").read_text())
+    assert rec["method"] == "lookup" and rec["dtype"] == "float32"
