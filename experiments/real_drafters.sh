@@ -2,7 +2,7 @@
 # Drafters for the real target (SmolLM2-135M-Instruct, issue 14), every command in order. Each
 # step is resumable: rerun the same line after an interruption and it continues where it stopped.
 # Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
-#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|export|bench|calibrate|table|eval
+#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|export|bench|calibrate|table|widths|eval
 # One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
 # generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
 # side by side (featcache --follow picks up new chatgen shards, training new feature shards).
@@ -68,6 +68,11 @@ case "${1:-}" in
     $PY -m specblock.runtime bench --target $T --methods ar,lookup,eagle3,specblock "${BEST[@]}" "${PIN[@]}" \
         --dtype bfloat16 --domains code,chat --prompts 1 --runs 3 --max-new-tokens 48 --threads 2 \
         --out experiments/results/bench_smollm2_main_bf16 ;;
+  widths)    # 6b. Serving-time branching (no retraining): the rank head's widths (2,4,10,0: bucket b3 ends a branch)
+    #            against fixed top-k, same drafter, fp32, 1 prompt per domain, 1 run (a diagnostic, not a table)
+    $PY -m specblock.runtime bench --target $T --methods ar,specblock,specblock@topk2,specblock@topk4 \
+        --set specblock@topk2:widths=2,2,2,2 --set specblock@topk4:widths=4,4,4,4 --dtype float32 --prompts 1 --runs 1 \
+        --max-new-tokens 48 --threads 2 --out experiments/results/bench_smollm2_widths ;;
   calibrate) # 5b. T(n) of the target on this CPU in both dtypes (the simulator's latency files)
     $PY -m specblock.runtime calibrate --target $T --dtype float32 --reps 9 --out specblock/sim/data/latency_cpu_smollm2_fp32.json
     $PY -m specblock.runtime calibrate --target $T --dtype bfloat16 --reps 9 --out specblock/sim/data/latency_cpu_smollm2_avx2_bf16.json ;;
@@ -75,5 +80,5 @@ case "${1:-}" in
     $PY experiments/specblock_eval.py --target $T --drafter specblock/assets/drafters/$T/specblock --windows 4 \
         --dtype float32 --bench experiments/results/bench_smollm2_main.json \
         --latency specblock/sim/data/latency_cpu_smollm2_fp32.json --out experiments/results/specblock_eval_smollm2.json ;;
-  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|export|bench|calibrate|table|eval" >&2; exit 2 ;;
+  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|export|bench|calibrate|table|widths|eval" >&2; exit 2 ;;
 esac
