@@ -60,25 +60,25 @@ class Instruction:
     text: str  # one user message
 
 
-def _jsonl(*parts: str) -> list[dict]:
+def read_jsonl(*parts: str) -> list[dict]:
     with open(data_file(*parts), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
 def math_instructions() -> list[Instruction]:
     return [Instruction(f"gsm8k/train/{i}", "math", r["question"].strip())
-            for i, r in enumerate(_jsonl("gsm8k", "train.jsonl"))]
+            for i, r in enumerate(read_jsonl("gsm8k", "train.jsonl"))]
 
 
 def chat_instructions() -> list[Instruction]:
     seen: dict[int, str] = {}
-    for r in _jsonl("alpaca_eval", "train.jsonl"):
+    for r in read_jsonl("alpaca_eval", "train.jsonl"):
         if int(r["id"]) < 700:
             seen.setdefault(int(r["id"]), r["instruction"].strip())
     return [Instruction(f"alpaca_eval/{i}", "chat", seen[i]) for i in sorted(seen)]
 
 
-def _functions(source: str, per_file: int) -> list[tuple[str, str, str]]:
+def documented_functions(source: str, per_file: int) -> list[tuple[str, str, str]]:
     """Public functions and methods with a docstring: name, the head cut right after the docstring
     (HumanEval's shape) and the whole function (a method is dedented out of its class)."""
     try:
@@ -117,7 +117,7 @@ def code_instructions(per_file: int = 12) -> list[Instruction]:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        out += [Instruction(f"stdlib/{rel}:{name}", "code", code_prompt(code)) for name, code, _ in _functions(text, per_file)]
+        out += [Instruction(f"stdlib/{rel}:{name}", "code", code_prompt(code)) for name, code, _ in documented_functions(text, per_file)]
     return out
 
 

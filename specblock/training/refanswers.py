@@ -26,7 +26,7 @@ import sysconfig
 from pathlib import Path
 
 from specblock.errors import SpecBlockError
-from specblock.training.chatgen import Instruction, _functions, _jsonl, code_prompt
+from specblock.training.chatgen import Instruction, documented_functions, read_jsonl, code_prompt
 from specblock.training.corpus import is_heldout, stdlib_files
 
 #: Share of answers per domain while every domain lasts (the bench's chat-like domains weigh most).
@@ -36,12 +36,12 @@ _CALC = re.compile(r"<<[^>]*>>")
 
 def chat_pairs() -> list[tuple[Instruction, str]]:
     return [(Instruction(f"alpaca_eval/{r['id']}/{r.get('generator', j)}", "chat", r["instruction"].strip()), r["output"].strip())
-            for j, r in enumerate(_jsonl("alpaca_eval", "train.jsonl")) if int(r["id"]) < 700 and r.get("output")]
+            for j, r in enumerate(read_jsonl("alpaca_eval", "train.jsonl")) if int(r["id"]) < 700 and r.get("output")]
 
 
 def math_pairs() -> list[tuple[Instruction, str]]:
     return [(Instruction(f"gsm8k/train/{i}", "math", r["question"].strip()), _CALC.sub("", r["answer"]).strip())
-            for i, r in enumerate(_jsonl("gsm8k", "train.jsonl"))]
+            for i, r in enumerate(read_jsonl("gsm8k", "train.jsonl"))]
 
 
 def code_pairs(per_file: int = 12) -> list[tuple[Instruction, str]]:
@@ -56,7 +56,7 @@ def code_pairs(per_file: int = 12) -> list[tuple[Instruction, str]]:
         except (UnicodeDecodeError, OSError):
             continue
         out += [(Instruction(f"stdlib/{rel}:{name}", "code", code_prompt(head)), f"```python\n{whole}```")
-                for name, head, whole in _functions(text, per_file)]
+                for name, head, whole in documented_functions(text, per_file)]
     return out
 
 
