@@ -10,6 +10,7 @@ that path like any other model directory.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,8 +138,6 @@ def best_method(target: str | Path | None) -> str:
     if f is None or not f.is_file():
         return FALLBACK_METHOD
     try:
-        import json
-
         method = json.loads(f.read_text())["method"]
     except (OSError, ValueError, KeyError, TypeError):
         raise SpecBlockError(f"{f} is not a valid best-method record; rerun experiments/best_method.py or delete it") from None
