@@ -40,7 +40,7 @@ def heldout(target_dir: Path, drafter: Path, windows: int, dtype: str = "bfloat1
         x = torch.from_numpy(np.stack([np.asarray(s[a : a + 257], dtype=np.int64) for a in starts]))
         acc, conf, ranks = [[], []], np.zeros((2, 4, 4)), [[], []]
         for chunk in x.split(4):
-            res = specblock_step(net, target_pass(model, chunk, net.cfg.tap_layers), gen, 1.0)
+            res = specblock_step(net, target_pass(model, chunk, net.cfg.tap_layers, net), gen, 1.0)  # net: its draft vocabulary
             for i, bl in enumerate(res.blocks):
                 reach = bl.mask[..., 0].sum().clamp_min(1)
                 acc[i].append(((bl.mask * bl.top1.float()).flatten(0, -2).sum(0) / reach).numpy())
