@@ -65,7 +65,8 @@ case "${1:-}" in
         "${BEST[@]}" "${PIN[@]}" --dtype float32 --prompts 1 --runs 3 --max-new-tokens 48 --threads 2 \
         --out experiments/results/bench_smollm2_main --trace-dir runs/traces_smollm2_main
     $PY experiments/best_method.py experiments/results/bench_smollm2_main.json --write specblock/assets/drafters/$T
-    $PY -m specblock.runtime bench --target $T --methods ar,lookup,eagle3,specblock "${BEST[@]}" "${PIN[@]}" \
+    # each drafter at its serving.json budget (written above)
+    $PY -m specblock.runtime bench --target $T --methods ar,lookup,medusa,eagle3,specblock \
         --dtype bfloat16 --domains code,chat --prompts 1 --runs 3 --max-new-tokens 48 --threads 2 \
         --out experiments/results/bench_smollm2_main_bf16 ;;
   widths)    # 6b. Serving-time branching (no retraining): the rank head's widths (2,4,10,0: bucket b3 ends a branch)
