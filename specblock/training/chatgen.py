@@ -106,7 +106,9 @@ def documented_functions(source: str, per_file: int) -> list[tuple[str, str, str
     return out
 
 
-def code_instructions(per_file: int = 12) -> list[Instruction]:
+def training_functions(per_file: int = 12) -> list[tuple[str, str, str]]:
+    """``(id, head, whole function)`` of every documented stdlib function outside the code
+    domain's held-out files: the code prompts (chatgen) and their reference answers (refanswers)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for path in stdlib_files():
@@ -117,8 +119,12 @@ def code_instructions(per_file: int = 12) -> list[Instruction]:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        out += [Instruction(f"stdlib/{rel}:{name}", "code", code_prompt(code)) for name, code, _ in documented_functions(text, per_file)]
+        out += [(f"stdlib/{rel}:{name}", head, whole) for name, head, whole in documented_functions(text, per_file)]
     return out
+
+
+def code_instructions(per_file: int = 12) -> list[Instruction]:
+    return [Instruction(key, "code", code_prompt(head)) for key, head, _ in training_functions(per_file)]
 
 
 def prose_instructions(chars: int = 600) -> list[Instruction]:

@@ -22,12 +22,10 @@ import json
 import os
 import random
 import re
-import sysconfig
 from pathlib import Path
 
 from specblock.errors import SpecBlockError
-from specblock.training.chatgen import Instruction, documented_functions, read_jsonl, code_prompt
-from specblock.training.corpus import is_heldout, stdlib_files
+from specblock.training.chatgen import Instruction, code_prompt, read_jsonl, training_functions
 
 #: Share of answers per domain while every domain lasts (the bench's chat-like domains weigh most).
 MIX: dict[str, float] = {"chat": 0.5, "math": 0.3, "code": 0.2}
@@ -45,19 +43,8 @@ def math_pairs() -> list[tuple[Instruction, str]]:
 
 
 def code_pairs(per_file: int = 12) -> list[tuple[Instruction, str]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for path in stdlib_files():
-        rel = path.relative_to(root).as_posix()
-        if is_heldout("code", rel):
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        out += [(Instruction(f"stdlib/{rel}:{name}", "code", code_prompt(head)), f"```python\n{whole}```")
-                for name, head, whole in documented_functions(text, per_file)]
-    return out
+    return [(Instruction(key, "code", code_prompt(head)), f"```python\n{whole}```")
+            for key, head, whole in training_functions(per_file)]
 
 
 def all_pairs(seed: int = 0) -> list[tuple[Instruction, str]]:
