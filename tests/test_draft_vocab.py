@@ -18,7 +18,7 @@ from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel, load_causal_lm
 from specblock.training import vocab
 from specblock.training.specblock_step import specblock_step, target_pass, to_draft_vocab
-from tests.test_featcache import _fake_chatgen
+from tests.test_featcache import _fake_chatgen, tiny_feature_cache
 from tests.tiny import hf_greedy, save_tiny, tiny_model
 
 V, N = 32, 12
@@ -103,11 +103,8 @@ def test_trainer_from_a_feature_cache_with_a_draft_vocab(tmp_path):
     from specblock.training.drafter import main as train_main
     from specblock.training.featcache import build_cache
 
-    tdir = save_tiny(tmp_path / "t", layers=9)
+    tdir, model, _ = tiny_feature_cache(tmp_path)
     data = tmp_path / "gen"
-    _fake_chatgen(data, tdir, shards=3)
-    model = load_causal_lm(tdir, "float32", "cpu", "sdpa", False).eval()
-    build_cache(data, tmp_path / "cache", tdir, model, k=4, log=lambda s: None)
     out = tmp_path / "drafter"
     train_main(["--target", str(tdir), "--features", str(tmp_path / "cache"), "--draft-vocab", "20",
                 "--run-dir", str(tmp_path / "run"), "--out", str(out), "--window", "17", "--batch", "2",

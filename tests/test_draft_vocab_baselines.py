@@ -17,7 +17,7 @@ from specblock.runtime.target import TargetModel, load_causal_lm
 from specblock.training.eagle3_step import eagle3_step
 from specblock.training.medusa_step import medusa_pass, medusa_step
 from specblock.training.specblock_step import target_pass
-from tests.test_featcache import _fake_chatgen
+from tests.test_featcache import tiny_feature_cache
 from tests.tiny import hf_greedy, perturb, save_tiny, tiny_model
 
 V, N = 32, 12
@@ -96,13 +96,8 @@ def test_targets_outside_the_vocab_are_not_supervised():
 @pytest.mark.parametrize("method", sorted(DRAFTERS))
 def test_trainer_from_a_feature_cache_with_a_draft_vocab(method, tmp_path):
     from specblock.training.drafter import main as train_main
-    from specblock.training.featcache import build_cache
 
-    tdir = save_tiny(tmp_path / "t", layers=9)
-    data = tmp_path / "gen"
-    _fake_chatgen(data, tdir, shards=3)
-    model = load_causal_lm(tdir, "float32", "cpu", "sdpa", False).eval()
-    build_cache(data, tmp_path / "cache", tdir, model, k=4, log=lambda s: None)
+    tdir, model, _ = tiny_feature_cache(tmp_path)
     out = tmp_path / "drafter"
     train_main(["--method", method, "--target", str(tdir), "--features", str(tmp_path / "cache"), "--draft-vocab", "20",
                 "--run-dir", str(tmp_path / "run"), "--out", str(out), "--window", "17", "--batch", "2",

@@ -30,6 +30,15 @@ def _fake_chatgen(data, target_dir, shards: int = 2, seed: int = 0) -> None:
     (data / "manifest.json").write_text(json.dumps(man))
 
 
+def tiny_feature_cache(tmp_path):
+    """A 9-layer tiny target, its fp32 model and a 3-shard feature cache of fake answers."""
+    target = save_tiny(tmp_path / "t", layers=9)
+    _fake_chatgen(tmp_path / "gen", target, shards=3)
+    model = load_causal_lm(target, "float32", "cpu", "sdpa", False).eval()
+    build_cache(tmp_path / "gen", tmp_path / "cache", target, model, k=4, log=lambda s: None)
+    return target, model, tmp_path / "cache"
+
+
 @pytest.fixture()
 def setup(tmp_path):
     target = save_tiny(tmp_path / "t", layers=9)
