@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator
@@ -35,9 +36,10 @@ def check_output(path: str | Path, flag: str, make_parents: bool = False) -> Pat
         why = "is not a directory" if parent.exists() else "does not exist"
         raise SpecBlockError(f"{flag} {path}: {parent} {why}; create it or choose another place")
     try:  # os.access says yes to root on a read-only mount: try it for real
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".probe")
-        os.close(fd)
-        os.unlink(probe)
+        with _sigint_deferred():  # Ctrl-C between create and unlink would leave the probe behind
+            fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".probe")
+            os.close(fd)
+            os.unlink(probe)
     except OSError as e:
         raise SpecBlockError(f"{flag} {path}: cannot write in {parent} ({e.strerror}); choose another place") from None
     if path.exists() and not os.access(path, os.W_OK):
@@ -46,24 +48,64 @@ def check_output(path: str | Path, flag: str, make_parents: bool = False) -> Pat
 
 
 @contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold Ctrl-C for a few statements; it is raised when the block ends.
+
+    Why: Python raises KeyboardInterrupt between any two bytecodes, so a Ctrl-C landing after
+    ``mkstemp`` created its file but before the name reached a handler that removes it left a
+    ``.name.XXXX.tmp`` behind (seen in CI: a sweep interrupted while writing a cache entry). A
+    signal mask would not do: the kernel hands a process-wide SIGINT to any thread that does not
+    block it (a process pool's manager thread, say), so the Python handler is swapped instead."""
+    held: list = []
+    if signal.getsignal(signal.SIGINT) is None:  # a handler set outside Python: it cannot be put back
+        yield
+        return
+    try:
+        old = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    except ValueError:  # not the main thread, where KeyboardInterrupt is never raised anyway
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if held:
+            if callable(old):
+                old(signal.SIGINT, held[0])  # Python's default handler raises KeyboardInterrupt here
+            elif old == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+@contextlib.contextmanager
 def atomic_open(path: str | Path, mode: str = "w", **kw) -> Iterator[IO]:
     """Write to a temporary file beside ``path``; it replaces ``path`` only when the block ends
-    normally. On any exception (Ctrl-C included) ``path`` keeps its old content."""
+    normally. On any exception (Ctrl-C included) ``path`` keeps its old content and no temporary
+    file stays behind."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp: str | None = None
+    fd = -1
     try:
-        with os.fdopen(fd, mode, **kw) as f:
+        with _sigint_deferred():  # a Ctrl-C held here is raised inside this try, with tmp known
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        f = os.fdopen(fd, mode, **kw)
+        fd = -1  # the file object owns it now
+        with f:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        if path.exists():
-            os.chmod(tmp, path.stat().st_mode & 0o777)  # keep the old file's permissions
-        else:
-            os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would surprise next to ordinary files
-        os.replace(tmp, path)
+        with _sigint_deferred():  # replaced and forgotten together, or neither
+            if path.exists():
+                os.chmod(tmp, path.stat().st_mode & 0o777)  # keep the old file's permissions
+            else:
+                os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would surprise next to ordinary files
+            os.replace(tmp, path)
+            tmp = None
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        if fd >= 0:
+            os.close(fd)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         raise
 
 

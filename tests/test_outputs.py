@@ -3,6 +3,8 @@ replaced atomically only by a run that completed, and bench result names keep th
 
 import json
 import os
+import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,28 @@ def test_atomic_open_keeps_the_old_file_when_the_writer_fails(tmp_path):
         assert f.read_text() == "old"
     write_atomic(f, "new")
     assert f.read_text() == "new" and leftovers(tmp_path) == []
+
+
+def test_ctrl_c_the_instant_the_temporary_file_exists_leaves_nothing_behind(tmp_path, monkeypatch):
+    """CI once found ``.x.json.XXXX.tmp`` after Ctrl-C during a sweep: the signal landed after
+    mkstemp created the file and before its name reached the handler that removes it."""
+    real = tempfile.mkstemp
+
+    def mkstemp_then_ctrl_c(*a, **kw):
+        made = real(*a, **kw)
+        os.kill(os.getpid(), signal.SIGINT)  # os.kill runs Python's signal handlers before it returns
+        return made
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            write_atomic(tmp_path / "x.json", "{}")
+        with pytest.raises(KeyboardInterrupt):
+            check_output(tmp_path / "y.json", "--out")
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert leftovers(tmp_path) == [] and not (tmp_path / "x.json").exists()
 
 
 def test_atomic_files_commit_together_or_not_at_all(tmp_path):
