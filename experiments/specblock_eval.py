@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--target", help="a model name (see `models`) or directory; default: the real chat model")
     ap.add_argument("--drafter", type=Path, default=Path("specblock/assets/drafters/specblock"))
     ap.add_argument("--windows", type=int, default=16)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "packed-fp16"],
                     help="the target's, for the held-out features (float32 where the drafter was trained on a float32 "
                          "feature cache, and where bf16 is not native: ~5x faster on an AVX2 CPU)")
     ap.add_argument("--bench", type=Path)

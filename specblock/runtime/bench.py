@@ -42,7 +42,7 @@ from specblock.runtime.bench_config import check_bench_flags, method_options
 from specblock.runtime.config import RunConfig, validate
 from specblock.runtime.engine import Engine
 from specblock.runtime.metrics import DecodeStats
-from specblock.runtime.target import DTYPE_HELP, TargetModel, read_generation_eos, resolve_dtype
+from specblock.runtime.target import DTYPE_CHOICES, DTYPE_HELP, TargetModel, read_generation_eos, resolve_dtype
 from specblock.runtime.verify import GreedyVerifier
 
 
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per domain (the first N of each set)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help=DTYPE_HELP)
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     ap.add_argument("--budget", type=int, help="node budget of every tree method (default: each drafter's "
                     "serving.json, else 24); --set METHOD:budget=N for one method")
     ap.add_argument("--drafter-dir", type=Path, help="directory of trained drafters (default: the shipped assets)")

@@ -26,7 +26,7 @@ from specblock.policies.tree import DraftTree
 from specblock.models import drafters_dir
 from specblock.runtime.config import validate
 from specblock.runtime.drafters.base import DraftRequest
-from specblock.runtime.target import DTYPE_HELP, TargetModel, resolve_dtype
+from specblock.runtime.target import DTYPE_CHOICES, DTYPE_HELP, TargetModel, resolve_dtype
 from specblock.runtime.verify import GreedyVerifier
 
 N_GRID = [1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 64]
@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
     ap = OneLineParser(prog="python -m specblock.runtime calibrate", description=__doc__.splitlines()[0])
     ap.add_argument("--target", help="a model name (see `models`) or an HF model directory (default: the real chat model)")
     ap.add_argument("--out", type=Path, default=Path("specblock/sim/data/latency_cpu.json"))
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help=DTYPE_HELP)
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     ap.add_argument("--reps", type=int, default=15, help="timed repetitions per point (at least 1)")
     ap.add_argument("--ctx", type=_ctx_list, default=CTX_GRID, help="context lengths, e.g. 64,256,1024")
     ap.add_argument("--drafter-dir", type=Path, help="drafters to time (default: those shipped for the target)")

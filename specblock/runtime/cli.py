@@ -19,7 +19,7 @@ from specblock.runtime import chat, drafters
 from specblock.runtime.config import RunConfig, read_prompt_file, validate
 from specblock.runtime.engine import Engine, GenerationResult
 from specblock.runtime.metrics import DecodeStats, speedup
-from specblock.runtime.target import DTYPE_HELP, TargetModel, read_generation_eos
+from specblock.runtime.target import DTYPE_CHOICES, DTYPE_HELP, TargetModel, read_generation_eos
 from specblock.runtime.verify import GreedyVerifier, SamplingVerifier
 
 #: What ``make run`` asks when no prompt is given: a chat question for a chat model, code otherwise.
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_out", action="store_true", help="print JSON objects instead of text")
     p.add_argument("--compare", choices=["ar"], help="also decode with plain decoding; report speedup and identity")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help=DTYPE_HELP)
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     p.add_argument("--budget", type=int, help="draft nodes per tree, root excluded (default: the drafter's measured "

@@ -22,8 +22,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrai
 from specblock.errors import SpecBlockError
 from specblock.policies.tree import DraftTree
 from specblock.runtime.attention import attention_layout, tree_masks
+from specblock.runtime.packed import PACKED_FP16, pack_linears
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+#: What every ``--dtype`` flag offers; packed-fp16 (CPU: fp16 weights packed for fbgemm, fp32
+#: arithmetic) loads in float32 and then packs its linears (``runtime.packed``).
+DTYPE_CHOICES = ("auto", "bfloat16", "float32", PACKED_FP16)
 
 
 def default_taps(num_layers: int) -> tuple[int, int, int]:
@@ -63,8 +67,8 @@ def resolve_dtype(name: str, device: str | torch.device = "auto") -> str:
     from ~16 tree tokens; a rule per tree size would belong here, which is why ``device`` is taken."""
     if name == "auto":
         return "bfloat16"
-    if name not in DTYPES:
-        raise SpecBlockError(f"unknown dtype {name!r}; use auto or one of {sorted(DTYPES)}")
+    if name not in DTYPES and name != PACKED_FP16:
+        raise SpecBlockError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_CHOICES)}")
     return name
 
 
@@ -221,6 +225,9 @@ def load_causal_lm(
     if not any(path.glob("*.safetensors")):
         raise SpecBlockError(f"{path} has no *.safetensors weights (pickled checkpoints are refused); convert them first")
     dtype = resolve_dtype(dtype, device)
+    packed = dtype == PACKED_FP16
+    if packed and resolve_device(device).type != "cpu":
+        raise SpecBlockError(f"--dtype {PACKED_FP16} is a CPU format (fbgemm); on {resolve_device(device).type} use bfloat16")
     if attn not in ("sdpa", "eager"):
         raise SpecBlockError(f"attention {attn!r} cannot run tree masks; use sdpa or eager")
     try:
@@ -237,7 +244,7 @@ def load_causal_lm(
         model, info = AutoModelForCausalLM.from_pretrained(
             path,
             config=config,
-            dtype=DTYPES[dtype],
+            dtype=torch.float32 if packed else DTYPES[dtype],
             attn_implementation=attn,
             use_safetensors=True,
             trust_remote_code=trust_remote_code,
@@ -250,7 +257,10 @@ def load_causal_lm(
                                  "pass --attn eager") from None
         raise SpecBlockError(f"cannot load {path} as a causal LM: {_first_line(e)}") from None
     _check_loading(path, info)
-    return model.to(resolve_device(device))
+    model = model.to(resolve_device(device))
+    if packed:
+        pack_linears(model)
+    return model
 
 
 def _first_line(e: Exception) -> str:

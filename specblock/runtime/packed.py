@@ -1,0 +1,71 @@
+"""The CPU dtype ``packed-fp16``: every linear's weight stored as fp16 in fbgemm's packed layout,
+all arithmetic in fp32.
+
+Why: on a CPU without native bf16 (AVX2 only, no AVX512-BF16 or AMX) a bf16 product of more than
+one row is emulated, so tree verification in bf16 costs 4-7x one token at 8-16 tree tokens, and
+fp32 reads twice the bytes for one token. fbgemm's fp16 GEMM reads half of fp32's bytes and packs
+each weight once at load time (MKL's fp32 GEMM repacks it on every call of more than one row).
+Measured with ``experiments/packed_fp16.py`` (SmolLM2-135M, context 128, 1 thread): T(1) 72 ms
+against 90 (bf16) and 133 (fp32); T(8) / T(1) 1.82 against 3.70 and 1.63.
+
+The arithmetic is fp32 and each output row is its own dot products, so a token's logits do not
+depend on the other rows of a tree beyond float rounding, as in fp32: the losslessness tests run
+on it unchanged. The weights differ from the checkpoint's by fp16 rounding (finer than bf16's), so
+this is a slightly different target than ``float32``: every method here, plain decoding included,
+runs the same packed model, and outputs are compared with that model's own greedy decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specblock.errors import SpecBlockError
+
+PACKED_FP16 = "packed-fp16"
+
+
+def available() -> bool:
+    """fbgemm (x86 builds of torch) provides the packed fp16 GEMM; ARM builds do not."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_prepack_fp16")
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` whose forward runs fbgemm's packed fp16 GEMM.
+
+    The fp32 ``weight`` stays, frozen, for code that reads weights (drafters copy the target's head
+    rows; a tied head shares the embedding's storage); the forward reads only the packed copy."""
+
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.weight = lin.weight
+        self.bias = lin.bias
+        bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
+        self._packed = torch.ops.quantized.linear_prepack_fp16(lin.weight.detach().float().contiguous(), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed fp16"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` of an fp32 CPU model in place; returns how many."""
+    if not available():
+        raise SpecBlockError(f"--dtype {PACKED_FP16} needs torch's fbgemm (x86 CPUs); use bfloat16 or float32")
+    p = next(model.parameters())
+    if p.device.type != "cpu":
+        raise SpecBlockError(f"--dtype {PACKED_FP16} runs on the CPU only; on {p.device.type} use bfloat16")
+    if p.dtype != torch.float32:
+        raise SpecBlockError(f"--dtype {PACKED_FP16} packs an fp32 model, not a {p.dtype} one; load it in float32 first")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    n = 0
+    for mod in list(model.modules()):
+        for name, child in list(mod.named_children()):
+            if type(child) is nn.Linear:
+                setattr(mod, name, PackedLinear(child))
+                n += 1
+    return n
