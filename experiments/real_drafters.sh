@@ -2,7 +2,7 @@
 # Drafters for the real target (SmolLM2-135M-Instruct, issue 14), every command in order. Each
 # step is resumable: rerun the same line after an interruption and it continues where it stopped.
 # Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
-#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|export|bench|calibrate|table|widths|eval
+#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|export|bench|calibrate|table|packed|widths|eval
 # One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
 # generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
 # side by side (featcache --follow picks up new chatgen shards, training new feature shards).
@@ -69,6 +69,23 @@ case "${1:-}" in
     $PY -m specblock.runtime bench --target $T --methods ar,lookup,medusa,eagle3,specblock \
         --dtype bfloat16 --domains code,chat --prompts 1 --runs 3 --max-new-tokens 48 --threads 2 \
         --out experiments/results/bench_smollm2_main_bf16 ;;
+  packed)    # 6c. The same table in packed-fp16 (--dtype auto on a CPU without native bf16: fp16 weights packed for
+    #            fbgemm, fp32 arithmetic): its T(n) curve is its own, so the node budgets are swept again (4/8/16),
+    #            written to serving.json, and best.json (--method auto) is chosen from this table.
+    $PY -m specblock.runtime calibrate --target $T --dtype packed-fp16 --reps 9 --out specblock/sim/data/latency_cpu_smollm2_packed_fp16.json
+    SWEEP=""; SETS=()
+    for m in specblock eagle3 medusa; do
+      for b in 4 8 16; do SWEEP+="$m@b$b,"; SETS+=(--set "$m@b$b:budget=$b"); done
+    done
+    $PY -m specblock.runtime bench --target $T --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts 1 --runs 1 \
+        --max-new-tokens 32 --dtype packed-fp16 --threads 2 --out experiments/results/bench_smollm2_packed_budgets
+    read -r -a BEST <<< "$($PY experiments/best_budgets.py experiments/results/bench_smollm2_packed_budgets.json \
+        --alias specblock+adapt=specblock --alias specblock@m1=specblock --write-serving specblock/assets/drafters/$T)"
+    PIN=(--set specblock:M=2 --set specblock+adapt:M=2 --set specblock@m1:M=1)
+    $PY -m specblock.runtime bench --target $T --methods ar,lookup,hf-lookup,medusa,eagle3,specblock,specblock@m1,specblock+adapt \
+        "${BEST[@]}" "${PIN[@]}" --dtype packed-fp16 --prompts 1 --runs 3 --max-new-tokens 48 --threads 2 \
+        --out experiments/results/bench_smollm2_packed --trace-dir runs/traces_smollm2_packed
+    $PY experiments/best_method.py experiments/results/bench_smollm2_packed.json --write specblock/assets/drafters/$T ;;
   widths)    # 6b. Serving-time branching (no retraining): the rank head's widths (2,4,10,0: bucket b3 ends a branch)
     #            against fixed top-k, same drafter, fp32, 1 prompt per domain, 1 run (a diagnostic, not a table)
     $PY -m specblock.runtime bench --target $T --methods ar,specblock,specblock@topk2,specblock@topk4 \
@@ -81,5 +98,5 @@ case "${1:-}" in
     $PY experiments/specblock_eval.py --target $T --drafter specblock/assets/drafters/$T/specblock --windows 4 \
         --dtype float32 --bench experiments/results/bench_smollm2_main.json \
         --latency specblock/sim/data/latency_cpu_smollm2_fp32.json --out experiments/results/specblock_eval_smollm2.json ;;
-  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|export|bench|calibrate|table|widths|eval" >&2; exit 2 ;;
+  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|export|bench|calibrate|table|packed|widths|eval" >&2; exit 2 ;;
 esac

@@ -1,9 +1,9 @@
-"""The target's forward time for n = 1..64 tree tokens: fp32 vs bf16, sdpa vs eager, a few contexts.
+"""The target's forward time for n = 1..64 tree tokens: bf16 vs fp32 vs packed-fp16, sdpa vs eager, a few contexts.
 
 The runtime's default dtype and tree budget follow from this: T(n)/T(1) says how much a bigger
 tree costs to verify. Medians of ``--reps`` forwards with the KV cache holding ``ctx`` tokens.
 
-    python experiments/target_speed.py [--target DIR] [--reps 15] [--threads 2]
+    python experiments/target_speed.py [--target DIR] [--reps 15] [--threads 2] [--dtypes ...] [--attn sdpa,eager]
 
 Writes experiments/results/target_speed.{json,md,png}.
 """
@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--ctx", default="128,512")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtypes", default="bfloat16,float32,packed-fp16")
+    ap.add_argument("--attn", default="sdpa,eager")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/target_speed"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -35,8 +37,8 @@ def main() -> None:
     ctxs = [int(c) for c in args.ctx.split(",")]
     rng = np.random.default_rng(0)
     rows = []
-    for dtype in ("bfloat16", "float32"):
-        for attn in ("sdpa", "eager"):
+    for dtype in args.dtypes.split(","):
+        for attn in args.attn.split(","):
             target = TargetModel.load(path, dtype, "cpu", attn)
             time_target(target, ctxs[0], 8, 3, rng)  # warm-up
             for ctx in ctxs:

@@ -1,4 +1,5 @@
-"""``--dtype auto``: bf16 (measured faster per token even where bf16 is emulated), resolved in one place, recorded as resolved."""
+"""``--dtype auto``: bf16 where it is native, packed-fp16 on other x86 CPUs (bf16 trees are emulated
+there), resolved in one place, recorded as resolved."""
 
 import json
 
@@ -16,16 +17,18 @@ from tiny import save_tiny
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("native, want", [(True, "bfloat16"), (False, "bfloat16")])
-def test_auto_is_bf16_native_or_not(monkeypatch, native, want):
+@pytest.mark.parametrize("native, fbgemm, want", [(True, True, "bfloat16"), (False, True, "packed-fp16"),
+                                                  (False, False, "bfloat16")])
+def test_auto_is_bf16_where_native_else_packed_fp16(monkeypatch, native, fbgemm, want):
     monkeypatch.setattr(target_mod, "native_bf16", lambda device: native)
+    monkeypatch.setattr(target_mod, "packed_available", lambda: fbgemm)
     assert resolve_dtype("auto", CPU) == want
     assert resolve_dtype("auto", "cpu") == want  # a device name resolves the same way
 
 
 def test_explicit_names_pass_through(monkeypatch):
     monkeypatch.setattr(target_mod, "native_bf16", lambda device: pytest.fail("an explicit dtype asked the hardware"))
-    for name in ("bfloat16", "float32", "float16"):
+    for name in ("bfloat16", "float32", "float16", "packed-fp16"):
         assert resolve_dtype(name, CPU) == name
 
 
@@ -42,16 +45,19 @@ def test_auto_is_every_default():
     assert bench_parser().parse_args([]).dtype == "auto"
 
 
-@pytest.mark.parametrize("native, want", [(True, torch.bfloat16), (False, torch.bfloat16)])
+@pytest.mark.parametrize("native, want", [(True, torch.bfloat16), (False, torch.float32)])
 def test_load_resolves_auto(tmp_path, monkeypatch, native, want):
     save_tiny(tmp_path / "t", "llama", vocab=32)
     monkeypatch.setattr(target_mod, "native_bf16", lambda device: native)
-    assert TargetModel.load(tmp_path / "t", "auto", "cpu").dtype == want
+    monkeypatch.setattr(target_mod, "packed_available", lambda: True)
+    target = TargetModel.load(tmp_path / "t", "auto", "cpu")
+    assert target.dtype == want  # packed-fp16 computes in fp32
+    assert (type(target.model.lm_head).__name__ == "PackedLinear") == (not native)
 
 
 def test_bench_records_resolved_dtype(tmp_path, monkeypatch):
     save_tiny(tmp_path / "t", "llama", vocab=96, ctx=2048)
-    monkeypatch.setattr(target_mod, "native_bf16", lambda device: False)
+    monkeypatch.setattr(target_mod, "native_bf16", lambda device: True)
     out = tmp_path / "bench"
     assert main(["bench", "--target", str(tmp_path / "t"), "--methods", "lookup", "--domains", "code",
                  "--prompts", "1", "--max-new-tokens", "4", "--runs", "1", "--out", str(out)]) == 0

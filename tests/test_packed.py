@@ -1,5 +1,6 @@
 """``--dtype packed-fp16``: fp16 weights packed for fbgemm, fp32 arithmetic; lossless like fp32."""
 
+import copy
 import json
 
 import numpy as np
@@ -8,7 +9,7 @@ import torch
 
 from specblock.errors import SpecBlockError
 from specblock.runtime import packed
-from specblock.runtime.drafters import LookupDrafter, RandomDrafter
+from specblock.runtime.drafters import LookupDrafter, RandomDrafter, pack_drafter
 from specblock.runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Net
 from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel
@@ -45,12 +46,15 @@ def test_every_drafter_equals_the_packed_models_own_greedy(family):
                                  tap_layers=target.tap_layers, top_k=4))
     net.tie_to_target(model)
     perturb(net, 0.3)
+    packed_net = copy.deepcopy(net).eval()
+    assert pack_drafter(Eagle3Drafter(packed_net)) > 0 and target.packed  # what drafters.build does beside it
     rng = np.random.default_rng(3)
     accepted = 0
     for trial in range(3):
         prompt = rng.integers(2, V, int(rng.integers(2, 16)))
         ref = hf_greedy(model, prompt, 24)
-        for drafter in (RandomDrafter(V, seed=trial), LookupDrafter(branches=3, max_ngram=2), Eagle3Drafter(net.eval())):
+        for drafter in (RandomDrafter(V, seed=trial), LookupDrafter(branches=3, max_ngram=2), Eagle3Drafter(net.eval()),
+                        Eagle3Drafter(packed_net)):
             res = Engine(target, drafter, budget=int(rng.integers(2, 16))).generate(prompt, 24)
             assert res.token_ids == ref, (family, drafter.name, trial)
             accepted += sum(res.stats.accepted)

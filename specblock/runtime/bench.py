@@ -115,7 +115,7 @@ def _engine(m: str, target: TargetModel, args, eos: frozenset[int]) -> Engine:
         opts.setdefault("budget", args.budget)
     opts = drafters.serving_settings(_base(m), target, opts)
     budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
-    drafter = drafters.build(_base(m), target, opts)
+    drafter = drafters.build(_base(m), target, opts, adapting=ADAPT in m)
     if ADAPT in m:
         from specblock.runtime.adapt import AdaptSettings, Adapter
 

@@ -22,7 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrai
 from specblock.errors import SpecBlockError
 from specblock.policies.tree import DraftTree
 from specblock.runtime.attention import attention_layout, tree_masks
-from specblock.runtime.packed import PACKED_FP16, pack_linears
+from specblock.runtime.packed import PACKED_FP16, PackedLinear, pack_linears
+from specblock.runtime.packed import available as packed_available
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 #: What every ``--dtype`` flag offers; packed-fp16 (CPU: fp16 weights packed for fbgemm, fp32
@@ -54,18 +55,22 @@ def native_bf16(device: torch.device) -> bool:
 
 
 #: The one line every ``--dtype`` help prints: what ``auto`` picks and why.
-DTYPE_HELP = ("auto (default): bfloat16: one token is memory-bound and bf16 reads half the bytes; on a CPU "
-              "without native bf16, float32 is faster only for trees of ~16+ tokens (calibrate)")
+DTYPE_HELP = (f"auto (default): bfloat16 on CUDA and on CPUs with native bf16; {PACKED_FP16} (fp16 weights packed "
+              "for fbgemm, fp32 arithmetic) on other x86 CPUs, where bf16 trees are emulated (calibrate)")
 
 
 def resolve_dtype(name: str, device: str | torch.device = "auto") -> str:
     """The target's dtype name, ``auto`` resolved (the one place it is). Explicit names pass as is.
 
-    ``auto`` is bfloat16 on every device today. Measured with calibrate on an AVX2 CPU without
-    native bf16 (SmolLM2-135M, context 256): bf16 T(1) 51 ms against fp32's 126 ms, but emulated
-    bf16 products make trees slow (T(16) = 6.3 x T(1) against fp32's 2.0 x), so fp32 wins only
-    from ~16 tree tokens; a rule per tree size would belong here, which is why ``device`` is taken."""
+    ``auto`` is bfloat16 where bf16 products are native. Elsewhere it is packed-fp16 when torch has
+    fbgemm. Measured with calibrate and the probe in ``runtime.packed`` on an AVX2 CPU without
+    native bf16 (SmolLM2-135M): bf16 reads half of fp32's bytes for one token, but its trees are
+    emulated (T(16) = 6-7 x T(1)); packed fp16 reads as few bytes as bf16, with trees close to
+    fp32's ratio, and its T(1) was below bf16's too."""
     if name == "auto":
+        dev = resolve_device(device) if isinstance(device, str) else device
+        if dev.type == "cpu" and not native_bf16(dev) and packed_available():
+            return PACKED_FP16
         return "bfloat16"
     if name not in DTYPES and name != PACKED_FP16:
         raise SpecBlockError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_CHOICES)}")
@@ -100,6 +105,7 @@ class TargetModel:
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.packed = any(isinstance(m, PackedLinear) for m in model.modules())  # --dtype packed-fp16
         # Trained drafters run in this dtype: the target's where bf16 is native, else fp32 (their
         # weights are small, and on an AVX2 CPU a bf16 linear ran 1.7x slower than fp32 at 1 row
         # and 3.5-6x at 8-256 rows). Verification by the target keeps the output lossless either way.

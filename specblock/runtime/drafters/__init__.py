@@ -90,13 +90,31 @@ def register(name: str, factory: Callable) -> None:
     METHODS[name] = factory
 
 
-def build(name: str, target, options: dict | None = None) -> Drafter:
+def build(name: str, target, options: dict | None = None, adapting: bool = False) -> Drafter:
+    """The drafter ``name`` for ``target``. Beside a packed-fp16 target its linears are packed too
+    (its forward ran 36 -> 22 ms at 4 queries on the real model, 1 thread), unless it is to adapt
+    while serving: adaptation trains its weights, and a packed copy would not follow them."""
     if name not in METHODS:
         raise SpecBlockError(f"unknown method {name!r}; choose one of {', '.join(sorted(METHODS))}")
     options = {k: v for k, v in (options or {}).items() if v is not None}  # None: not set, the default holds
     if name not in TAKES_POLICY:
         user_policies(name, options)  # a policy named for a method without one: refused
-    return METHODS[name](target, options)
+    drafter = METHODS[name](target, options)
+    if getattr(target, "packed", False) and not adapting:
+        pack_drafter(drafter)
+    return drafter
+
+
+def pack_drafter(drafter: Drafter) -> int:
+    """Pack the linears of a drafter's network (``net``, or an SpS draft ``model``); returns how many."""
+    import torch
+
+    from specblock.runtime.packed import pack_linears
+
+    net = getattr(drafter, "net", None) or getattr(drafter, "model", None)
+    if not isinstance(net, torch.nn.Module) or not any(type(m) is torch.nn.Linear for m in net.modules()):
+        return 0
+    return pack_linears(net)
 
 
 #: The engine's node budget when neither the user nor the drafter's serving.json sets one.
