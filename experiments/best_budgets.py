@@ -41,7 +41,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--alias", action="append", default=[], metavar="NEW=METHOD")
     ap.add_argument("--write-serving", type=Path, default=None, metavar="DRAFTERS_DIR",
                     help="also write each swept drafter's serving.json there (DIR/METHOD/serving.json): its best "
-                         "budget, and for specblock the better of M = 2 and M = 1 (a specblock@m1 sweep)")
+                         "budget, or a swept variant's settings where it won (specblock@m1@bN: M = 1, "
+                         "specblock@topk4@bN: fixed top-4 widths)")
     args = ap.parse_args(argv)
     if not args.bench.is_file():
         print(f"error: no bench JSON at {args.bench}", file=sys.stderr)
@@ -64,17 +65,26 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+#: Swept variants of a drafter's serving settings (``METHOD@NAME@bN``): what each sets.
+VARIANTS = {"m1": {"M": 1}, "topk4": {"widths": [4, 4, 4, 4]}}
+
+
 def write_serving(drafters: Path, best: dict[str, int], means: dict[str, dict[int, float]], bench: Path) -> None:
-    """serving.json beside each shipped drafter that was swept (the engine reads it when no flag is given)."""
+    """serving.json beside each shipped drafter that was swept (the engine reads it when no flag is
+    given): its best budget, or a swept variant's settings and budget where that variant did better."""
     from specblock.atomic import write_atomic
 
     for method in sorted(m for m in means if "@" not in m and (drafters / m).is_dir()):
         cfg: dict = {"budget": best[method]}
+        top = means[method][best[method]]
         where = f"{bench.with_suffix('.md').as_posix()}: the best mean Spd of node budgets {'/'.join(map(str, means[method]))}"
-        m1 = means.get(f"{method}@m1")
-        if m1 and max(m1.values()) > means[method][best[method]]:
-            cfg = {"budget": best[f"{method}@m1"], "M": 1}
-            where += " at M = 2 and M = 1"
+        tried = [v for v in VARIANTS if f"{method}@{v}" in means]
+        for v in tried:
+            d = means[f"{method}@{v}"]
+            if max(d.values()) > top:
+                top, cfg = max(d.values()), {"budget": best[f"{method}@{v}"], **VARIANTS[v]}
+        if tried:
+            where += " and of " + ", ".join(f"{v} ({VARIANTS[v]})" for v in tried)
         cfg["measured"] = where
         write_atomic(drafters / method / "serving.json", json.dumps(cfg, indent=1) + "\n")
         print(f"wrote {drafters / method / 'serving.json'}: {cfg}", file=sys.stderr)

@@ -34,7 +34,8 @@ from specblock.policies.tree import DraftTree
 from specblock.runtime.config import validate
 from specblock.runtime.drafters.base import ARDrafter
 from specblock.runtime.engine import Engine
-from specblock.runtime.target import TargetModel
+from specblock.runtime.packed import PackedLinear
+from specblock.runtime.target import DTYPE_CHOICES, TargetModel, resolve_dtype
 
 
 def random_tree(rng: np.random.Generator, n: int, vocab: int) -> DraftTree:
@@ -70,7 +71,15 @@ def bandwidth_gbs(device: str, mb: int = 512, reps: int = 7) -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+    """Bytes one forward reads. Packed-fp16 linears read their fp16 copy (2 bytes a weight), not
+    the fp32 ``weight`` they keep; an embedding whose head is packed is read one row at a time."""
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if not packed:
+        return sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+    skip = {id(m.weight) for m in packed} | {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding)
+                                             for p in m.parameters()}
+    return sum(2 * m.weight.numel() for m in packed) + sum(p.numel() * p.element_size() for p in model.parameters()
+                                                         if id(p) not in skip)
 
 
 def time_trees(targets: dict[str, TargetModel], ctx: int, sizes: list[int], reps: int, seed: int = 0) -> dict:
@@ -161,7 +170,7 @@ def probe(args) -> None:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     path = validate({"target": args.target}).target_dir
-    target = StaticTarget.wrap(TargetModel.load(path, "bfloat16", args.device), compile=True,
+    target = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device), compile=True,
                                regions=args.mode == "regions")
     t1 = time.perf_counter()
     rng = np.random.default_rng(0)
@@ -178,13 +187,13 @@ def probe(args) -> None:
                       "cpu_s": round(cpu_s, 1), "peak_rss_mb": round(me.ru_maxrss / 1024)}))
 
 
-def compile_times(target: str, threads: int, ctx: int, device: str, mode: str) -> dict:
+def compile_times(target: str, threads: int, ctx: int, device: str, mode: str, dtype: str) -> dict:
     """Cold: a fresh process on an empty inductor cache; warm: another fresh process on the same
     cache (this run's, ``TORCHINDUCTOR_CACHE_DIR``, emptied by ``run_target``)."""
     res = {}
     for kind in ("cold", "warm"):
         cmd = [sys.executable, __file__, "--probe", "--target", target, "--threads", str(threads), "--ctx", str(ctx),
-               "--device", device, "--mode", mode]
+               "--device", device, "--mode", mode, "--dtype", dtype]
         out = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, check=True).stdout
         res[kind] = json.loads(out.strip().splitlines()[-1])
         print(f"compile {mode} {kind}: {res[kind]}", flush=True)
@@ -199,7 +208,7 @@ def run_target(name: str, args) -> dict:
         for mode in args.mode_list:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, mode)
             if not args.skip_compile_times:
-                compile_s[mode] = compile_times(name, args.threads, args.ctx, args.device, mode)
+                compile_s[mode] = compile_times(name, args.threads, args.ctx, args.device, mode, args.dtype)
         merged = os.path.join(root, "all")
         for mode in args.mode_list:
             if os.path.isdir(os.path.join(root, mode)):
@@ -211,7 +220,7 @@ def run_target(name: str, args) -> dict:
 def measure_target(name: str, args, compile_s: dict | None) -> dict:
     torch.set_num_threads(args.threads)
     path = validate({"target": name}).target_dir
-    eager = TargetModel.load(path, "bfloat16", args.device)
+    eager = TargetModel.load(path, args.dtype, args.device)
     compiled = {f"compiled {m}": StaticTarget.wrap(eager, compile=True, regions=m == "regions")  # same weights
                 for m in args.mode_list}
     sizes = args.size_list
@@ -234,7 +243,8 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
 
 def markdown(results: list[dict], args) -> str:
     where = f"this CPU, {args.threads} threads" if args.device == "cpu" else "CUDA"
-    lines = [f"Compiled vs eager target, bf16, {where} (`python experiments/compiled_speed.py --device {args.device} "
+    lines = [f"Compiled vs eager target, {args.dtype}, {where} (`python experiments/compiled_speed.py --device {args.device} "
+             f"--dtype {args.dtype} "
              f"--targets {args.targets} --modes {args.modes} --sizes {args.sizes} --threads {args.threads} --reps {args.reps} "
              f"--runs {args.runs} --tokens {args.tokens}{' --skip-compile-times' if args.skip_compile_times else ''}"
              f"{' --skip-decoding' if args.skip_decoding else ''} --out {args.out}`).", ""]
@@ -275,6 +285,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPE_CHOICES, help="the target's dtype (auto: resolved here)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -287,6 +298,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("experiments/results/compiled_speed"))
     args = ap.parse_args()
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.dtype = resolve_dtype(args.dtype, args.device)  # the table names what ran, never "auto"
     args.size_list = [int(n) for n in args.sizes.split(",")]
     if args.probe:
         return probe(args)

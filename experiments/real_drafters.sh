@@ -70,13 +70,15 @@ case "${1:-}" in
         --dtype bfloat16 --domains code,chat --prompts 1 --runs 3 --max-new-tokens 48 --threads 2 \
         --out experiments/results/bench_smollm2_main_bf16 ;;
   packed)    # 6c. The same table in packed-fp16 (--dtype auto on a CPU without native bf16: fp16 weights packed for
-    #            fbgemm, fp32 arithmetic): its T(n) curve is its own, so the node budgets are swept again (4/8/16),
-    #            written to serving.json, and best.json (--method auto) is chosen from this table.
+    #            fbgemm, fp32 arithmetic): its T(n) curve is its own, so the node budgets are swept again (4/8/16,
+    #            and SpecBlock's rank-head widths against fixed top-4), written to serving.json, and best.json
+    #            (--method auto) is chosen from this table.
     $PY -m specblock.runtime calibrate --target $T --dtype packed-fp16 --reps 9 --out specblock/sim/data/latency_cpu_smollm2_packed_fp16.json
     SWEEP=""; SETS=()
-    for m in specblock eagle3 medusa; do
+    for m in specblock specblock@topk4 eagle3 medusa; do
       for b in 4 8 16; do SWEEP+="$m@b$b,"; SETS+=(--set "$m@b$b:budget=$b"); done
     done
+    for b in 4 8 16; do SETS+=(--set "specblock@topk4@b$b:widths=4,4,4,4"); done
     $PY -m specblock.runtime bench --target $T --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts 1 --runs 1 \
         --max-new-tokens 32 --dtype packed-fp16 --threads 2 --out experiments/results/bench_smollm2_packed_budgets
     read -r -a BEST <<< "$($PY experiments/best_budgets.py experiments/results/bench_smollm2_packed_budgets.json \

@@ -67,6 +67,12 @@ def test_best_budgets_picks_the_fastest_budget_per_method(tmp_path, capsys):
     sb = json.loads((drafters / "specblock" / "serving.json").read_text())
     assert (sb["budget"], sb["M"]) == (8, 1)
     assert not (drafters / "medusa").exists()
+    # a fixed top-4 sweep that beats both writes its widths instead
+    bench["rows"] += [row("specblock@topk4@b4", "code", 1.4, 1.4)]
+    f.write_text(json.dumps(bench))
+    assert bb.main([str(f), "--write-serving", str(drafters)]) == 0
+    sb = json.loads((drafters / "specblock" / "serving.json").read_text())
+    assert (sb["budget"], sb["widths"], "M" in sb) == (4, [4, 4, 4, 4], False)
 
 
 def test_bench_adapt_row_is_lossless_and_restarts_from_theta0_each_run(tmp_path):
