@@ -78,9 +78,12 @@ def time_specblock(target: TargetModel, path: Path, reps: int, rng) -> dict:
     block runs); the simulator adds it to each drafter forward.
     """
     from specblock.policies.branching import RankBucketBranching
+    from specblock.runtime.drafters import pack_drafter
     from specblock.runtime.drafters.specblock import SpecBlockDrafter
 
     d = SpecBlockDrafter.load(path, target)
+    if target.packed:  # as drafters.build serves it beside a packed target
+        pack_drafter(d)
     target.want_features = True
     prompt = rng.integers(0, target.vocab_size, 256)
     d.prefill(prompt, target.prefill(prompt[:-1]))

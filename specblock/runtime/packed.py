@@ -3,10 +3,10 @@ all arithmetic in fp32.
 
 Why: on a CPU without native bf16 (AVX2 only, no AVX512-BF16 or AMX) a bf16 product of more than
 one row is emulated, so tree verification in bf16 costs 4-7x one token at 8-16 tree tokens, and
-fp32 reads twice the bytes for one token. fbgemm's fp16 GEMM reads half of fp32's bytes and packs
-each weight once at load time (MKL's fp32 GEMM repacks it on every call of more than one row).
-Measured with ``experiments/packed_fp16.py`` (SmolLM2-135M, context 128, 1 thread): T(1) 72 ms
-against 90 (bf16) and 133 (fp32); T(8) / T(1) 1.82 against 3.70 and 1.63.
+fp32 reads twice the bytes for one token. fbgemm's fp16 GEMM reads half of fp32's bytes, from a
+layout packed once at load time, and computes in fp32 at any row count.
+``python experiments/target_speed.py --dtypes bfloat16,float32,packed-fp16`` measures the three
+side by side (figures in the README).
 
 The arithmetic is fp32 and each output row is its own dot products, so a token's logits do not
 depend on the other rows of a tree beyond float rounding, as in fp32: the losslessness tests run

@@ -63,7 +63,7 @@ def resolve_dtype(name: str, device: str | torch.device = "auto") -> str:
     """The target's dtype name, ``auto`` resolved (the one place it is). Explicit names pass as is.
 
     ``auto`` is bfloat16 where bf16 products are native. Elsewhere it is packed-fp16 when torch has
-    fbgemm. Measured with calibrate and the probe in ``runtime.packed`` on an AVX2 CPU without
+    fbgemm. Measured with ``experiments/target_speed.py`` on an AVX2 CPU without
     native bf16 (SmolLM2-135M): bf16 reads half of fp32's bytes for one token, but its trees are
     emulated (T(16) = 6-7 x T(1)); packed fp16 reads as few bytes as bf16, with trees close to
     fp32's ratio, and its T(1) was below bf16's too."""
