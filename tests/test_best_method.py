@@ -28,6 +28,11 @@ def test_auto_falls_back_to_lookup_then_follows_the_record(fake_target):
 
     assert RunConfig(target="fake", method="auto").method == "eagle3"
     assert RunConfig(target="fake", method="lookup").method == "lookup"  # an explicit choice stays
+    (fake_target / "best.json").write_text(json.dumps({"method": "eagle3", "dtype": "packed-fp16"}))
+    assert registry.best_method("fake", "packed-fp16") == registry.best_method("fake") == "eagle3"
+    assert registry.best_method("fake", "bfloat16") == "lookup"  # measured in another dtype: not this one's record
+    assert RunConfig(target="fake", method="auto", dtype="bfloat16").method == "lookup"
+    assert RunConfig(target="fake", method="auto", dtype="packed-fp16").method == "eagle3"
     (fake_target / "best.json").write_text("{not json")
     with pytest.raises(SpecBlockError, match="best_method.py"):
         registry.best_method("fake")

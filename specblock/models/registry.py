@@ -127,10 +127,11 @@ def drafters_dir(path: Path) -> Path:
 FALLBACK_METHOD = "lookup"
 
 
-def best_method(target: str | Path | None) -> str:
+def best_method(target: str | Path | None, dtype: str | None = None) -> str:
     """What ``--method auto`` runs for this target: the fastest method of its measured main table,
     written as ``best.json`` beside its shipped drafters (``experiments/best_method.py``), else
-    prompt lookup. Reads no model and builds nothing."""
+    prompt lookup. A record measured in another dtype than ``dtype`` (the one that will run) does
+    not count: which method wins depends on what a tree costs in that dtype. Reads no model."""
     spec = MODELS.get(str(target or DEFAULT_TARGET_NAME))
     if spec is None and target is not None and Path(target).is_dir():
         spec = spec_for(Path(target))
@@ -138,8 +139,11 @@ def best_method(target: str | Path | None) -> str:
     if f is None or not f.is_file():
         return FALLBACK_METHOD
     try:
-        method = json.loads(f.read_text())["method"]
+        rec = json.loads(f.read_text())
+        method = rec["method"]
     except (OSError, ValueError, KeyError, TypeError):
         raise SpecBlockError(f"{f} is not a valid best-method record; rerun experiments/best_method.py or delete it") from None
+    if dtype is not None and rec.get("dtype") not in (None, dtype):
+        return FALLBACK_METHOD
     return str(method)
 

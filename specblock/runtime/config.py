@@ -88,8 +88,10 @@ class RunConfig(BaseModel):
         if self.method == "auto":
             # The fastest method of the target's measured main table (best.json beside its drafters,
             # experiments/best_method.py), else lookup. The lab has no record: lookup measured 1.51x
-            # there against SpecBlock's 1.22x (bench_main.md).
-            self.method = best_method(self.target)
+            # there against SpecBlock's 1.22x (bench_main.md). A record of another dtype does not count.
+            from specblock.runtime.target import resolve_dtype
+
+            self.method = best_method(self.target, resolve_dtype(self.dtype, self.device))
         return self
 
     @field_validator("adapt_arms")
