@@ -33,6 +33,16 @@ def _acc(xs) -> str:
     return " / ".join(f"{x:.3f}" for x in xs) if isinstance(xs, list) and all(isinstance(x, (int, float)) for x in xs) else str(xs)
 
 
+def _sessions_line(lines: list[dict]) -> str:
+    """A run resumed with a longer ``--max-minutes`` restarts its cosine from a higher point; say where."""
+    ends = [r for r in lines[:-1] if r.get("final")]
+    if not ends:
+        return ""
+    where = ", ".join(f"step {r['step']} ({r['train_s'] / 60:.1f} min)" for r in ends)
+    return (f"\n- Trained in {len(ends) + 1} sessions: each earlier one ended at {where}; the next resumed from its "
+            "checkpoint with a longer --max-minutes, so the learning rate rose again and decayed over the new length.")
+
+
 def _training_line(run: dict, method: str) -> str:
     a = run["args"]
     extra = {"specblock": f", rank head frozen for the first {a['rank_freeze']:.0%}, valid-prefix mask {a['valid_prefix']}, "
@@ -44,7 +54,7 @@ def _training_line(run: dict, method: str) -> str:
             f"warmup and cosine decay over wall time{extra}.")
 
 
-def card(run: dict, last: dict, gen: dict, refs: dict | None, feat: dict, net, target_name: str) -> str:
+def card(run: dict, last: dict, gen: dict, refs: dict | None, feat: dict, net, target_name: str, sessions: str = "") -> str:
     method, cfg = run["method"], net.cfg
     g, f = gen.get("totals", {}), feat.get("totals", {})
     ref_tokens = sum(s.get("answer_tokens", 0) for n, s in feat.get("shards", {}).items() if n.startswith("ref_"))
@@ -75,7 +85,7 @@ are the target's and are not stored here.
   {g.get('minutes', 0)} minutes ({g.get('answer_tokens_per_s', 0)} answer tokens/s; `training/chatgen.py`). Held-out: chatgen shard 0.{ref_line}
 - Features: {f.get('tokens', 0):,} tokens (prompts and answers) in {f.get('shards', 0)} shards, {f.get('gb', 0)} GB,
   {f.get('minutes', 0)} minutes, the target in {feat.get('dtype')} (`training/featcache.py`).{mix_line}
-- {_training_line(run, method)}
+- {_training_line(run, method)}{sessions}
 - Held-out figures at the run's last evaluation (step {last.get('step')}), from `metrics.jsonl`:
 {figures}
 """
@@ -100,7 +110,8 @@ def main() -> None:
     gen = json.loads((args.data / "manifest.json").read_text())
     refs = json.loads((args.refs / "manifest.json").read_text()) if args.refs else None
     feat = json.loads((args.features / "manifest.json").read_text())
-    write_atomic(args.out / "README.md", card(run, lines[-1] if lines else {}, gen, refs, feat, net, Path(targs.target).name))
+    write_atomic(args.out / "README.md", card(run, lines[-1] if lines else {}, gen, refs, feat, net, Path(targs.target).name,
+                                                  _sessions_line(lines)))
     print(f"exported step {run['step']} to {args.out} "
           f"({(args.out / 'model.safetensors').stat().st_size / 1e6:.1f} MB)")
 
