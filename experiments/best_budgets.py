@@ -51,15 +51,19 @@ def main(argv: list[str]) -> int:
     if not best:
         print(f"error: no METHOD@bN rows in {args.bench}", file=sys.stderr)
         return 2
+    aliases = set()
     for item in args.alias:
         new, _, fam = item.partition("=")
+        aliases.add(new)
         if fam not in best:
             print(f"error: --alias {item}: {fam!r} was not swept", file=sys.stderr)
             return 2
         best[new] = best[fam]
     for k, d in means.items():
         print(f"{k}: " + ", ".join(f"b{b} {v:.3f}x" for b, v in d.items()) + f" -> {best[k]}", file=sys.stderr)
-    print(" ".join(f"--set {k}:budget={b}" for k, b in best.items()))
+    # swept variants (METHOD@NAME) are settings of METHOD, not methods of the main bench: only
+    # methods and aliases get a --set line
+    print(" ".join(f"--set {k}:budget={b}" for k, b in best.items() if "@" not in k or k in aliases))
     if args.write_serving is not None:
         write_serving(args.write_serving, best, means, args.bench)
     return 0

@@ -93,9 +93,12 @@ case "${1:-}" in
     $PY -m specblock.runtime bench --target $T --methods ar,specblock,specblock@topk2,specblock@topk4 \
         --set specblock@topk2:widths=2,2,2,2 --set specblock@topk4:widths=4,4,4,4 --dtype float32 --prompts 1 --runs 1 \
         --max-new-tokens 48 --threads 2 --out experiments/results/bench_smollm2_widths ;;
-  calibrate) # 5b. T(n) of the target on this CPU in both dtypes (the simulator's latency files)
+  calibrate) # 5b. T(n) of the target on this CPU in bf16 and fp32 (the simulator's latency files; packed-fp16's is
+    #            written by the packed step), then the three dtypes side by side
     $PY -m specblock.runtime calibrate --target $T --dtype float32 --reps 9 --out specblock/sim/data/latency_cpu_smollm2_fp32.json
-    $PY -m specblock.runtime calibrate --target $T --dtype bfloat16 --reps 9 --out specblock/sim/data/latency_cpu_smollm2_avx2_bf16.json ;;
+    $PY -m specblock.runtime calibrate --target $T --dtype bfloat16 --reps 9 --out specblock/sim/data/latency_cpu_smollm2_avx2_bf16.json
+    $PY experiments/target_speed.py --dtypes bfloat16,float32,packed-fp16 --attn sdpa --ctx 128 --reps 7 --threads 2 \
+        --out experiments/results/target_speed_smollm2 ;;
   eval)      # 7. SpecBlock per domain: acceptance by in-block position, rank head, physical limit tau*T(1)/T(n)
     $PY experiments/specblock_eval.py --target $T --drafter specblock/assets/drafters/$T/specblock --windows 4 \
         --dtype float32 --bench experiments/results/bench_smollm2_main.json \

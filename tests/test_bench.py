@@ -73,6 +73,8 @@ def test_best_budgets_picks_the_fastest_budget_per_method(tmp_path, capsys):
     assert bb.main([str(f), "--write-serving", str(drafters)]) == 0
     sb = json.loads((drafters / "specblock" / "serving.json").read_text())
     assert (sb["budget"], sb["widths"], "M" in sb) == (4, [4, 4, 4, 4], False)
+    assert bb.main([str(f), "--alias", "specblock@m1=specblock"]) == 0  # a variant gets a --set line only as an alias
+    assert "specblock@topk4" not in capsys.readouterr().out
 
 
 def test_bench_adapt_row_is_lossless_and_restarts_from_theta0_each_run(tmp_path):
