@@ -101,7 +101,7 @@ case "${1:-}" in
         --out experiments/results/target_speed_smollm2 ;;
   eval)      # 7. SpecBlock per domain: acceptance by in-block position, rank head, physical limit tau*T(1)/T(n)
     $PY experiments/specblock_eval.py --target $T --drafter specblock/assets/drafters/$T/specblock --windows 4 \
-        --dtype float32 --bench experiments/results/bench_smollm2_main.json \
-        --latency specblock/sim/data/latency_cpu_smollm2_fp32.json --out experiments/results/specblock_eval_smollm2.json ;;
+        --dtype packed-fp16 --bench experiments/results/bench_smollm2_packed.json \
+        --latency specblock/sim/data/latency_cpu_smollm2_packed_fp16.json --out experiments/results/specblock_eval_smollm2.json ;;
   *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|export|bench|calibrate|table|packed|widths|eval" >&2; exit 2 ;;
 esac

@@ -100,7 +100,9 @@ def test_trace_out_checked_first_and_kept_when_the_run_fails(tmp_path, capsys):
 
 
 def test_ctrl_c_during_a_sweep_is_one_line_and_keeps_finished_configs(tmp_path):
-    g = _grid(tmp_path, ks=(2, 3, 4, 5, 6, 7), requests=6, tokens=128)
+    # ~2 s per configuration: 11 still running when the first lands, so a starved test process on a
+    # busy CI machine cannot see the sweep end between its check and the signal (CI saw that at 6 requests)
+    g = _grid(tmp_path, ks=(2, 3, 4, 5, 6, 7), requests=32, tokens=128)
     cache = tmp_path / "out" / "cache"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.Popen([sys.executable, "-m", "specblock.sim", "sweep", str(g), "--workers", "2", "--no-progress"],
