@@ -47,7 +47,8 @@ def main(argv: list[str]) -> int:
     if not args.bench.is_file():
         print(f"error: no bench JSON at {args.bench}", file=sys.stderr)
         return 2
-    best, means = best_budgets(json.loads(args.bench.read_text()))
+    bench = json.loads(args.bench.read_text())
+    best, means = best_budgets(bench)
     if not best:
         print(f"error: no METHOD@bN rows in {args.bench}", file=sys.stderr)
         return 2
@@ -65,7 +66,7 @@ def main(argv: list[str]) -> int:
     # methods and aliases get a --set line
     print(" ".join(f"--set {k}:budget={b}" for k, b in best.items() if "@" not in k or k in aliases))
     if args.write_serving is not None:
-        write_serving(args.write_serving, best, means, args.bench)
+        write_serving(args.write_serving, best, means, args.bench, bench.get("config", {}).get("method_options"))
     return 0
 
 
@@ -73,10 +74,15 @@ def main(argv: list[str]) -> int:
 VARIANTS = {"m1": {"M": 1}, "topk4": {"widths": [4, 4, 4, 4]}}
 
 
-def write_serving(drafters: Path, best: dict[str, int], means: dict[str, dict[int, float]], bench: Path) -> None:
+def write_serving(drafters: Path, best: dict[str, int], means: dict[str, dict[int, float]], bench: Path,
+                  options: dict | None = None) -> None:
     """serving.json beside each shipped drafter that was swept (the engine reads it when no flag is
-    given): its best budget, or a swept variant's settings and budget where that variant did better."""
+    given): its best budget, or a swept variant's settings and budget where that variant did better.
+    A variant's settings are what the sweep ran it with (``options``: the bench's per-method
+    options), else :data:`VARIANTS`."""
     from specblock.atomic import write_atomic
+
+    options = options or {}
 
     for method in sorted(m for m in means if "@" not in m and (drafters / m).is_dir()):
         cfg: dict = {"budget": best[method]}
@@ -86,7 +92,9 @@ def write_serving(drafters: Path, best: dict[str, int], means: dict[str, dict[in
         for v in tried:
             d = means[f"{method}@{v}"]
             if max(d.values()) > top:
-                top, cfg = max(d.values()), {"budget": best[f"{method}@{v}"], **VARIANTS[v]}
+                b = best[f"{method}@{v}"]
+                ran = {k: x for k, x in options.get(f"{method}@{v}@b{b}", {}).items() if k != "budget"}
+                top, cfg = max(d.values()), {"budget": b, **(ran or VARIANTS[v])}
         if tried:
             where += " and of " + ", ".join(f"{v} ({VARIANTS[v]})" for v in tried)
         cfg["measured"] = where

@@ -70,15 +70,20 @@ case "${1:-}" in
         --dtype bfloat16 --domains code,chat --prompts 1 --runs 3 --max-new-tokens 48 --threads 2 \
         --out experiments/results/bench_smollm2_main_bf16 ;;
   packed)    # 6c. The same table in packed-fp16 (--dtype auto on a CPU without native bf16: fp16 weights packed for
-    #            fbgemm, fp32 arithmetic): its T(n) curve is its own, so the node budgets are swept again (4/8/16,
-    #            and SpecBlock's rank-head widths against fixed top-4), written to serving.json, and best.json
-    #            (--method auto) is chosen from this table.
-    $PY -m specblock.runtime calibrate --target $T --dtype packed-fp16 --reps 9 --out specblock/sim/data/latency_cpu_smollm2_packed_fp16.json
+    #            fbgemm, fp32 arithmetic): its T(n) curve is its own, so the node budgets are swept again (2/3/4/8;
+    #            SpecBlock with the rank head's widths, fixed top-4, and fixed top-4 at M = 1), the winners written
+    #            to serving.json, and best.json (--method auto) is chosen from this table. SKIP_CALIBRATE=1
+    #            keeps the latency file.
+    [[ ${SKIP_CALIBRATE:-} ]] || $PY -m specblock.runtime calibrate --target $T --dtype packed-fp16 --reps 9 \
+        --out specblock/sim/data/latency_cpu_smollm2_packed_fp16.json
     SWEEP=""; SETS=()
-    for m in specblock specblock@topk4 eagle3 medusa; do
-      for b in 4 8 16; do SWEEP+="$m@b$b,"; SETS+=(--set "$m@b$b:budget=$b"); done
+    for m in specblock specblock@topk4 specblock@m1 eagle3 medusa; do
+      for b in 2 3 4 8; do SWEEP+="$m@b$b,"; SETS+=(--set "$m@b$b:budget=$b"); done
     done
-    for b in 4 8 16; do SETS+=(--set "specblock@topk4@b$b:widths=4,4,4,4"); done
+    for b in 2 3 4 8; do  # explicit widths everywhere: a serving.json written by an earlier sweep must not leak in
+      SETS+=(--set "specblock@b$b:widths=2,4,10,0" --set "specblock@topk4@b$b:widths=4,4,4,4")
+      SETS+=(--set "specblock@m1@b$b:M=1" --set "specblock@m1@b$b:widths=4,4,4,4")
+    done
     $PY -m specblock.runtime bench --target $T --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts 1 --runs 1 \
         --max-new-tokens 32 --dtype packed-fp16 --threads 2 --out experiments/results/bench_smollm2_packed_budgets
     read -r -a BEST <<< "$($PY experiments/best_budgets.py experiments/results/bench_smollm2_packed_budgets.json \

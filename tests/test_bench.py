@@ -73,6 +73,12 @@ def test_best_budgets_picks_the_fastest_budget_per_method(tmp_path, capsys):
     assert bb.main([str(f), "--write-serving", str(drafters)]) == 0
     sb = json.loads((drafters / "specblock" / "serving.json").read_text())
     assert (sb["budget"], sb["widths"], "M" in sb) == (4, [4, 4, 4, 4], False)
+    # the settings a variant ran with (the bench's method options) are what serving.json records
+    bench["config"] = {"method_options": {"specblock@topk4@b4": {"budget": 4, "widths": [4, 4, 4, 4], "M": 1}}}
+    f.write_text(json.dumps(bench))
+    assert bb.main([str(f), "--write-serving", str(drafters)]) == 0
+    sb = json.loads((drafters / "specblock" / "serving.json").read_text())
+    assert (sb["budget"], sb["widths"], sb["M"]) == (4, [4, 4, 4, 4], 1)
     assert bb.main([str(f), "--alias", "specblock@m1=specblock"]) == 0  # a variant gets a --set line only as an alias
     assert "specblock@topk4" not in capsys.readouterr().out
 
