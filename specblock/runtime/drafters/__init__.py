@@ -111,10 +111,10 @@ def pack_drafter(drafter: Drafter) -> int:
 
     from specblock.runtime.packed import pack_linears
 
-    net = getattr(drafter, "net", None) or getattr(drafter, "model", None)
-    if not isinstance(net, torch.nn.Module) or not any(type(m) is torch.nn.Linear for m in net.modules()):
+    nets = [m for m in (getattr(drafter, "net", None), getattr(drafter, "model", None)) if isinstance(m, torch.nn.Module)]
+    if not nets or not any(type(m) is torch.nn.Linear for m in nets[0].modules()):
         return 0
-    return pack_linears(net)
+    return pack_linears(nets[0])
 
 
 #: The engine's node budget when neither the user nor the drafter's serving.json sets one.
