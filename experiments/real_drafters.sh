@@ -2,7 +2,7 @@
 # Drafters for the real target (SmolLM2-135M-Instruct, issue 14), every command in order. Each
 # step is resumable: rerun the same line after an interruption and it continues where it stopped.
 # Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
-#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|export|bench|calibrate|table|packed|widths|eval
+#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|export|bench|calibrate|table|packed|lossless|widths|eval
 # One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
 # generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
 # side by side (featcache --follow picks up new chatgen shards, training new feature shards).
@@ -42,8 +42,16 @@ case "${1:-}" in
     $PY -m specblock.training drafter --method medusa --target $T --features $FEAT --draft-vocab 8192 \
         --vocab-corpus 0.5 --run-dir $H/runs/$T/medusa --lr 1e-3 --window 257 --batch 4 \
         --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
+  parallelspec) # 3d. ParallelSpec: one layer, k = 4 tokens per forward ([MASK] queries), same cache, vocabulary, recipe
+    $PY -m specblock.training drafter --method parallelspec --target $T --features $FEAT --draft-vocab 8192 \
+        --vocab-corpus 0.5 --run-dir $H/runs/$T/parallelspec --layers 1 --K 4 --intermediate 1536 --lr 1e-3 --window 257 \
+        --batch 4 --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
+  falcon)    # 3e. Falcon: one layer, blocks of 2 tokens, 3 forwards (depth 6), glancing 1.0 -> 0.25 over the run
+    $PY -m specblock.training drafter --method falcon --target $T --features $FEAT --draft-vocab 8192 \
+        --vocab-corpus 0.5 --run-dir $H/runs/$T/falcon --layers 1 --block-size 2 --forwards 3 --intermediate 1536 --lr 1e-3 \
+        --window 257 --batch 4 --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
   export)    # 4. the last checkpoint as a drafter plus its model card
-    METHOD=${METHOD:-specblock}  # METHOD=eagle3 / METHOD=medusa export those runs
+    METHOD=${METHOD:-specblock}  # METHOD=eagle3 / medusa / parallelspec / falcon export those runs
     $PY experiments/export_drafter.py --run-dir $H/runs/$T/$METHOD --features $FEAT --data $DATA --refs $REFS --out specblock/assets/drafters/$T/$METHOD ;;
   bench)     # 5. a short check against plain decoding and prompt lookup
     $PY -m specblock.runtime bench --target $T --methods ar,lookup,specblock --prompts 2 --runs 1 --max-new-tokens 64 \
@@ -72,27 +80,37 @@ case "${1:-}" in
   packed)    # 6c. The same table in packed-fp16 (--dtype auto on a CPU without native bf16: fp16 weights packed for
     #            fbgemm, fp32 arithmetic): its T(n) curve is its own, so the node budgets are swept again (2/3/4/8;
     #            SpecBlock with the rank head's widths, fixed top-4, and fixed top-4 at M = 1), the winners written
-    #            to serving.json, and best.json (--method auto) is chosen from this table. SKIP_CALIBRATE=1
-    #            keeps the latency file.
+    #            to serving.json, and best.json (--method auto) is chosen from the main table, where every method
+    #            runs at its serving.json settings (specblock@m1: the same with M = 1). SKIP_CALIBRATE=1 keeps the
+    #            latency file; SWEEP_METHODS= sweeps a subset (the others keep their serving.json); SKIP_SWEEP=1
+    #            runs the main table only; PROMPTS= prompts per domain in the main table (default 3).
     [[ ${SKIP_CALIBRATE:-} ]] || $PY -m specblock.runtime calibrate --target $T --dtype packed-fp16 --reps 9 \
         --out specblock/sim/data/latency_cpu_smollm2_packed_fp16.json
-    SWEEP=""; SETS=()
-    for m in specblock specblock@topk4 specblock@m1 eagle3 medusa; do
-      for b in 2 3 4 8; do SWEEP+="$m@b$b,"; SETS+=(--set "$m@b$b:budget=$b"); done
-    done
-    for b in 2 3 4 8; do  # explicit widths everywhere: a serving.json written by an earlier sweep must not leak in
-      SETS+=(--set "specblock@b$b:widths=2,4,10,0" --set "specblock@topk4@b$b:widths=4,4,4,4")
-      SETS+=(--set "specblock@m1@b$b:M=1" --set "specblock@m1@b$b:widths=4,4,4,4")
-    done
-    $PY -m specblock.runtime bench --target $T --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts 1 --runs 1 \
-        --max-new-tokens 32 --dtype packed-fp16 --threads 2 --out experiments/results/bench_smollm2_packed_budgets
-    read -r -a BEST <<< "$($PY experiments/best_budgets.py experiments/results/bench_smollm2_packed_budgets.json \
-        --alias specblock+adapt=specblock --alias specblock@m1=specblock --write-serving specblock/assets/drafters/$T)"
+    if [[ ! ${SKIP_SWEEP:-} ]]; then
+      SWEEP=""; SETS=()
+      for m in ${SWEEP_METHODS:-specblock specblock@topk4 specblock@m1 eagle3 medusa parallelspec falcon}; do
+        for b in 2 3 4 8; do SWEEP+="$m@b$b,"; SETS+=(--set "$m@b$b:budget=$b"); done
+      done
+      for b in 2 3 4 8; do  # explicit widths everywhere: a serving.json written by an earlier sweep must not leak in
+        SETS+=(--set "specblock@b$b:widths=2,4,10,0" --set "specblock@topk4@b$b:widths=4,4,4,4")
+        SETS+=(--set "specblock@m1@b$b:M=1" --set "specblock@m1@b$b:widths=4,4,4,4")
+      done
+      SWEPT=${SWEEP_OUT:-bench_smollm2_packed_budgets}
+      $PY -m specblock.runtime bench --target $T --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts 1 --runs 1 \
+          --max-new-tokens 32 --dtype packed-fp16 --threads 2 --out experiments/results/$SWEPT
+      $PY experiments/best_budgets.py experiments/results/$SWEPT.json --write-serving specblock/assets/drafters/$T >/dev/null
+    fi
     PIN=(--set specblock:M=2 --set specblock+adapt:M=2 --set specblock@m1:M=1)
-    $PY -m specblock.runtime bench --target $T --methods ar,lookup,hf-lookup,medusa,eagle3,specblock,specblock@m1,specblock+adapt \
-        "${BEST[@]}" "${PIN[@]}" --dtype packed-fp16 --prompts 1 --runs 3 --max-new-tokens 48 --threads 2 \
+    $PY -m specblock.runtime bench --target $T \
+        --methods ar,lookup,hf-lookup,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt \
+        "${PIN[@]}" --dtype packed-fp16 --prompts ${PROMPTS:-3} --runs 3 --max-new-tokens 48 --threads 2 \
         --out experiments/results/bench_smollm2_packed --trace-dir runs/traces_smollm2_packed
     $PY experiments/best_method.py experiments/results/bench_smollm2_packed.json --write specblock/assets/drafters/$T ;;
+  lossless)  # 6d. Every method against plain decoding at fp32 (the lossless run: match rate and divergences, not
+    #            speed), 3 prompts per domain, 48 new tokens, each at its serving.json settings. METHODS= and OUT= pick a subset.
+    $PY -m specblock.runtime bench --target $T --methods "${METHODS:-ar,lookup,hf-lookup,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt}" \
+        --set specblock@m1:M=1 --dtype float32 --prompts 3 --runs 1 --max-new-tokens 48 --threads ${THREADS:-2} \
+        --out experiments/results/${OUT:-bench_smollm2_fp32_lossless} ;;
   widths)    # 6b. Serving-time branching (no retraining): the rank head's widths (2,4,10,0: bucket b3 ends a branch)
     #            against fixed top-k, same drafter, fp32, 1 prompt per domain, 1 run (a diagnostic, not a table)
     $PY -m specblock.runtime bench --target $T --methods ar,specblock,specblock@topk2,specblock@topk4 \
@@ -108,5 +126,5 @@ case "${1:-}" in
     $PY experiments/specblock_eval.py --target $T --drafter specblock/assets/drafters/$T/specblock --windows 4 \
         --dtype packed-fp16 --bench experiments/results/bench_smollm2_packed.json \
         --latency specblock/sim/data/latency_cpu_smollm2_packed_fp16.json --out experiments/results/specblock_eval_smollm2.json ;;
-  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|export|bench|calibrate|table|packed|widths|eval" >&2; exit 2 ;;
+  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|export|bench|calibrate|table|packed|lossless|widths|eval" >&2; exit 2 ;;
 esac

@@ -1,4 +1,4 @@
-"""Draft vocabulary and feature-cache training for EAGLE-3 and Medusa (issue 14): a reduced head
+"""Draft vocabulary and feature-cache training for EAGLE-3, Medusa, ParallelSpec and Falcon (issue 14): a reduced head
 stays lossless, never drafts a token outside its map, round-trips with its map, masks targets
 outside it in training, and both methods train from a feature cache."""
 
@@ -11,17 +11,22 @@ from safetensors import safe_open
 
 from specblock.runtime.drafters.base import DraftRequest
 from specblock.runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Net
+from specblock.runtime.drafters.falcon import FalconConfig, FalconDrafter, FalconNet
 from specblock.runtime.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaNet
+from specblock.runtime.drafters.parallelspec import ParallelSpecConfig, ParallelSpecDrafter, ParallelSpecNet
 from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel, load_causal_lm
 from specblock.training.eagle3_step import eagle3_step
+from specblock.training.falcon_step import falcon_step
 from specblock.training.medusa_step import medusa_pass, medusa_step
+from specblock.training.parallelspec_step import parallelspec_step
 from specblock.training.specblock_step import target_pass
 from tests.test_featcache import tiny_feature_cache
 from tests.tiny import hf_greedy, perturb, save_tiny, tiny_model
 
 V, N = 32, 12
-DRAFTERS = {"eagle3": Eagle3Drafter, "medusa": MedusaDrafter}
+DRAFTERS = {"eagle3": Eagle3Drafter, "medusa": MedusaDrafter, "parallelspec": ParallelSpecDrafter,
+            "falcon": FalconDrafter}
 
 
 def make(method: str, seed: int = 0, draft_vocab: int | None = N):
@@ -31,8 +36,13 @@ def make(method: str, seed: int = 0, draft_vocab: int | None = N):
     if method == "eagle3":
         net = Eagle3Net(Eagle3Config(vocab_size=V, hidden_size=32, num_heads=4, intermediate_size=64,
                                      tap_layers=target.tap_layers, top_k=4, draft_vocab=draft_vocab))
-    else:
+    elif method == "medusa":
         net = MedusaNet(MedusaConfig(vocab_size=V, hidden_size=32, heads=3, top_k=4, draft_vocab=draft_vocab))
+    else:
+        common = dict(vocab_size=V, hidden_size=32, num_heads=4, intermediate_size=64, tap_layers=target.tap_layers,
+                      top_k=4, draft_vocab=draft_vocab)
+        net = (ParallelSpecNet(ParallelSpecConfig(**common, k=4)) if method == "parallelspec"
+               else FalconNet(FalconConfig(**common, block_size=2, forwards=3)))
     if draft_vocab is not None:
         net.set_vocab(torch.as_tensor(np.sort(np.random.default_rng(seed).choice(V, draft_vocab, replace=False))))
     net.tie_to_target(model)
@@ -93,6 +103,22 @@ def test_targets_outside_the_vocab_are_not_supervised():
     assert torch.isfinite(medusa_step(mnet, mp, hard=True).loss)
 
 
+@pytest.mark.parametrize("method", ["parallelspec", "falcon"])
+@torch.no_grad()
+def test_depth_drafters_do_not_supervise_targets_outside_the_vocab(method):
+    model, target, net = make(method, seed=4)
+    tokens = torch.as_tensor(np.random.default_rng(1).integers(2, V, (2, 17)))
+    tp = target_pass(model, tokens, target.tap_layers, net)
+    assert not bool(tp.y_ok.all())
+    step = (lambda: parallelspec_step(net, tp)) if method == "parallelspec" else (lambda: falcon_step(net, tp, 3, 0.0))
+    res = step()
+    tp.e_target[~tp.y_ok] = 1e3
+    assert float(step().loss) == pytest.approx(float(res.loss))
+    w = tokens.shape[1]
+    label = (torch.arange(w - 1)[:, None] + torch.arange(1, res.top1.shape[-1] + 1)).clamp(max=w - 1)
+    assert not bool(res.top1[~tp.y_ok[:, label]].any())  # a token without a head row is never a hit
+
+
 @pytest.mark.parametrize("method", sorted(DRAFTERS))
 def test_trainer_from_a_feature_cache_with_a_draft_vocab(method, tmp_path):
     from specblock.training.drafter import main as train_main
@@ -102,7 +128,7 @@ def test_trainer_from_a_feature_cache_with_a_draft_vocab(method, tmp_path):
     train_main(["--method", method, "--target", str(tdir), "--features", str(tmp_path / "cache"), "--draft-vocab", "20",
                 "--run-dir", str(tmp_path / "run"), "--out", str(out), "--window", "17", "--batch", "2",
                 "--max-steps", "3", "--eval-every", "2", "--intermediate", "32", "--ttt-steps", "2", "--heads", "2",
-                "--threads", "1"])
+                "--K", "3", "--forwards", "2", "--threads", "1"])
     target = TargetModel(model)
     net = DRAFTERS[method].load(out, target).net
     assert net.cfg.draft_vocab == 20 and net.lm_head.weight.shape[0] == 20
@@ -113,3 +139,28 @@ def test_trainer_from_a_feature_cache_with_a_draft_vocab(method, tmp_path):
     prompt = np.arange(3, 12)
     res = Engine(target, DRAFTERS[method](net), budget=12).generate(prompt, 20)
     assert res.token_ids == hf_greedy(model, prompt, 20)
+
+
+def test_vocab_sweep_reheads_a_drafter_without_touching_its_trained_weights(tmp_path):
+    """experiments/vocab_sweep.py: the same drafter over another draft vocabulary (or all rows)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "vocab_sweep.py"
+    spec = importlib.util.spec_from_file_location("vocab_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model, target, net = make("eagle3", seed=5)
+    for d2t in (None, np.arange(2, 2 + N + 6)):
+        new = mod.reheaded(net, model, d2t)
+        rows = V if d2t is None else len(d2t)
+        assert new.lm_head.weight.shape == (rows, 32) and new.cfg.draft_vocab == (None if d2t is None else rows)
+        torch.testing.assert_close(new.lm_head.weight, model.lm_head.weight if d2t is None else model.lm_head.weight[d2t])
+        for k, v in net.state_dict().items():
+            if k not in ("d2t", "lm_head.weight"):
+                assert torch.equal(new.state_dict()[k], v), k
+        target.want_features = True
+        prompt = np.arange(3, 12)
+        assert Engine(target, Eagle3Drafter(new), budget=12).generate(prompt, 20).token_ids == hf_greedy(model, prompt, 20)
+        new.save(tmp_path / str(rows))
+        assert Eagle3Drafter.load(tmp_path / str(rows), target).net.lm_head.weight.shape == (rows, 32)

@@ -51,10 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, help="export the drafter (safetensors + config) here when done")
     ap.add_argument("--data", default="lab", help="'lab' (the shipped corpus) or a JSONL file with a 'text' field")
     ap.add_argument("--features", type=Path, default=None,
-                    help="specblock, eagle3, medusa: train from a feature cache (python -m specblock.training featcache) instead of "
-                         "running the target per step; --data is then unused")
+                    help="every method but sps: train from a feature cache (python -m specblock.training featcache) "
+                         "instead of running the target per step; --data is then unused")
     ap.add_argument("--draft-vocab", type=int, default=None,
-                    help="specblock, eagle3, medusa: LM-head rows = the N most frequent tokens of the training data (default: all)")
+                    help="every method but sps: LM-head rows = the N most frequent tokens of the training data "
+                         "(default: all)")
     ap.add_argument("--vocab-corpus", type=float, default=0.0,
                     help="with --features: share of the shared-data corpus (human text of the same domains) in the "
                          "token frequencies behind --draft-vocab; the rest is the cached answers")
@@ -294,6 +295,18 @@ def _draft_vocab(args, source, vocab_size: int) -> np.ndarray:
     """The N most frequent tokens of the training data (answers only, from a feature cache)."""
     from specblock.training import vocab
 
+    counts = vocab_counts(args, source, vocab_size)
+    d2t = vocab.top_n(counts, args.draft_vocab)
+    print(f"draft vocabulary: {args.draft_vocab} of {vocab_size} tokens cover "
+          f"{100 * vocab.coverage(counts, d2t):.2f}% of the training tokens", flush=True)
+    return d2t
+
+
+def vocab_counts(args, source, vocab_size: int) -> np.ndarray:
+    """Token frequencies behind ``--draft-vocab`` (``args``: features, vocab_corpus, target, window);
+    also what ``experiments/vocab_sweep.py`` re-heads drafters with."""
+    from specblock.training import vocab
+
     if args.features:
         counts = vocab.count_tokens(vocab.cache_answer_streams(source.cache), vocab_size)
         if args.vocab_corpus > 0:
@@ -305,10 +318,7 @@ def _draft_vocab(args, source, vocab_size: int) -> np.ndarray:
             counts = (1 - args.vocab_corpus) * counts / max(counts.sum(), 1) + args.vocab_corpus * corpus / max(corpus.sum(), 1)
     else:
         counts = vocab.count_tokens(source.train.values(), vocab_size)
-    d2t = vocab.top_n(counts, args.draft_vocab)
-    print(f"draft vocabulary: {args.draft_vocab} of {vocab_size} tokens cover "
-          f"{100 * vocab.coverage(counts, d2t):.2f}% of the training tokens", flush=True)
-    return d2t
+    return counts
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,7 +45,7 @@ def falcon_states(net: FalconNet, tp: TargetPass, forwards: int, glance: float, 
         prefix = kvs if prefix is None else [(torch.cat([pk, k], -2), torch.cat([pv, v], -2)) for (pk, pv), (k, v) in zip(prefix, kvs)]
         truth = tp.tokens[:, (p[:, None] + bs * n + 2 + i).clamp(max=w - 1)]  # slot i's predicted position
         with torch.no_grad():
-            pred = net.logits(out).argmax(-1)
+            pred = net.token_ids(net.logits(out).argmax(-1))  # head rows -> token ids
             keep = pred != truth
             if glance > 0:
                 u = torch.rand(keep.shape, generator=gen, device=dev) if gen is not None else torch.rand(keep.shape, device=dev)

@@ -26,22 +26,27 @@ DEPTH_DECAY = 0.8
 @dataclass
 class DepthResult:
     loss: torch.Tensor
-    top1: torch.Tensor  # [B, R, D] drafter argmax == target argmax at depth d
+    top1: torch.Tensor  # [B, R, D] drafter argmax == target argmax at depth d (False where it has no head row)
     valid: torch.Tensor  # [R, D] the depth-d label of row r lies inside the window
 
 
 def depth_loss(net: FeatureNet, states: torch.Tensor, tp: TargetPass, label: torch.Tensor, valid: torch.Tensor) -> DepthResult:
     """states ``[B, R, D, h]``; ``label [R, D]``: the window position whose target distribution
-    depth d of row r is scored against."""
+    depth d of row r is scored against. Under a draft vocabulary a label whose target argmax has
+    no head row is not supervised (it can never be drafted right) and counts as a miss."""
     b, w = tp.tokens.shape
     j = label.clamp(0, w - 1)
     normed = net.normed(states)
     logits = net.lm_head(normed).float()
     ce = torch.logsumexp(logits, -1) - (normed.float() * tp.e_target[:, j]).sum(-1)  # [B, R, D]
-    vf = valid.float()[None]
-    per_depth = (ce * vf).sum((0, 1)) / (vf.sum((0, 1)) * b).clamp_min(1)
+    ok = valid[None].expand(b, *valid.shape)
+    if tp.y_ok is not None:
+        ok = ok & tp.y_ok[:, j]
+    vf = ok.float()
+    per_depth = (ce * vf).sum((0, 1)) / vf.sum((0, 1)).clamp_min(1)
     decay = DEPTH_DECAY ** torch.arange(label.shape[1], device=states.device, dtype=torch.float32)
-    return DepthResult((per_depth * decay).sum(), logits.detach().argmax(-1) == tp.y_star[:, j], valid)
+    top1 = logits.detach().argmax(-1) == tp.y_star[:, j]
+    return DepthResult((per_depth * decay).sum(), top1 if tp.y_ok is None else top1 & ok, valid)
 
 
 def context_stream(net: FeatureNet, tp: TargetPass):

@@ -259,7 +259,8 @@ def _feature_cfg(target, args) -> dict:
     tcfg = target.config
     return dict(vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size, num_heads=tcfg.num_attention_heads,
                 num_layers=args.layers, intermediate_size=args.intermediate,
-                tap_layers=default_taps(tcfg.num_hidden_layers), rope_theta=_rope_theta(tcfg))
+                tap_layers=default_taps(tcfg.num_hidden_layers), rope_theta=_rope_theta(tcfg),
+                draft_vocab=getattr(args, "draft_vocab", None))
 
 
 def _depth_top1(res) -> list[float]:
@@ -274,12 +275,15 @@ def _depth_evaluate(net, target, windows, run) -> dict:
     """Held-out chain acceptance per depth (top-1 right at every depth up to d, teacher-forced
     context) and per-depth top-1, averaged over chunks of 4 windows."""
     from specblock.training.parallelspec_step import chain_acceptance
-    from specblock.training.specblock_step import target_pass
+    from specblock.training.specblock_step import TargetPass, target_pass
 
     net.eval()
     chains, tops = [], []
-    for chunk in windows.split(4):
-        res = run(net, target_pass(target, chunk, tuple(net.cfg.tap_layers)))
+    # windows: token windows (the target runs here) or a TargetPass already read from a feature cache
+    passes = windows.split(4) if isinstance(windows, TargetPass) else [
+        target_pass(target, chunk, tuple(net.cfg.tap_layers), net) for chunk in windows.split(4)]
+    for tp in passes:
+        res = run(net, tp)
         chains.append(chain_acceptance(res))
         tops.append(_depth_top1(res))
     net.train()
@@ -290,7 +294,7 @@ def _depth_evaluate(net, target, windows, run) -> dict:
 def _parallelspec_build(target, args):
     from specblock.runtime.drafters.parallelspec import ParallelSpecConfig, ParallelSpecNet
 
-    net = ParallelSpecNet(ParallelSpecConfig(**_feature_cfg(target, args), k=max(args.K, 2)))
+    net = _draft_vocab(ParallelSpecNet(ParallelSpecConfig(**_feature_cfg(target, args), k=max(args.K, 2))), args)
     net.tie_to_target(target)
     return net
 
@@ -308,13 +312,14 @@ def _parallelspec_evaluate(net, target, windows, args) -> dict:
     return _depth_evaluate(net, target, windows, parallelspec_step)
 
 
-register(Recipe("parallelspec", _parallelspec_build, _taps_pass, _parallelspec_step, _parallelspec_evaluate))
+register(Recipe("parallelspec", _parallelspec_build, _taps_pass, _parallelspec_step, _parallelspec_evaluate, "taps"))
 
 
 def _falcon_build(target, args):
     from specblock.runtime.drafters.falcon import FalconConfig, FalconNet
 
-    net = FalconNet(FalconConfig(**_feature_cfg(target, args), block_size=args.block_size, forwards=args.forwards))
+    net = _draft_vocab(FalconNet(FalconConfig(**_feature_cfg(target, args), block_size=args.block_size,
+                                              forwards=args.forwards)), args)
     net.tie_to_target(target)
     return net
 
@@ -334,4 +339,4 @@ def _falcon_evaluate(net, target, windows, args) -> dict:
     return _depth_evaluate(net, target, windows, lambda n, tp: falcon_step(n, tp, n.cfg.forwards, 0.0))
 
 
-register(Recipe("falcon", _falcon_build, _taps_pass, _falcon_step, _falcon_evaluate))
+register(Recipe("falcon", _falcon_build, _taps_pass, _falcon_step, _falcon_evaluate, "taps"))

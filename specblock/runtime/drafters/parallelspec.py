@@ -39,6 +39,7 @@ from torch import nn
 from specblock.policies.branching import TopKBranching, TreePolicy, grow_block
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
+from specblock.runtime.drafters.draftvocab import DraftVocab, DraftVocabSize
 from specblock.runtime.drafters.layers import DecoderLayer, FusedInputHeads, RMSNorm, rope
 from specblock.runtime.drafters.netio import load_net, save_net, tie_frozen
 from specblock.runtime.target import TargetModel, TargetOutput
@@ -115,11 +116,13 @@ class FeatureConfig(BaseModel):
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     top_k: int = Field(3, ge=1)  # serving: candidates kept per drafted position
+    draft_vocab: DraftVocabSize = None  # LM-head rows (a token outside them is never drafted); None = all
 
 
-class FeatureNet(FusedInputHeads, nn.Module):
+class FeatureNet(FusedInputHeads, DraftVocab, nn.Module):
     """EAGLE-style front end (fused taps + next-token embedding) and a stack of decoder layers;
-    the LM head and the embedding are the target's, frozen and never saved."""
+    the LM head and the embedding are the target's, frozen and never saved (the head reduced to a
+    draft vocabulary when ``draft_vocab`` is set, as EAGLE-3's)."""
 
     def __init__(self, cfg: FeatureConfig) -> None:
         super().__init__()
@@ -132,7 +135,7 @@ class FeatureNet(FusedInputHeads, nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(h, cfg.num_heads, cfg.intermediate_size, cfg.rope_theta, cfg.rms_eps) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_eps)
-        self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
+        self.lm_head = self.draft_head(h)
 
     def run(self, x, pos, ctx: list[KV] | None, ctx_mask, own_mask, own_prefix: list[KV] | None = None):
         """All layers; returns the top states and per-layer keys/values of this call's queries."""
@@ -247,8 +250,9 @@ class ParallelSpecDrafter(Drafter):
         ctx.commit(kvs, n)
         if req.max_depth < 1 or req.budget < 1:
             return tree
-        top = torch.log_softmax(net.logits(out[0, 0, n - 1:]), -1).topk(min(self.width, net.cfg.vocab_size), -1)
-        ids, lps = top.indices.cpu().numpy()[None], top.values.cpu().numpy()[None]  # [1, depth, k]
+        logits = net.logits(out[0, 0, n - 1:])
+        top = torch.log_softmax(logits, -1).topk(min(self.width, logits.shape[-1]), -1)
+        ids, lps = net.token_ids(top.indices).cpu().numpy()[None], top.values.cpu().numpy()[None]  # [1, depth, k]
         grow_block(tree, np.zeros(1, dtype=np.int64), ids, lps, None, self.policy, req.budget, block=0)
         return tree
 
