@@ -1,4 +1,4 @@
-"""Export a drafter training run (SpecBlock, EAGLE-3, Medusa) (``--run-dir``) as a drafter directory with its model card.
+"""Export a drafter training run (SpecBlock, EAGLE-3, Medusa, ParallelSpec, Falcon, SpS) (``--run-dir``) as a drafter directory with its model card.
 
 The card's figures all come from files: steps, training minutes and threads from the checkpoint,
 held-out acceptance from the run's last ``metrics.jsonl`` record, data and feature totals from the
@@ -26,7 +26,23 @@ DESCRIBE = {
     "eagle3": lambda c: (f"An EAGLE-3 drafter (`specblock/runtime/drafters/eagle3.py`): one decoder layer at hidden {c.hidden_size} "
                          f"with MLP {c.intermediate_size}, fusing taps {list(c.tap_layers)}, trained with training-time test."),
     "medusa": lambda c: f"Medusa-1 heads (`specblock/runtime/drafters/medusa.py`): {c.heads} heads on the top hidden state.",
+    "parallelspec": lambda c: (f"A ParallelSpec drafter (`specblock/runtime/drafters/parallelspec.py`): {c.num_layers} decoder layer(s) at "
+                               f"hidden {c.hidden_size} with MLP {c.intermediate_size}, fusing taps {list(c.tap_layers)}, k = {c.k} "
+                               "tokens per forward ([MASK] queries)."),
+    "falcon": lambda c: (f"A Falcon drafter (`specblock/runtime/drafters/falcon.py`): {c.num_layers} decoder layer(s) at hidden "
+                         f"{c.hidden_size} with MLP {c.intermediate_size}, fusing taps {list(c.tap_layers)}, blocks of "
+                         f"{c.block_size} tokens, {c.forwards} forwards per tree, trained with glancing."),
+    "sps": lambda c: (f"An SpS draft model (`specblock/runtime/drafters/sps.py`, also HF's assistant for `hf-assisted`): a "
+                      f"`LlamaForCausalLM` with {c.num_hidden_layers} layers at hidden {c.hidden_size}, MLP {c.intermediate_size}, "
+                      f"{c.num_attention_heads} heads, tied vocabulary matrix {'(started from the target embedding in its top principal directions)' if c.tie_word_embeddings else ''}."),
 }
+
+VOCAB_HEAD = """Draft vocabulary: {n}
+of the target's {v} tokens (the most frequent in the training answers, mixed 50/50 with the shared-data
+corpus; `d2t` in `model.safetensors`); a token outside it is never drafted. The embedding and the LM head rows
+are the target's and are not stored here."""
+VOCAB_LM = """It is a whole language model over the
+target's {v} tokens with its own (stored) vocabulary matrix: HF's assisted generation serves it as it is."""
 
 
 def _acc(xs) -> str:
@@ -48,14 +64,19 @@ def _training_line(run: dict, method: str) -> str:
     extra = {"specblock": f", rank head frozen for the first {a['rank_freeze']:.0%}, valid-prefix mask {a['valid_prefix']}, "
                           f"cross-block {a['cross_block']}, shared norm {not a['per_k_norm']}",
              "eagle3": f", training-time test over {a['ttt_steps']} depths",
-             "medusa": ", soft targets from the cached top-8"}.get(method, "")
+             "medusa": ", soft targets from the cached top-8",
+             "falcon": f", glancing {a['glance_start']} -> {a['glance_end']}",
+             "sps": ", soft targets from the cached top-8 (no target pass per step)"}.get(method, "")
     return (f"{run['step']:,} steps in {run['train_s'] / 60:.1f} minutes of training on {a['threads']} thread(s): batch {a['batch']} x "
             f"{a['window']}-token windows ({run['step'] * a['batch'] * a['window']:,} window tokens seen), AdamW lr {a['lr']} with "
             f"warmup and cosine decay over wall time{extra}.")
 
 
 def card(run: dict, last: dict, gen: dict, refs: dict | None, feat: dict, net, target_name: str, sessions: str = "") -> str:
-    method, cfg = run["method"], net.cfg
+    method = run["method"]
+    cfg = net.cfg if hasattr(net, "cfg") else net.model.config  # SpS: an HF model's config
+    vocab = (VOCAB_LM.format(v=cfg.vocab_size) if method == "sps" else
+             VOCAB_HEAD.format(n=getattr(cfg, "draft_vocab", None) or cfg.vocab_size, v=cfg.vocab_size))
     g, f = gen.get("totals", {}), feat.get("totals", {})
     ref_tokens = sum(s.get("answer_tokens", 0) for n, s in feat.get("shards", {}).items() if n.startswith("ref_"))
     ref_line = ""
@@ -72,10 +93,7 @@ def card(run: dict, last: dict, gen: dict, refs: dict | None, feat: dict, net, t
     figures = "\n".join(f"  - {k}: {_acc(v)}" for k, v in last.items() if k not in ("step", "train_s", "final", "loss"))
     return f"""# {method} drafter for {target_name}
 
-{DESCRIBE.get(method, lambda c: f"A {method} drafter.")(cfg)} Draft vocabulary: {getattr(cfg, 'draft_vocab', None) or cfg.vocab_size}
-of the target's {cfg.vocab_size} tokens (the most frequent in the training answers, mixed 50/50 with the shared-data
-corpus; `d2t` in `model.safetensors`); a token outside it is never drafted. The embedding and the LM head rows
-are the target's and are not stored here.
+{DESCRIBE.get(method, lambda c: f"A {method} drafter.")(cfg)} {vocab}
 
 ## Training (`experiments/real_drafters.sh`)
 

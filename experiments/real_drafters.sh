@@ -2,7 +2,7 @@
 # Drafters for the real target (SmolLM2-135M-Instruct, issue 14), every command in order. Each
 # step is resumable: rerun the same line after an interruption and it continues where it stopped.
 # Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
-#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|export|bench|calibrate|table|packed|lossless|widths|eval
+#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|vocab|export|bench|calibrate|table|packed|lossless|widths|eval
 # One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
 # generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
 # side by side (featcache --follow picks up new chatgen shards, training new feature shards).
@@ -50,6 +50,23 @@ case "${1:-}" in
     $PY -m specblock.training drafter --method falcon --target $T --features $FEAT --draft-vocab 8192 \
         --vocab-corpus 0.5 --run-dir $H/runs/$T/falcon --layers 1 --block-size 2 --forwards 3 --intermediate 1536 --lr 1e-3 \
         --window 257 --batch 4 --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
+  sps)       # 3g. SpS: a 2-layer draft LM (hidden 256, tied vocabulary matrix started from the target's embedding in its
+    #            top-256 principal directions), distilled from the cached top-8 (no target pass per step); also the
+    #            assistant of hf-assisted. The full 49k vocabulary: HF's assisted generation serves it as an HF model.
+    $PY -m specblock.training drafter --method sps --target $T --features $FEAT --run-dir $H/runs/$T/sps --layers 2 \
+        --draft-hidden 256 --tie-embeddings --intermediate 1024 --lr 1e-3 --window 257 --batch 4 \
+        --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
+  vocab)     # 3f. Draft vocabulary N = 4k / 8k / 16k / full: the shipped SpecBlock and EAGLE-3 drafters (trained at 8k)
+    #            re-headed (no retraining; held-out coverage and acceptance in the JSON), then benched side by side in
+    #            packed-fp16 at their serving.json settings: tau, T_D%, Spd
+    VS=$H/vocab_sweep
+    $PY experiments/vocab_sweep.py --target $T --features $FEAT --out-dir $VS --json experiments/results/vocab_sweep_smollm2.json
+    M=""; SETS=()
+    for m in specblock eagle3; do
+      for n in 4096 8192 16384 full; do M+="$m@v$n,"; SETS+=(--set "$m@v$n:drafter=$VS/${m}_$n"); done
+    done
+    $PY -m specblock.runtime bench --target $T --methods "ar,${M%,}" "${SETS[@]}" --dtype packed-fp16 --prompts 1 --runs 3 \
+        --max-new-tokens 48 --threads 2 --out experiments/results/bench_smollm2_vocab ;;
   export)    # 4. the last checkpoint as a drafter plus its model card
     METHOD=${METHOD:-specblock}  # METHOD=eagle3 / medusa / parallelspec / falcon export those runs
     $PY experiments/export_drafter.py --run-dir $H/runs/$T/$METHOD --features $FEAT --data $DATA --refs $REFS --out specblock/assets/drafters/$T/$METHOD ;;
@@ -126,5 +143,5 @@ case "${1:-}" in
     $PY experiments/specblock_eval.py --target $T --drafter specblock/assets/drafters/$T/specblock --windows 4 \
         --dtype packed-fp16 --bench experiments/results/bench_smollm2_packed.json \
         --latency specblock/sim/data/latency_cpu_smollm2_packed_fp16.json --out experiments/results/specblock_eval_smollm2.json ;;
-  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|export|bench|calibrate|table|packed|lossless|widths|eval" >&2; exit 2 ;;
+  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|vocab|export|bench|calibrate|table|packed|lossless|widths|eval" >&2; exit 2 ;;
 esac

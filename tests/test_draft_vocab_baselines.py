@@ -1,8 +1,10 @@
 """Draft vocabulary and feature-cache training for EAGLE-3, Medusa, ParallelSpec and Falcon (issue 14): a reduced head
 stays lossless, never drafts a token outside its map, round-trips with its map, masks targets
-outside it in training, and both methods train from a feature cache."""
+outside it in training, and every method trains from a feature cache (SpS: the cached top-k alone)."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -164,3 +166,41 @@ def test_vocab_sweep_reheads_a_drafter_without_touching_its_trained_weights(tmp_
         assert Engine(target, Eagle3Drafter(new), budget=12).generate(prompt, 20).token_ids == hf_greedy(model, prompt, 20)
         new.save(tmp_path / str(rows))
         assert Eagle3Drafter.load(tmp_path / str(rows), target).net.lm_head.weight.shape == (rows, 32)
+
+
+def test_sps_trains_from_a_feature_cache_and_refuses_a_draft_vocab(tmp_path):
+    """The SpS draft model distils from the cached top-k (no target pass per step); the export is
+    an HF model the sps drafter serves losslessly. A draft vocabulary is refused in one line."""
+    from specblock.errors import SpecBlockError
+    from specblock.runtime.drafters.sps import SpsDrafter
+    from specblock.training.drafter import main as train_main
+
+    tdir, model, cache = tiny_feature_cache(tmp_path)
+    common = ["--method", "sps", "--target", str(tdir), "--features", str(cache), "--window", "17", "--batch", "2",
+              "--max-steps", "3", "--eval-every", "2", "--layers", "1", "--intermediate", "32",
+              "--draft-hidden", "16", "--tie-embeddings", "--threads", "1"]
+    with pytest.raises(SpecBlockError, match="drop --draft-vocab"):
+        train_main(common + ["--run-dir", str(tmp_path / "r0"), "--draft-vocab", "20"])
+    out = tmp_path / "sps"
+    train_main(common + ["--run-dir", str(tmp_path / "run"), "--out", str(out)])
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert 0.0 <= metrics[-1]["alpha"] <= 1.0
+    target = TargetModel(model)
+    prompt = np.arange(3, 12)
+    res = Engine(target, SpsDrafter.load(out, target), budget=6).generate(prompt, 20)
+    assert res.token_ids == hf_greedy(model, prompt, 20)
+
+
+def test_a_narrow_tied_sps_model_starts_from_the_targets_principal_directions():
+    from specblock.training.sps_step import build_draft, principal_rows
+
+    model = tiny_model("llama", vocab=V, seed=0, layers=2)
+    emb = model.get_input_embeddings().weight.detach().float()
+    net = build_draft(model, layers=1, intermediate=32, hidden=8, tie=True)
+    got = net.model.get_input_embeddings().weight.detach()
+    torch.testing.assert_close(got, principal_rows(emb, 8))
+    assert net.model.get_input_embeddings().weight is net.model.get_output_embeddings().weight  # still tied
+    # the projection keeps the rows' Gram matrix up to the dropped directions: rank-8 best fit
+    err = torch.linalg.matrix_norm(got @ got.T - emb @ emb.T)
+    s = torch.linalg.svdvals(emb)
+    assert float(err) <= float(torch.sqrt((s[8:] ** 4).sum())) * 1.01 + 1e-4

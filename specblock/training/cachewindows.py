@@ -18,9 +18,11 @@ from specblock.errors import SpecBlockError
 from specblock.training.featcache import FeatureCache, as_tensor
 from specblock.training.medusa_step import MedusaPass
 from specblock.training.specblock_step import TargetPass, to_draft_vocab
+from specblock.training.sps_step import SpsTopkPass
 
-#: Cached array -> the step input built around it (both: tokens, features, e_target, y_star, y_ok).
-PASSES = {"taps": TargetPass, "top": MedusaPass}
+#: Cached array -> the step input built around it (both: tokens, features, e_target, y_star, y_ok);
+#: "tokens": no hidden state, the top-k as it is (SpS distils a whole small LM from it).
+PASSES = {"taps": TargetPass, "top": MedusaPass, "tokens": SpsTopkPass}
 
 
 class CacheWindows:
@@ -57,10 +59,14 @@ class CacheWindows:
             self._open[name] = self.cache.shard(name)
         return self._open[name]
 
-    def _passes(self, spans: list[tuple[str, int]], net) -> TargetPass | MedusaPass:
+    def _passes(self, spans: list[tuple[str, int]], net) -> TargetPass | MedusaPass | SpsTopkPass:
         w = self.window
         sh = [self._shard(n) for n, _ in spans]
         tokens = torch.from_numpy(np.stack([s.tokens[a:a + w] for s, (_, a) in zip(sh, spans)]).astype(np.int64))
+        if self.feature == "tokens":
+            ids = torch.from_numpy(np.stack([s.topk_ids[a:a + w] for s, (_, a) in zip(sh, spans)]).astype(np.int64))
+            logp = torch.from_numpy(np.stack([s.topk_logp[a:a + w] for s, (_, a) in zip(sh, spans)])).float()
+            return SpsTopkPass(tokens, ids, logp.exp())
         feats = torch.stack([as_tensor(getattr(s, self.feature)[a:a + w], s.bf16) for s, (_, a) in zip(sh, spans)]).float()
         ids = torch.from_numpy(np.stack([s.topk_ids[a:a + w] for s, (_, a) in zip(sh, spans)]).astype(np.int64))
         probs = torch.from_numpy(np.stack([s.topk_logp[a:a + w] for s, (_, a) in zip(sh, spans)])).float().exp()

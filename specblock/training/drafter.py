@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, help="export the drafter (safetensors + config) here when done")
     ap.add_argument("--data", default="lab", help="'lab' (the shipped corpus) or a JSONL file with a 'text' field")
     ap.add_argument("--features", type=Path, default=None,
-                    help="every method but sps: train from a feature cache (python -m specblock.training featcache) "
+                    help="train from a feature cache (python -m specblock.training featcache) "
                          "instead of running the target per step; --data is then unused")
     ap.add_argument("--draft-vocab", type=int, default=None,
                     help="every method but sps: LM-head rows = the N most frequent tokens of the training data "
@@ -177,6 +177,9 @@ def train(args) -> None:
     args.target = resolve_target(args.target)  # a registry name (smollm2-135m-instruct) or a directory
     if (args.features or args.draft_vocab) and recipe.cached is None:
         raise SpecBlockError(f"--features and --draft-vocab are wired for --method {', '.join(recipes.with_cache())} only so far")
+    if args.draft_vocab and recipe.cached == "tokens":
+        raise SpecBlockError(f"--draft-vocab: the {args.method} draft model is a whole HF LM over the target's vocabulary "
+                             "(HF's assisted generation serves it as is); drop --draft-vocab")
     target = load_causal_lm(args.target, "bfloat16", str(device.type), "sdpa", False).to(device).eval()
     for p in target.parameters():
         p.requires_grad_(False)

@@ -32,8 +32,8 @@ class Recipe:
     prepare: Callable[[Any, torch.Tensor, torch.nn.Module, argparse.Namespace], Any]  # no grad
     step: Callable[[torch.nn.Module, Any, torch.Generator, argparse.Namespace, float], StepOut]
     evaluate: Callable[[torch.nn.Module, Any, torch.Tensor, argparse.Namespace], dict]
-    # The feature-cache array the step reads in place of a target pass ("taps" or "top"; the cache's
-    # top-k gives the soft targets), None: no --features and no --draft-vocab for this method.
+    # The feature-cache array the step reads in place of a target pass ("taps", "top", or "tokens":
+    # the top-k alone; the cache's top-k gives the soft targets), None: no --features for this method.
     cached: str | None = None
 
 
@@ -51,7 +51,7 @@ def get(name: str) -> Recipe:
 
 
 def with_cache() -> list[str]:
-    """Methods that train from a feature cache and with a draft vocabulary."""
+    """Methods that train from a feature cache (all but SpS also with a draft vocabulary)."""
     return sorted(name for name, r in RECIPES.items() if r.cached is not None)
 
 
@@ -244,13 +244,17 @@ def _sps_evaluate(net, target, windows, args) -> dict:
     """Held-out top-1 agreement with the target (alpha, the chain acceptance rate per token)."""
     from specblock.training.sps_step import sps_pass, sps_step
 
+    from specblock.training.sps_step import SpsTopkPass
+
     net.eval()
-    agree = [float(sps_step(net, sps_pass(target, chunk)).top1.float().mean()) for chunk in windows.split(4)]
+    # windows: token windows (the target runs here) or the cached top-k of a feature cache
+    passes = windows.split(4) if isinstance(windows, SpsTopkPass) else [sps_pass(target, c) for c in windows.split(4)]
+    agree = [float(sps_step(net, sp).top1.float().mean()) for sp in passes]
     net.train()
     return {"alpha": round(sum(agree) / len(agree), 4)}
 
 
-register(Recipe("sps", _sps_build, _sps_prepare, _sps_step, _sps_evaluate))
+register(Recipe("sps", _sps_build, _sps_prepare, _sps_step, _sps_evaluate, "tokens"))
 
 
 # --------------------------------------------------------------------------- parallelspec / falcon

@@ -7,7 +7,7 @@ copies of the target's (trainable: a separate model, unlike the heads-on-target 
 
 Loss: soft cross-entropy to the target's next-token distribution at every position of the window
 (distillation, as DistillSpec recommends for speculative drafts; the corpus's own tokens are not
-what the target would emit). Choices: no valid-prefix mask (a chain drafter is judged position by
+what the target would emit). From a feature cache the distribution is the cached top-k, renormalised. Choices: no valid-prefix mask (a chain drafter is judged position by
 position); the target's logits are computed once per batch and shared.
 """
 
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from specblock.training.specblock_step import Batched
 
 
 class SpsNet(torch.nn.Module):
@@ -61,12 +63,24 @@ def build_draft(target, layers: int = 2, intermediate: int = 1024, hidden: int |
         pad_token_id=getattr(tcfg, "pad_token_id", None), architectures=["LlamaForCausalLM"],
     )
     model = LlamaForCausalLM(cfg)
-    if h == int(tcfg.hidden_size):
-        with torch.no_grad():
+    with torch.no_grad():
+        if h == int(tcfg.hidden_size):
             model.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight)
             if not tie:
                 model.get_output_embeddings().weight.copy_(target.get_output_embeddings().weight)
+        elif tie and h < int(tcfg.hidden_size):
+            # Our choice: a narrower tied vocabulary matrix starts as the target's embedding in its
+            # top-h principal directions (E V_h = U_h S_h), so token similarities start as the
+            # target's and a short distillation run does not have to learn 49k rows from noise.
+            model.get_input_embeddings().weight.copy_(principal_rows(target.get_input_embeddings().weight, h))
     return SpsNet(model.float())
+
+
+def principal_rows(emb: torch.Tensor, h: int) -> torch.Tensor:
+    """``emb`` [V, H] projected on its top-``h`` right singular vectors: [V, h]."""
+    e = emb.detach().float()
+    _, _, vt = torch.linalg.svd(e, full_matrices=False)
+    return e @ vt[:h].T
 
 
 @dataclass
@@ -83,12 +97,27 @@ def sps_pass(model, tokens: torch.Tensor) -> SpsPass:
 
 
 @dataclass
+class SpsTopkPass(Batched):
+    """What a feature cache holds for SpS (``CacheWindows(feature="tokens")``): the target's top-k
+    next-token ids and probabilities, no V-sized tensor; the soft CE renormalises over the k."""
+
+    tokens: torch.Tensor  # [B, W]
+    ids: torch.Tensor  # [B, W, k] descending: ids[..., 0] is the target's argmax
+    probs: torch.Tensor  # [B, W, k]
+
+
+@dataclass
 class SpsResult:
     loss: torch.Tensor
     top1: torch.Tensor  # [B, W] draft argmax == target argmax
 
 
-def sps_step(net: SpsNet, sp: SpsPass) -> SpsResult:
+def sps_step(net: SpsNet, sp: SpsPass | SpsTopkPass) -> SpsResult:
     logits = net.model(input_ids=sp.tokens).logits.float()
-    ce = -(sp.p_star * torch.log_softmax(logits, -1)).sum(-1)
-    return SpsResult(ce.mean(), logits.detach().argmax(-1) == sp.y_star)
+    logp = torch.log_softmax(logits, -1)
+    if isinstance(sp, SpsTopkPass):
+        p = sp.probs / sp.probs.sum(-1, keepdim=True).clamp_min(1e-20)
+        ce, y_star = -(p * logp.gather(-1, sp.ids)).sum(-1), sp.ids[..., 0]
+    else:
+        ce, y_star = -(sp.p_star * logp).sum(-1), sp.y_star
+    return SpsResult(ce.mean(), logits.detach().argmax(-1) == y_star)
