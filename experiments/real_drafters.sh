@@ -60,7 +60,8 @@ case "${1:-}" in
     #            re-headed (no retraining; held-out coverage and acceptance in the JSON), then benched side by side in
     #            packed-fp16 at their serving.json settings: tau, T_D%, Spd
     VS=$H/vocab_sweep
-    $PY experiments/vocab_sweep.py --target $T --features $FEAT --out-dir $VS --json experiments/results/vocab_sweep_smollm2.json
+    [[ -f experiments/results/vocab_sweep_smollm2.json && -d $VS && ! ${RESWEEP:-} ]] ||  # RESWEEP=1: re-head again
+      $PY experiments/vocab_sweep.py --target $T --features $FEAT --out-dir $VS --json experiments/results/vocab_sweep_smollm2.json
     M=""; SETS=()
     for m in specblock eagle3; do
       for n in 4096 8192 16384 full; do M+="$m@v$n,"; SETS+=(--set "$m@v$n:drafter=$VS/${m}_$n"); done
@@ -105,12 +106,13 @@ case "${1:-}" in
         --out specblock/sim/data/latency_cpu_smollm2_packed_fp16.json
     if [[ ! ${SKIP_SWEEP:-} ]]; then
       SWEEP=""; SETS=()
-      for m in ${SWEEP_METHODS:-specblock specblock@topk4 specblock@m1 eagle3 medusa parallelspec falcon}; do
+      for m in ${SWEEP_METHODS:-specblock specblock@topk4 specblock@m1 eagle3 medusa parallelspec falcon sps}; do
         for b in 2 3 4 8; do SWEEP+="$m@b$b,"; SETS+=(--set "$m@b$b:budget=$b"); done
       done
       for b in 2 3 4 8; do  # explicit widths everywhere: a serving.json written by an earlier sweep must not leak in
-        SETS+=(--set "specblock@b$b:widths=2,4,10,0" --set "specblock@topk4@b$b:widths=4,4,4,4")
-        SETS+=(--set "specblock@m1@b$b:M=1" --set "specblock@m1@b$b:widths=4,4,4,4")
+        [[ ,$SWEEP, == *,specblock@b$b,* ]] && SETS+=(--set "specblock@b$b:widths=2,4,10,0")
+        [[ ,$SWEEP, == *,specblock@topk4@b$b,* ]] && SETS+=(--set "specblock@topk4@b$b:widths=4,4,4,4")
+        [[ ,$SWEEP, == *,specblock@m1@b$b,* ]] && SETS+=(--set "specblock@m1@b$b:M=1" --set "specblock@m1@b$b:widths=4,4,4,4")
       done
       SWEPT=${SWEEP_OUT:-bench_smollm2_packed_budgets}
       $PY -m specblock.runtime bench --target $T --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts 1 --runs 1 \
@@ -119,13 +121,13 @@ case "${1:-}" in
     fi
     PIN=(--set specblock:M=2 --set specblock+adapt:M=2 --set specblock@m1:M=1)
     $PY -m specblock.runtime bench --target $T \
-        --methods ar,lookup,hf-lookup,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt \
+        --methods ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt \
         "${PIN[@]}" --dtype packed-fp16 --prompts ${PROMPTS:-3} --runs 3 --max-new-tokens 48 --threads 2 \
         --out experiments/results/bench_smollm2_packed --trace-dir runs/traces_smollm2_packed
     $PY experiments/best_method.py experiments/results/bench_smollm2_packed.json --write specblock/assets/drafters/$T ;;
   lossless)  # 6d. Every method against plain decoding at fp32 (the lossless run: match rate and divergences, not
     #            speed), 3 prompts per domain, 48 new tokens, each at its serving.json settings. METHODS= and OUT= pick a subset.
-    $PY -m specblock.runtime bench --target $T --methods "${METHODS:-ar,lookup,hf-lookup,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt}" \
+    $PY -m specblock.runtime bench --target $T --methods "${METHODS:-ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt}" \
         --set specblock@m1:M=1 --dtype float32 --prompts 3 --runs 1 --max-new-tokens 48 --threads ${THREADS:-2} \
         --out experiments/results/${OUT:-bench_smollm2_fp32_lossless} ;;
   widths)    # 6b. Serving-time branching (no retraining): the rank head's widths (2,4,10,0: bucket b3 ends a branch)
