@@ -1,5 +1,6 @@
 """The real chat model (SmolLM2-135M-Instruct): built once from its wheel, then every method that
-needs no training reproduces HF ``generate``'s greedy output at fp32 through the chat template,
+needs no training reproduces HF ``generate``'s greedy output at fp32 through the chat template, every
+shipped drafter matches plain decoding at its serving settings,
 and decoding stops at the template's end-of-turn token.
 
 The first run fetches a 93 MB wheel and converts it (~30 s); later runs find it built in
@@ -74,3 +75,21 @@ def test_cli_answers_a_chat_prompt_by_name(real, capsys):
                  "--max-new-tokens", "24", "--no-warmup"])
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and rec["identical_to_ar"] and "Paris" in rec["text"] and rec["stopped"] == "eos"
+
+
+SHIPPED = sorted(p.name for p in MODELS[NAME].drafters.iterdir() if (p / "config.json").is_file()) \
+    if MODELS[NAME].drafters.is_dir() else []
+
+
+@pytest.mark.parametrize("method", SHIPPED)
+def test_every_shipped_drafter_is_lossless_on_the_real_model_at_its_serving_settings(real, method):
+    """fp32, the chat template, each drafter as a user gets it (its serving.json), against plain
+    decoding; a trained drafter also gets drafts accepted on the target's own kind of answer."""
+    path, target, tok, stops = real
+    ids = chat.encode(tok, chat.ChatRequest(prompt=QUESTIONS[1]))
+    plain = Engine(target, drafters.build("ar", target, {}), eos_ids=stops).generate(ids, 24)
+    opts = drafters.serving_settings(method, target, {})
+    budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
+    res = Engine(target, drafters.build(method, target, opts), budget=budget, eos_ids=stops).generate(ids, 24)
+    assert res.token_ids == plain.token_ids, method
+    assert max(res.stats.accepted) > 0, method
