@@ -127,8 +127,9 @@ case "${1:-}" in
     $PY experiments/best_method.py experiments/results/bench_smollm2_packed.json --write specblock/assets/drafters/$T ;;
   lossless)  # 6d. Every method against plain decoding at fp32 (the lossless run: match rate and divergences, not
     #            speed), 3 prompts per domain, 48 new tokens, each at its serving.json settings. METHODS= and NAME= pick a subset and its file.
-    $PY -m specblock.runtime bench --target $T --methods "${METHODS:-ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt}" \
-        --set specblock@m1:M=1 --dtype float32 --prompts 3 --runs 1 --max-new-tokens 48 --threads ${THREADS:-2} \
+    M=${METHODS:-ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt}
+    PIN=(); [[ ,$M, == *,specblock@m1,* ]] && PIN=(--set specblock@m1:M=1)
+    $PY -m specblock.runtime bench --target $T --methods "$M" "${PIN[@]}" --dtype float32 --prompts 3 --runs 1 --max-new-tokens 48 --threads ${THREADS:-2} \
         --out experiments/results/${NAME:-bench_smollm2_fp32_lossless} ;;
   widths)    # 6b. Serving-time branching (no retraining): the rank head's widths (2,4,10,0: bucket b3 ends a branch)
     #            against fixed top-k, same drafter, fp32, 1 prompt per domain, 1 run (a diagnostic, not a table)
