@@ -126,9 +126,9 @@ def test_trainer_from_a_feature_cache_with_a_draft_vocab(tmp_path):
                 "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "drafter2"), "--window", "17", "--batch", "2",
                 "--max-steps", "5", "--eval-every", "2", "--layers", "1", "--intermediate", "32", "--threads", "1"])
     assert torch.equal(SpecBlockDrafter.load(tmp_path / "drafter2", target).net.d2t, net.d2t)
-    with pytest.raises(SpecBlockError, match="eagle3, medusa, specblock only"):
+    with pytest.raises(SpecBlockError, match="drop --draft-vocab"):  # SpS takes --features, not a draft vocabulary
         train_main(["--method", "sps", "--target", str(tdir), "--features", str(tmp_path / "cache"),
-                    "--run-dir", str(tmp_path / "run2")])
+                    "--draft-vocab", "20", "--run-dir", str(tmp_path / "run2")])
 
 
 def test_adapting_a_reduced_head_stays_lossless_and_updates():
