@@ -63,13 +63,11 @@ class CacheWindows:
         w = self.window
         sh = [self._shard(n) for n, _ in spans]
         tokens = torch.from_numpy(np.stack([s.tokens[a:a + w] for s, (_, a) in zip(sh, spans)]).astype(np.int64))
-        if self.feature == "tokens":
-            ids = torch.from_numpy(np.stack([s.topk_ids[a:a + w] for s, (_, a) in zip(sh, spans)]).astype(np.int64))
-            logp = torch.from_numpy(np.stack([s.topk_logp[a:a + w] for s, (_, a) in zip(sh, spans)])).float()
-            return SpsTopkPass(tokens, ids, logp.exp())
-        feats = torch.stack([as_tensor(getattr(s, self.feature)[a:a + w], s.bf16) for s, (_, a) in zip(sh, spans)]).float()
         ids = torch.from_numpy(np.stack([s.topk_ids[a:a + w] for s, (_, a) in zip(sh, spans)]).astype(np.int64))
         probs = torch.from_numpy(np.stack([s.topk_logp[a:a + w] for s, (_, a) in zip(sh, spans)])).float().exp()
+        if self.feature == "tokens":
+            return SpsTopkPass(tokens, ids, probs)
+        feats = torch.stack([as_tensor(getattr(s, self.feature)[a:a + w], s.bf16) for s, (_, a) in zip(sh, spans)]).float()
         with torch.no_grad():
             e_target, y_star, y_ok = to_draft_vocab(probs, ids, net.lm_head.weight, net.t2d())
         return PASSES[self.feature](tokens, feats, e_target, y_star, None if net.cfg.draft_vocab is None else y_ok)

@@ -64,6 +64,12 @@ class DraftVocab:
         out[self.d2t] = torch.arange(self.d2t.numel(), device=self.d2t.device)
         return out
 
+    def top_tokens(self, logits: torch.Tensor, k: int) -> tuple:
+        """The ``k`` best head rows of ``logits [..., rows]`` as target token ids and log-probs, on the
+        host (numpy): what a drafter hands to its tree policy."""
+        top = torch.log_softmax(logits.float(), -1).topk(min(k, logits.shape[-1]), dim=-1)
+        return self.token_ids(top.indices).cpu().numpy(), top.values.cpu().numpy()
+
     def token_ids(self, rows: torch.Tensor) -> torch.Tensor:
         """Head rows (e.g. a top-k's indices) -> target token ids."""
         return rows if self.cfg.draft_vocab is None else self.d2t[rows]

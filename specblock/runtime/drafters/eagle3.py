@@ -150,9 +150,7 @@ class Eagle3Drafter(Drafter):
 
     # ---------------------------------------------------------------- drafting
     def _top(self, states: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        logits = self.net.logits(states)
-        top = torch.log_softmax(logits, -1).topk(min(self.top_k, logits.shape[-1]), dim=-1)
-        return self.net.token_ids(top.indices).cpu().numpy(), top.values.cpu().numpy()  # head rows -> token ids
+        return self.net.top_tokens(self.net.logits(states), self.top_k)
 
     @torch.no_grad()
     def propose(self, req: DraftRequest) -> DraftTree:

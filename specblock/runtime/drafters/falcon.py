@@ -107,9 +107,7 @@ class FalconDrafter(Drafter):
     # ---------------------------------------------------------------- drafting
     def _top(self, states: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         k = int(getattr(self.policy, "k", None) or self.net.cfg.top_k)
-        logits = self.net.logits(states)
-        top = torch.log_softmax(logits, -1).topk(min(k, logits.shape[-1]), dim=-1)
-        return self.net.token_ids(top.indices).cpu().numpy(), top.values.cpu().numpy()  # head rows -> token ids
+        return self.net.top_tokens(self.net.logits(states), k)
 
     def _first_forward(self, lim: int, draft: bool) -> tuple[torch.Tensor | None, list | None]:
         """Cache the pending context positions and, when ``draft``, run block 1 (the last bs

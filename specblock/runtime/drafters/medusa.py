@@ -123,8 +123,7 @@ class MedusaDrafter(Drafter):
         root = int(req.tokens[-1])
         if self.top is None or req.budget < 1 or req.max_depth < 1:
             return DraftTree.root_only(root)
-        top = torch.log_softmax(self.net.logits(self.top.to(self.net.lm_head.weight.dtype))[0], -1).topk(self.net.cfg.top_k, -1)
-        ids, lps = self.net.token_ids(top.indices).cpu().numpy(), top.values.cpu().numpy()  # [heads, k] token ids
+        ids, lps = self.net.top_tokens(self.net.logits(self.top.to(self.net.lm_head.weight.dtype))[0], self.net.cfg.top_k)
         parent, depth, rank = self.tree_shape(req.budget)
         head = np.maximum(depth - 1, 0)
         r = np.maximum(rank, 0)

@@ -250,9 +250,8 @@ class ParallelSpecDrafter(Drafter):
         ctx.commit(kvs, n)
         if req.max_depth < 1 or req.budget < 1:
             return tree
-        logits = net.logits(out[0, 0, n - 1:])
-        top = torch.log_softmax(logits, -1).topk(min(self.width, logits.shape[-1]), -1)
-        ids, lps = net.token_ids(top.indices).cpu().numpy()[None], top.values.cpu().numpy()[None]  # [1, depth, k]
+        ids, lps = net.top_tokens(net.logits(out[0, 0, n - 1:]), self.width)
+        ids, lps = ids[None], lps[None]  # [1, depth, k]
         grow_block(tree, np.zeros(1, dtype=np.int64), ids, lps, None, self.policy, req.budget, block=0)
         return tree
 
