@@ -2,7 +2,7 @@
 # Drafters for the real target (SmolLM2-135M-Instruct, issue 14), every command in order. Each
 # step is resumable: rerun the same line after an interruption and it continues where it stopped.
 # Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
-#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|vocab|export|bench|calibrate|table|packed|lossless|widths|eval
+#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|vocab|vocab-heads|export|bench|calibrate|table|packed|lossless|widths|eval
 # One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
 # generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
 # side by side (featcache --follow picks up new chatgen shards, training new feature shards).
@@ -68,6 +68,9 @@ case "${1:-}" in
     done
     $PY -m specblock.runtime bench --target $T --methods "ar,${M%,}" "${SETS[@]}" --dtype packed-fp16 --prompts 1 --runs 3 \
         --max-new-tokens 48 --threads 2 --out experiments/results/bench_smollm2_vocab ;;
+  vocab-heads) # 3h. The same re-heading for Medusa, ParallelSpec and Falcon, held-out figures only (no bench)
+    $PY experiments/vocab_sweep.py --target $T --features $FEAT --methods medusa,parallelspec,falcon --out-dir $H/vocab_sweep \
+        --windows 16 --json experiments/results/vocab_sweep_smollm2_b.json ;;
   export)    # 4. the last checkpoint as a drafter plus its model card
     METHOD=${METHOD:-specblock}  # METHOD=eagle3 / medusa / parallelspec / falcon export those runs
     $PY experiments/export_drafter.py --run-dir $H/runs/$T/$METHOD --features $FEAT --data $DATA --refs $REFS --out specblock/assets/drafters/$T/$METHOD ;;
@@ -146,5 +149,5 @@ case "${1:-}" in
     $PY experiments/specblock_eval.py --target $T --drafter specblock/assets/drafters/$T/specblock --windows 4 \
         --dtype packed-fp16 --bench experiments/results/bench_smollm2_packed.json \
         --latency specblock/sim/data/latency_cpu_smollm2_packed_fp16.json --out experiments/results/specblock_eval_smollm2.json ;;
-  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|vocab|export|bench|calibrate|table|packed|lossless|widths|eval" >&2; exit 2 ;;
+  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|vocab|vocab-heads|export|bench|calibrate|table|packed|lossless|widths|eval" >&2; exit 2 ;;
 esac

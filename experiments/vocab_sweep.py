@@ -2,12 +2,14 @@
 
 A drafter's LM-head rows are the target's own frozen rows ``W[d2t]`` (``draftvocab.py``), so one
 trained drafter can be re-headed to any N without retraining: the same hidden states score N rows.
-This script does that for the shipped SpecBlock and EAGLE-3 drafters (trained at N = 8192):
+This script does that for the shipped drafters with an LM head (trained at N = 8192; ``--methods``,
+default SpecBlock and EAGLE-3, also Medusa, ParallelSpec and Falcon):
 
 1. held-out (the feature cache's held-out shards, the windows training evaluates on): how often the
    target's argmax has a head row (coverage, the ceiling on acceptance), chain acceptance by position
-   (SpecBlock: block 1 and block 2 under the valid-prefix rule; EAGLE-3: by depth) and their sum,
-   the expected accepted drafts of one chain;
+   (SpecBlock: block 1 and block 2 under the valid-prefix rule; EAGLE-3, ParallelSpec, Falcon: by
+   depth) and their sum, the expected accepted drafts of one chain; Medusa: each head's top-1 and
+   top-5 (its heads are not a chain);
 2. writes each re-headed drafter, with the shipped ``serving.json``, to ``--out-dir`` so that
    ``experiments/real_drafters.sh vocab`` benches them (tau, T_D%, Spd in one run).
 
@@ -18,6 +20,7 @@ the extra rows add *without* training for them, and N = 4k what dropping rows co
     python experiments/vocab_sweep.py --target smollm2-135m-instruct \
         --features ~/.cache/specblock/features/smollm2-135m-instruct --out-dir ~/.cache/specblock/vocab_sweep \
         --json experiments/results/vocab_sweep_smollm2.json
+    python experiments/vocab_sweep.py --methods medusa,parallelspec,falcon ... --json experiments/results/vocab_sweep_smollm2_b.json
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ import torch
 from specblock.errors import SpecBlockError
 from specblock.models import resolve_target
 from specblock.runtime.drafters.eagle3 import Eagle3Net
+from specblock.runtime.drafters.falcon import FalconNet
+from specblock.runtime.drafters.medusa import MedusaNet
+from specblock.runtime.drafters.parallelspec import ParallelSpecNet
 from specblock.runtime.drafters.specblock_net import SpecBlockNet
 from specblock.runtime.target import load_causal_lm
 from specblock.training import recipes, vocab
@@ -42,12 +48,16 @@ from specblock.training.drafter import vocab_counts
 from specblock.training.featcache import FeatureCache
 
 SIZES = (4096, 8192, 16384, None)  # None: the target's whole vocabulary
+NETS = {"eagle3": Eagle3Net, "medusa": MedusaNet, "parallelspec": ParallelSpecNet, "falcon": FalconNet}
+FEATURE = {"medusa": "top"}  # what each method reads from the cache (the others: the taps)
 
 
 def load(kind: str, path: Path, model):
     if kind == "specblock":
         return SpecBlockNet.load(path, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-    return Eagle3Net.load(path, model)
+    if kind not in NETS:
+        raise SpecBlockError(f"--methods: {kind!r} has no LM head to re-head; use some of specblock, {', '.join(NETS)}")
+    return NETS[kind].load(path, model)
 
 
 def reheaded(base, model, d2t: np.ndarray | None):
@@ -65,11 +75,11 @@ def reheaded(base, model, d2t: np.ndarray | None):
 
 
 @torch.no_grad()
-def evaluate(kind: str, net, cache: FeatureCache, windows: int) -> dict:
-    src = CacheWindows(cache, 257)
+def evaluate(kind: str, net, cache: FeatureCache, windows: int, window: int = 257) -> dict:
+    src = CacheWindows(cache, window, feature=FEATURE.get(kind, "taps"))
     held = src.heldout(windows, net)
     cov = 1.0 if held.y_ok is None else float(held.y_ok[:, :-1].float().mean())
-    args = argparse.Namespace(ttt_steps=6)
+    args = argparse.Namespace(ttt_steps=6, hard_labels=False)
     ev = recipes.get(kind).evaluate(net, None, held, args)
     out = {"coverage": round(cov, 4), **ev}
     chains = [v for k, v in ev.items() if k.endswith("_acc") and isinstance(v, list)]
@@ -106,10 +116,11 @@ def main(argv: list[str]) -> int:
                 net = base if n == base.cfg.draft_vocab else reheaded(base, model, d2t)
                 name = f"{kind}_{'full' if n is None else n}"
                 dest = a.out_dir / name
+                ev = evaluate(kind, net, cache, a.windows)  # first: Medusa's evaluation recalibrates its tree table
                 net.save(dest)
                 if (a.drafters / kind / "serving.json").is_file():
                     shutil.copy(a.drafters / kind / "serving.json", dest / "serving.json")
-                row = {"method": kind, "N": n or v, "drafter": str(dest), **evaluate(kind, net, cache, a.windows)}
+                row = {"method": kind, "N": n or v, "drafter": str(dest), **ev}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     except SpecBlockError as e:

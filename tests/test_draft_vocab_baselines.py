@@ -143,7 +143,8 @@ def test_trainer_from_a_feature_cache_with_a_draft_vocab(method, tmp_path):
     assert res.token_ids == hf_greedy(model, prompt, 20)
 
 
-def test_vocab_sweep_reheads_a_drafter_without_touching_its_trained_weights(tmp_path):
+@pytest.mark.parametrize("method", sorted(DRAFTERS))
+def test_vocab_sweep_reheads_a_drafter_without_touching_its_trained_weights(method, tmp_path):
     """experiments/vocab_sweep.py: the same drafter over another draft vocabulary (or all rows)."""
     import importlib.util
     from pathlib import Path
@@ -152,7 +153,7 @@ def test_vocab_sweep_reheads_a_drafter_without_touching_its_trained_weights(tmp_
     spec = importlib.util.spec_from_file_location("vocab_sweep", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    model, target, net = make("eagle3", seed=5)
+    model, target, net = make(method, seed=5)
     for d2t in (None, np.arange(2, 2 + N + 6)):
         new = mod.reheaded(net, model, d2t)
         rows = V if d2t is None else len(d2t)
@@ -163,9 +164,35 @@ def test_vocab_sweep_reheads_a_drafter_without_touching_its_trained_weights(tmp_
                 assert torch.equal(new.state_dict()[k], v), k
         target.want_features = True
         prompt = np.arange(3, 12)
-        assert Engine(target, Eagle3Drafter(new), budget=12).generate(prompt, 20).token_ids == hf_greedy(model, prompt, 20)
+        assert Engine(target, DRAFTERS[method](new), budget=12).generate(prompt, 20).token_ids == hf_greedy(model, prompt, 20)
         new.save(tmp_path / str(rows))
-        assert Eagle3Drafter.load(tmp_path / str(rows), target).net.lm_head.weight.shape == (rows, 32)
+        assert DRAFTERS[method].load(tmp_path / str(rows), target).net.lm_head.weight.shape == (rows, 32)
+
+
+def test_vocab_sweep_evaluates_every_head_method_on_the_cache(tmp_path):
+    """Held-out figures for every method with an LM head (Medusa reads the top state, the others the taps)."""
+    import importlib.util
+    from pathlib import Path
+
+    from specblock.training.drafter import main as train_main
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "vocab_sweep.py"
+    spec = importlib.util.spec_from_file_location("vocab_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from specblock.training.featcache import FeatureCache
+
+    tdir, model, cache = tiny_feature_cache(tmp_path)
+    for method in ("medusa", "falcon"):
+        out = tmp_path / method
+        train_main(["--method", method, "--target", str(tdir), "--features", str(cache), "--draft-vocab", "20",
+                    "--run-dir", str(tmp_path / f"run_{method}"), "--out", str(out), "--window", "17", "--batch", "2",
+                    "--max-steps", "1", "--eval-every", "1", "--intermediate", "32", "--heads", "2",
+                    "--forwards", "2", "--threads", "1"])
+        net = mod.load(method, out, model)
+        row = mod.evaluate(method, net, FeatureCache(cache, tdir), 2, window=17)
+        assert 0 < row["coverage"] <= 1
+        assert ("head_top1" in row) == (method == "medusa") and ("chain_acc" in row) == (method == "falcon")
 
 
 def test_sps_trains_from_a_feature_cache_and_refuses_a_draft_vocab(tmp_path):
