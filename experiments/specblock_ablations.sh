@@ -12,7 +12,8 @@
 # recipe (2 layers, 8k draft vocabulary, batch 4 x 257) but a shorter budget and a 20-step warmup;
 # its table is a fresh held-out evaluation of each exported variant on EVAL_WINDOWS windows
 # (default 64), more than training's 8, so that differences of a few points are above the noise.
-# Two variants train side by side with PARALLEL=2 (one thread each).
+# Two variants train side by side with PARALLEL=2 (one thread each). Then every finished variant is
+# benched at the shipped drafter's serving settings (SKIP_BENCH=1: not).
 #
 # Resumable: a variant whose run already ended (a "final" line in its metrics) is skipped, and
 # an interrupted one resumes from its checkpoint. Writes experiments/results/specblock_ablations.{json,md}
@@ -49,6 +50,18 @@ if [[ ${TARGET:-} ]]; then
   for p in "${pids[@]}"; do wait "$p"; done
   $PY experiments/ablation_table.py --target "$TARGET" --features "$FEAT" --root "$ROOT" \
       --windows "${EVAL_WINDOWS:-64}" --out experiments/results/specblock_ablations_smollm2
+  [[ ${SKIP_BENCH:-} ]] && exit 0
+  # Served: each variant at the shipped SpecBlock's serving settings (M = 2, budget 2, top-4 widths) in
+  # packed-fp16, 1 prompt per domain, medians of 3 interleaved runs: tau and Spd (a quiet machine for Spd).
+  M=ar; SETS=()
+  for name in $ALL; do
+    finished "$ROOT/$name" || continue
+    M+=",specblock@$name"
+    SETS+=(--set "specblock@$name:drafter=$ROOT/$name/drafter" --set "specblock@$name:M=2"
+           --set "specblock@$name:budget=2" --set "specblock@$name:widths=4,4,4,4")
+  done
+  $PY -m specblock.runtime bench --target "$TARGET" --methods "$M" "${SETS[@]}" --dtype packed-fp16 --prompts 1 \
+      --runs 3 --max-new-tokens 48 --threads 2 --out experiments/results/bench_smollm2_ablations
   exit 0
 fi
 
