@@ -13,7 +13,7 @@
 # its table is a fresh held-out evaluation of each exported variant on EVAL_WINDOWS windows
 # (default 64), more than training's 8, so that differences of a few points are above the noise.
 # Two variants train side by side with PARALLEL=2 (one thread each). Then every finished variant is
-# benched at the shipped drafter's serving settings (SKIP_BENCH=1: not).
+# benched at the shipped drafter's serving settings (SKIP_BENCH=1: not; SKIP_TABLE=1: the bench alone).
 #
 # Resumable: a variant whose run already ended (a "final" line in its metrics) is skipped, and
 # an interrupted one resumes from its checkpoint. Writes experiments/results/specblock_ablations.{json,md}
@@ -48,7 +48,7 @@ if [[ ${TARGET:-} ]]; then
     if (( ${#pids[@]} >= ${PARALLEL:-1} )); then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
   done
   for p in "${pids[@]}"; do wait "$p"; done
-  $PY experiments/ablation_table.py --target "$TARGET" --features "$FEAT" --root "$ROOT" \
+  [[ ${SKIP_TABLE:-} ]] || $PY experiments/ablation_table.py --target "$TARGET" --features "$FEAT" --root "$ROOT" \
       --windows "${EVAL_WINDOWS:-64}" --out experiments/results/specblock_ablations_smollm2
   [[ ${SKIP_BENCH:-} ]] && exit 0
   # Served: each variant at the shipped SpecBlock's serving settings (M = 2, budget 2, top-4 widths) in
