@@ -88,7 +88,8 @@ def markdown(rows: list[dict], windows: int, window: int) -> str:
              "| variant | steps | train min | block-1 acc by position | sum | block-2 acc by position | rank acc (b1 / b2) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['steps']} | {r['train_s'] / 60:.0f} | "
+        minutes = "-" if r["train_s"] is None else f"{r['train_s'] / 60:.0f}"
+        lines.append(f"| {r['variant']} | {r['steps'] or '-'} | {minutes} | "
                      f"{' / '.join(f'{a:.3f}' for a in r['block1_acc'])} | {r['accepted_block1']:.3f} | "
                      f"{' / '.join(f'{a:.3f}' for a in r.get('block2_acc', []))} | "
                      f"{r['block1_rank_acc']:.3f} / {r.get('block2_rank_acc', float('nan')):.3f} |")
@@ -110,8 +111,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--windows", type=int, default=64)
     ap.add_argument("--window", type=int, default=257, help="tokens per held-out window (training's --window)")
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
+    ap.add_argument("--also", action="append", default=[], metavar="NAME=DIR",
+                    help="one more drafter evaluated on the same windows (e.g. the shipped one), after the variants")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
+    also = [x.split("=", 1) for x in a.also]
+    if any(len(x) != 2 for x in also):
+        print("error: --also takes NAME=DIR, e.g. --also shipped=specblock/assets/drafters/smollm2-135m-instruct/specblock",
+              file=sys.stderr)
+        return 2
     torch.set_num_threads(a.threads)
     try:
         target_dir = resolve_target(a.target)
@@ -129,6 +137,13 @@ def main(argv: list[str]) -> int:
             net = SpecBlockNet.load(drafter, emb, head).eval()
             held = src.heldout(a.windows, net)  # the same windows for every variant (y_star in its head rows)
             row = {"variant": name, "steps": final[-1]["step"], "train_s": final[-1]["train_s"], **evaluate(net, held)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        for name, drafter in also:
+            if not (Path(drafter) / "config.json").is_file():
+                raise SpecBlockError(f"--also {name}={drafter}: no drafter there (config.json missing)")
+            net = SpecBlockNet.load(Path(drafter), emb, head).eval()
+            row = {"variant": name, "steps": None, "train_s": None, **evaluate(net, src.heldout(a.windows, net))}
             print(json.dumps(row), flush=True)
             rows.append(row)
     except SpecBlockError as e:

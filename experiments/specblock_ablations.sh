@@ -11,8 +11,9 @@
 # The real model trains from the feature cache of `real_drafters.sh features` with the shipped
 # recipe (2 layers, 8k draft vocabulary, batch 4 x 257) but a shorter budget and a 20-step warmup;
 # its table is a fresh held-out evaluation of each exported variant on EVAL_WINDOWS windows
-# (default 64), more than training's 8, so that differences of a few points are above the noise.
-# Two variants train side by side with PARALLEL=2 (one thread each). Then every finished variant is
+# (default 64), more than training's 8, so that differences of a few points are above the noise; the
+# shipped drafter (longer training) is evaluated on the same windows as a last row.
+# Two variants train side by side with PARALLEL=2 (one thread each; THREADS= is the table's). Then every finished variant is
 # benched at the shipped drafter's serving settings (SKIP_BENCH=1: not; SKIP_TABLE=1: the bench alone).
 #
 # Resumable: a variant whose run already ended (a "final" line in its metrics) is skipped, and
@@ -49,7 +50,8 @@ if [[ ${TARGET:-} ]]; then
   done
   for p in "${pids[@]}"; do wait "$p"; done
   [[ ${SKIP_TABLE:-} ]] || $PY experiments/ablation_table.py --target "$TARGET" --features "$FEAT" --root "$ROOT" \
-      --windows "${EVAL_WINDOWS:-64}" --out experiments/results/specblock_ablations_smollm2
+      --windows "${EVAL_WINDOWS:-64}" --also "shipped=specblock/assets/drafters/$TARGET/specblock" \
+      --threads "${THREADS:-2}" --out experiments/results/specblock_ablations_smollm2
   [[ ${SKIP_BENCH:-} ]] && exit 0
   # Served: each variant at the shipped SpecBlock's serving settings (M = 2, budget 2, top-4 widths) in
   # packed-fp16, 1 prompt per domain, medians of 3 interleaved runs: tau and Spd (a quiet machine for Spd).

@@ -34,9 +34,10 @@ def test_ablation_table_evaluates_finished_variants_and_branching_rules(tmp_path
     (root / "no-cross-block").mkdir()  # started, never finished: left out, not an error
     out = tmp_path / "table"
     assert mod.main(["--target", str(tdir), "--features", str(cache), "--root", str(root), "--windows", "4", "--window", "17",
-                     "--out", str(out), "--threads", "1"]) == 0
+                     "--out", str(out), "--threads", "1", "--also", f"again={root / 'full' / 'drafter'}"]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["full", "no-shift"]
+    assert [r["variant"] for r in rows] == ["full", "no-shift", "again"]
+    assert rows[2]["steps"] is None and rows[2]["block1_acc"] == rows[0]["block1_acc"]  # same drafter, same windows
     assert "no-cross-block: not finished" in capsys.readouterr().err
     for r in rows:
         br = r["branching"]
