@@ -126,7 +126,7 @@ def main(argv: list[str]) -> int:
         model = load_causal_lm(target_dir, "float32", "cpu", "sdpa", False).eval()
         emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
         src = CacheWindows(FeatureCache(a.features, target_dir), a.window)
-        rows = []
+        todo = []  # (name, drafter dir, its run's final metrics; None for an --also drafter)
         for name in VARIANTS:
             metrics, drafter = a.root / name / "metrics.jsonl", a.root / name / "drafter"
             final = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("final")] \
@@ -134,16 +134,17 @@ def main(argv: list[str]) -> int:
             if not final or not (drafter / "config.json").is_file():
                 print(f"{name}: not finished, left out of the table", file=sys.stderr)
                 continue
-            net = SpecBlockNet.load(drafter, emb, head).eval()
-            held = src.heldout(a.windows, net)  # the same windows for every variant (y_star in its head rows)
-            row = {"variant": name, "steps": final[-1]["step"], "train_s": final[-1]["train_s"], **evaluate(net, held)}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            todo.append((name, drafter, final[-1]))
         for name, drafter in also:
             if not (Path(drafter) / "config.json").is_file():
                 raise SpecBlockError(f"--also {name}={drafter}: no drafter there (config.json missing)")
-            net = SpecBlockNet.load(Path(drafter), emb, head).eval()
-            row = {"variant": name, "steps": None, "train_s": None, **evaluate(net, src.heldout(a.windows, net))}
+            todo.append((name, Path(drafter), None))
+        rows = []
+        for name, drafter, final in todo:
+            net = SpecBlockNet.load(drafter, emb, head).eval()
+            held = src.heldout(a.windows, net)  # the same windows for every drafter (y_star in its head rows)
+            row = {"variant": name, "steps": final and final["step"], "train_s": final and final["train_s"],
+                   **evaluate(net, held)}
             print(json.dumps(row), flush=True)
             rows.append(row)
     except SpecBlockError as e:
