@@ -59,6 +59,17 @@ def _sessions_line(lines: list[dict]) -> str:
             "checkpoint with a longer --max-minutes, so the learning rate rose again and decayed over the new length.")
 
 
+def _init_line(run: dict) -> str:
+    """A fine-tune (``--init-from``) counts only its own steps below; say what it started from."""
+    init = run.get("init")
+    if not init:
+        return ""
+    a = init["args"]
+    return (f"\n- Fine-tuned from the run in `{Path(init['from']).name}`: {init['step']:,} steps, {init['train_s'] / 60:.1f} minutes on "
+            f"{a.get('threads', '?')} thread(s), batch {a.get('batch')} x {a.get('window')}, lr {a.get('lr')}; the figures "
+            "above are the fine-tune's alone (its own optimizer and schedule).")
+
+
 def _training_line(run: dict, method: str) -> str:
     a = run["args"]
     extra = {"specblock": f", rank head frozen for the first {a['rank_freeze']:.0%}, valid-prefix mask {a['valid_prefix']}, "
@@ -67,9 +78,10 @@ def _training_line(run: dict, method: str) -> str:
              "medusa": ", soft targets from the cached top-8",
              "falcon": f", glancing {a['glance_start']} -> {a['glance_end']}",
              "sps": ", soft targets from the cached top-8 (no target pass per step)"}.get(method, "")
+    mix = (f"; {a['own_share']:.0%} of windows from the target's own answers" if a.get("own_share") is not None else "")
     return (f"{run['step']:,} steps in {run['train_s'] / 60:.1f} minutes of training on {a['threads']} thread(s): batch {a['batch']} x "
             f"{a['window']}-token windows ({run['step'] * a['batch'] * a['window']:,} window tokens seen), AdamW lr {a['lr']} with "
-            f"warmup and cosine decay over wall time{extra}.")
+            f"warmup and cosine decay over wall time{extra}{mix}.{_init_line(run)}")
 
 
 def card(run: dict, last: dict, gen: dict, refs: dict | None, feat: dict, net, target_name: str, sessions: str = "") -> str:

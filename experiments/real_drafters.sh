@@ -2,7 +2,7 @@
 # Drafters for the real target (SmolLM2-135M-Instruct, issue 14), every command in order. Each
 # step is resumable: rerun the same line after an interruption and it continues where it stopped.
 # Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
-#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|vocab|vocab-heads|export|bench|calibrate|table|packed|lossless|widths|eval
+#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|vocab|vocab-heads|export|bench|calibrate|table|packed|lossless|widths|eval
 # One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
 # generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
 # side by side (featcache --follow picks up new chatgen shards, training new feature shards).
@@ -17,6 +17,24 @@ REFS=$H/data/reference/$T        # reference answers from ../shared/data in the 
 FEAT=$H/features/$T              # taps, top hidden state, top-8 soft targets (memory-mapped .npy)
 RUN=${RUN:-$H/runs/$T/specblock} # checkpoints and metrics.jsonl of the SpecBlock drafter
 OUT=specblock/assets/drafters/$T/specblock
+# Each method's architecture flags, shared by its training and any fine-tune of it (a fine-tune must match them)
+declare -A ARCH=(
+  [specblock]="--layers 2 --shared-norm --intermediate 1024"
+  [eagle3]="--intermediate 1536"
+  [medusa]=""
+  [parallelspec]="--layers 1 --K 4 --intermediate 1536"
+  [falcon]="--layers 1 --block-size 2 --forwards 3 --intermediate 1536"
+  [sps]="--layers 2 --draft-hidden 256 --tie-embeddings --intermediate 1024"
+)
+train() {  # METHOD [RUN_DIR] [more flags]: one drafter from the feature cache, the shared recipe, one thread
+  local m=$1 run=${2:-$H/runs/$T/$1} vocab="--draft-vocab 8192 --vocab-corpus 0.5"
+  shift; (( $# )) && shift
+  [[ $m == sps ]] && vocab=""  # a whole LM over the target's vocabulary
+  # shellcheck disable=SC2086  # ARCH and vocab are word lists
+  $PY -m specblock.training drafter --method "$m" --target $T --features "$FEAT" $vocab ${ARCH[$m]} --run-dir "$run" \
+      --lr 1e-3 --window 257 --batch 4 --max-minutes "${MAX_MINUTES:-120}" --max-steps "${MAX_STEPS:-5000}" \
+      --eval-every 50 --ckpt-every 10 --threads 1 "$@"
+}
 case "${1:-}" in
   data)      # 1. self-generated data: 186 shards of 64 instructions, up to 256 new tokens each
     $PY -m specblock.training chatgen --target $T --out $DATA --shard-size 64 --batch 64 --max-new-tokens 256 \
@@ -31,31 +49,27 @@ case "${1:-}" in
     #            layers, so one layer has none; a 1-layer run reached block-1 acceptance 0.31 / 0.045 / 0.013 / 0.008
     #            at 147 steps), an 8k-row draft vocabulary (frequencies: answers and the shared-data corpus 50/50).
     #            A step costs ~130 GFLOP per 257-token window; this CPU does ~40 GFLOP/s per core in fp32.
-    $PY -m specblock.training drafter --method specblock --target $T --features $FEAT --draft-vocab 8192 \
-        --vocab-corpus 0.5 --run-dir $RUN --layers 2 --shared-norm --intermediate 1024 --lr 1e-3 --window 257 --batch 4 \
-        --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
+    train specblock "$RUN" ;;
   eagle3)    # 3b. EAGLE-3 on the same cache, vocabulary and minutes (one layer, TTT 6 depths, its public recipe)
-    $PY -m specblock.training drafter --method eagle3 --target $T --features $FEAT --draft-vocab 8192 \
-        --vocab-corpus 0.5 --run-dir $H/runs/$T/eagle3 --intermediate 1536 --lr 1e-3 --window 257 --batch 4 \
-        --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
+    train eagle3 ;;
   medusa)    # 3c. Medusa-1: 4 heads on the top hidden state, same cache and vocabulary
-    $PY -m specblock.training drafter --method medusa --target $T --features $FEAT --draft-vocab 8192 \
-        --vocab-corpus 0.5 --run-dir $H/runs/$T/medusa --lr 1e-3 --window 257 --batch 4 \
-        --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
+    train medusa ;;
   parallelspec) # 3d. ParallelSpec: one layer, k = 4 tokens per forward ([MASK] queries), same cache, vocabulary, recipe
-    $PY -m specblock.training drafter --method parallelspec --target $T --features $FEAT --draft-vocab 8192 \
-        --vocab-corpus 0.5 --run-dir $H/runs/$T/parallelspec --layers 1 --K 4 --intermediate 1536 --lr 1e-3 --window 257 \
-        --batch 4 --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
+    train parallelspec ;;
   falcon)    # 3e. Falcon: one layer, blocks of 2 tokens, 3 forwards (depth 6), glancing 1.0 -> 0.25 over the run
-    $PY -m specblock.training drafter --method falcon --target $T --features $FEAT --draft-vocab 8192 \
-        --vocab-corpus 0.5 --run-dir $H/runs/$T/falcon --layers 1 --block-size 2 --forwards 3 --intermediate 1536 --lr 1e-3 \
-        --window 257 --batch 4 --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
+    train falcon ;;
   sps)       # 3g. SpS: a 2-layer draft LM (hidden 256, tied vocabulary matrix started from the target's embedding in its
     #            top-256 principal directions), distilled from the cached top-8 (no target pass per step); also the
     #            assistant of hf-assisted. The full 49k vocabulary: HF's assisted generation serves it as an HF model.
-    $PY -m specblock.training drafter --method sps --target $T --features $FEAT --run-dir $H/runs/$T/sps --layers 2 \
-        --draft-hidden 256 --tie-embeddings --intermediate 1024 --lr 1e-3 --window 257 --batch 4 \
-        --max-minutes ${MAX_MINUTES:-120} --max-steps ${MAX_STEPS:-5000} --eval-every 50 --ckpt-every 10 --threads 1 ;;
+    train sps ;;
+  finetune)  # 3i. A trained run carried on over the cache as it stands now (chatgen shards cached since included):
+    #            METHOD=specblock (or any method above) starts from runs/$T/$METHOD's weights and draft vocabulary with a
+    #            fresh optimizer and schedule (lr LR=5e-4, 20 warmup steps, the rank head trained throughout), half the
+    #            windows from the target's own answers (OWN_SHARE=0.5), into runs/$T/$METHOD-ft. Export it with
+    #            METHOD=$METHOD-ft DEST=<dir> ... export, then compare held-out (ablation_table.py --also) before shipping.
+    M=${METHOD:-specblock}
+    train "$M" "$H/runs/$T/$M-ft" --init-from "$H/runs/$T/$M" --lr "${LR:-5e-4}" --warmup 20 --rank-freeze 0 \
+        --own-share "${OWN_SHARE:-0.5}" ;;
   vocab)     # 3f. Draft vocabulary N = 4k / 8k / 16k / full: the shipped SpecBlock and EAGLE-3 drafters (trained at 8k)
     #            re-headed (no retraining; held-out coverage and acceptance in the JSON), then benched side by side in
     #            packed-fp16 at their serving.json settings: tau, T_D%, Spd
@@ -72,8 +86,9 @@ case "${1:-}" in
     $PY experiments/vocab_sweep.py --target $T --features $FEAT --methods medusa,parallelspec,falcon --out-dir $H/vocab_sweep \
         --windows 16 --json experiments/results/vocab_sweep_smollm2_b.json ;;
   export)    # 4. the last checkpoint as a drafter plus its model card
-    METHOD=${METHOD:-specblock}  # METHOD=eagle3 / medusa / parallelspec / falcon export those runs
-    $PY experiments/export_drafter.py --run-dir $H/runs/$T/$METHOD --features $FEAT --data $DATA --refs $REFS --out specblock/assets/drafters/$T/$METHOD ;;
+    METHOD=${METHOD:-specblock}  # METHOD=eagle3 / medusa / parallelspec / falcon / specblock-ft export those runs
+    $PY experiments/export_drafter.py --run-dir $H/runs/$T/$METHOD --features $FEAT --data $DATA --refs $REFS \
+        --out "${DEST:-specblock/assets/drafters/$T/${METHOD%-ft}}" ;;
   bench)     # 5. a short check against plain decoding and prompt lookup
     $PY -m specblock.runtime bench --target $T --methods ar,lookup,specblock --prompts 2 --runs 1 --max-new-tokens 64 \
         --out experiments/results/bench_smollm2_specblock_short ;;
@@ -149,5 +164,5 @@ case "${1:-}" in
     $PY experiments/specblock_eval.py --target $T --drafter specblock/assets/drafters/$T/specblock --windows 4 \
         --dtype packed-fp16 --bench experiments/results/bench_smollm2_packed.json \
         --latency specblock/sim/data/latency_cpu_smollm2_packed_fp16.json --out experiments/results/specblock_eval_smollm2.json ;;
-  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|vocab|vocab-heads|export|bench|calibrate|table|packed|lossless|widths|eval" >&2; exit 2 ;;
+  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|vocab|vocab-heads|export|bench|calibrate|table|packed|lossless|widths|eval" >&2; exit 2 ;;
 esac

@@ -126,6 +126,25 @@ def test_trainer_from_a_feature_cache_with_a_draft_vocab(tmp_path):
                 "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "drafter2"), "--window", "17", "--batch", "2",
                 "--max-steps", "5", "--eval-every", "2", "--layers", "1", "--intermediate", "32", "--threads", "1"])
     assert torch.equal(SpecBlockDrafter.load(tmp_path / "drafter2", target).net.d2t, net.d2t)
+    # Fine-tuning (--init-from): the source's weights and map, a fresh step count, the source on record.
+    from specblock.training.checkpoint import load_checkpoint
+
+    flags = ["--target", str(tdir), "--features", str(tmp_path / "cache"), "--draft-vocab", "20", "--window", "17",
+             "--batch", "2", "--eval-every", "2", "--layers", "1", "--intermediate", "32", "--threads", "1"]
+    src = load_checkpoint(tmp_path / "run" / "ckpt.safetensors")
+    train_main(flags + ["--run-dir", str(tmp_path / "ft"), "--init-from", str(tmp_path / "run"), "--max-steps", "2",
+                        "--out", str(tmp_path / "drafter3")])
+    ft = load_checkpoint(tmp_path / "ft" / "ckpt.safetensors")
+    assert ft["step"] == 2 and ft["init"]["step"] == src["step"] == 5
+    assert torch.equal(ft["net"]["d2t"], src["net"]["d2t"])
+    assert not torch.equal(ft["net"]["fuse_taps.weight"], src["net"]["fuse_taps.weight"])  # it trained on
+    assert torch.equal(SpecBlockDrafter.load(tmp_path / "drafter3", target).net.d2t, net.d2t)
+    with pytest.raises(SpecBlockError, match="no ckpt.safetensors there"):
+        train_main(flags + ["--run-dir", str(tmp_path / "ft2"), "--init-from", str(tmp_path / "nowhere")])
+    assert not (tmp_path / "ft2").exists()  # refused before anything was written
+    with pytest.raises(SpecBlockError, match="trained with other settings"):  # another architecture
+        train_main(flags[:-6] + ["--layers", "2", "--intermediate", "32", "--threads", "1", "--run-dir",
+                                 str(tmp_path / "ft3"), "--init-from", str(tmp_path / "run"), "--max-steps", "1"])
     with pytest.raises(SpecBlockError, match="drop --draft-vocab"):  # SpS takes --features, not a draft vocabulary
         train_main(["--method", "sps", "--target", str(tdir), "--features", str(tmp_path / "cache"),
                     "--draft-vocab", "20", "--run-dir", str(tmp_path / "run2")])

@@ -133,3 +133,25 @@ def test_windows_take_in_shards_finished_later(setup, tmp_path):
     (data / "manifest.json").write_text(json.dumps(man))
     build_cache(data, out, target, model, k=2, log=lambda s: None)
     assert src.refresh() == 1 and src.train == ["shard_00001", "shard_00002"] and src.held == ["shard_00000"]
+
+
+def test_own_share_fixes_the_mix_of_own_and_reference_windows():
+    from specblock.training.cachewindows import CacheWindows
+
+    class Stub:
+        names = ["ref_00000", "shard_00000", "shard_00001", "shard_00002"]
+        manifest = {"heldout_shards": ["shard_00000"],
+                    "shards": {"ref_00000": {"tokens": 9000}, "shard_00000": {"tokens": 100},
+                               "shard_00001": {"tokens": 1000}, "shard_00002": {"tokens": 2000}}}
+
+    src = CacheWindows.__new__(CacheWindows)
+    src.cache, src.window, src.own_share = Stub(), 9, None
+    src._index()
+    assert src.train == ["ref_00000", "shard_00001", "shard_00002"]
+    assert np.allclose(src.p, [0.75, 1 / 12, 2 / 12])  # by size: the held-out shard never counts
+    src.own_share = 0.5
+    src._index()
+    assert np.allclose(src.p, [0.5, 0.5 / 3, 1 / 3])  # half own answers, each kind still by size within
+    src.rng = np.random.default_rng(0)
+    picks = src.rng.choice(len(src.train), size=4000, p=src.p)
+    assert abs((picks == 0).mean() - 0.5) < 0.04

@@ -1,7 +1,8 @@
 """Training windows read from the feature cache instead of a target forward (``--features``).
 
 A window is ``W`` consecutive positions of one shard's concatenated sequences, drawn uniformly
-over all training tokens (shards weighted by size); like the lab corpus' windows it may cross a
+over all training tokens (shards weighted by size; ``own_share`` instead fixes the share of windows
+from the target's own answers, the chatgen shards, against the reference ``ref_*`` shards); like the lab corpus' windows it may cross a
 sequence boundary, where the target's features restart with the new sequence's own context.
 Soft targets are the cached top-k renormalised (over the draft vocabulary when the drafter has
 one), so no V-sized tensor is ever built. Held-out windows come from the chatgen held-out shards.
@@ -26,10 +27,11 @@ PASSES = {"taps": TargetPass, "top": MedusaPass, "tokens": SpsTopkPass}
 
 
 class CacheWindows:
-    def __init__(self, cache: FeatureCache, window: int, seed: int = 0, feature: str = "taps") -> None:
+    def __init__(self, cache: FeatureCache, window: int, seed: int = 0, feature: str = "taps",
+                 own_share: float | None = None) -> None:
         if feature not in PASSES:
             raise SpecBlockError(f"the feature cache holds no {feature!r} for training; use one of {', '.join(PASSES)}")
-        self.cache, self.window, self.feature = cache, window, feature
+        self.cache, self.window, self.feature, self.own_share = cache, window, feature, own_share
         self.rng = np.random.default_rng(seed)
         self._open: dict = {}
         self._index()
@@ -44,6 +46,11 @@ class CacheWindows:
         self.train = [n for n in cache.names if n not in held and sizes[n] > window]
         self.held = [n for n in cache.names if n in held and sizes[n] > window]
         self.sizes = np.array([sizes[n] for n in self.train], dtype=np.float64)
+        self.p = self.sizes / max(self.sizes.sum(), 1.0)
+        own = np.array([not n.startswith("ref_") for n in self.train])
+        if self.own_share is not None and own.any() and (~own).any():
+            self.p = np.where(own, self.own_share * self.sizes / self.sizes[own].sum(),
+                              (1 - self.own_share) * self.sizes / self.sizes[~own].sum())
 
     def refresh(self) -> int:
         """Take in training shards a running featcache finished since; the held-out set stays
@@ -73,7 +80,7 @@ class CacheWindows:
         return PASSES[self.feature](tokens, feats, e_target, y_star, None if net.cfg.draft_vocab is None else y_ok)
 
     def batch(self, n: int, net) -> TargetPass | MedusaPass:
-        picks = self.rng.choice(len(self.train), size=n, p=self.sizes / self.sizes.sum())
+        picks = self.rng.choice(len(self.train), size=n, p=self.p)
         spans = [(self.train[i], int(self.rng.integers(0, int(self.sizes[i]) - self.window))) for i in picks]
         return self._passes(spans, net)
 

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab-corpus", type=float, default=0.0,
                     help="with --features: share of the shared-data corpus (human text of the same domains) in the "
                          "token frequencies behind --draft-vocab; the rest is the cached answers")
+    ap.add_argument("--own-share", type=float, default=None,
+                    help="with --features: share of training windows from the target's own answers (chatgen "
+                         "shards) against reference answers (ref_* shards); default: by token count")
     ap.add_argument("--window", type=int, default=257)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -79,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     # nothing measurable and halved block 2's (runs/shake_a vs shake_b, see the issue note).
     ap.add_argument("--init-from-target", action="store_true",
                     help="start the backbone from the target's top layers instead of a random init")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="start from this run directory's checkpoint (weights and draft vocabulary; a fresh "
+                         "optimizer and schedule): fine-tuning on new data. Ignored once --run-dir has its own")
     ap.add_argument("--ttt-steps", type=int, default=6, help="eagle3: training-time-test depths")
     ap.add_argument("--heads", type=int, default=4, help="medusa: number of heads")
     ap.add_argument("--hard-labels", action="store_true", help="medusa: CE on the window's tokens, not the target's distribution")
@@ -107,6 +113,7 @@ class TrainFlags(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
+    own_share: float | None = Field(None, ge=0, le=1)
     window: int = Field(ge=2)
     batch: int = Field(ge=1)
     lr: float = Field(gt=0, allow_inf_nan=False)
@@ -137,6 +144,10 @@ def check_args(args) -> None:
         raise SpecBlockError(f"--run-dir {args.run_dir} is a file; give a directory (created if missing)")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise SpecBlockError(f"--out {args.out} is a file; give a directory for the exported drafter")
+    if args.init_from is not None and not (args.init_from / CKPT).is_file():
+        raise SpecBlockError(f"--init-from {args.init_from}: no {CKPT} there; give the --run-dir of a finished training run")
+    if args.init_from is not None and args.init_from.resolve() == args.run_dir.resolve():
+        raise SpecBlockError("--init-from is the --run-dir itself; a run resumes from its own checkpoint without it")
     if args.data != "lab" and not Path(args.data).is_file():
         raise SpecBlockError(f"--data {args.data}: no such file; pass lab or a JSONL file with a 'text' field")
 
@@ -188,32 +199,45 @@ def train(args) -> None:
         from specblock.training.featcache import FeatureCache
 
         source = CacheWindows(FeatureCache(args.features, args.target), args.window, seed=args.seed + 1000 * rank,
-                              feature=recipe.cached)
+                              feature=recipe.cached, own_share=args.own_share)
     else:
         source = WindowSource(args.data, args.target, args.window, seed=args.seed + 1000 * rank)
-    args.d2t = _draft_vocab(args, source, target.config.vocab_size) if args.draft_vocab else None
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = args.run_dir / CKPT
+    start = _start_state(args, ckpt_path)
+    args.d2t = None
+    if args.draft_vocab:
+        # A checkpoint's own map first: the cache may have grown since, and new counts would pick
+        # other head rows than the ones its weights were trained against.
+        saved = start["net"].get("d2t") if start else None
+        args.d2t = saved.numpy() if saved is not None else _draft_vocab(args, source, target.config.vocab_size)
     net = recipe.build(target, args).to(device)
     model = StepModule(net, recipe, args)
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    args.run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_path = args.run_dir / CKPT
-    step, train_s = 0, 0.0
-    if ckpt_path.is_file():
-        st = load_checkpoint(ckpt_path)
-        if st.get("method", "specblock") != args.method:
-            raise SpecBlockError(f"{args.run_dir} holds a {st.get('method', 'specblock')} run; use another --run-dir")
+    step, train_s, init = 0, 0.0, None
+    if start is not None:
+        resumed = ckpt_path.is_file()
+        src = ckpt_path if resumed else args.init_from / CKPT
+        if start.get("method", "specblock") != args.method:
+            raise SpecBlockError(f"{src.parent} holds a {start.get('method', 'specblock')} run; use another directory")
         try:
-            net.load_state_dict(st["net"])
-            opt.load_state_dict(st["opt"])
+            net.load_state_dict(start["net"])
+            if resumed:
+                opt.load_state_dict(start["opt"])
         except (KeyError, RuntimeError, ValueError) as e:
-            raise SpecBlockError(f"{ckpt_path} was trained with other settings ({str(e).splitlines()[0][:160]}); "
-                                 "resume with the same flags, or pass another --run-dir") from e
-        step, train_s = st["step"], st["train_s"]
+            raise SpecBlockError(f"{src} was trained with other settings ({str(e).splitlines()[0][:160]}); "
+                                 "use the same flags, or pass another directory") from e
+        if resumed:
+            step, train_s = start["step"], start["train_s"]
+            init = start.get("init")
+        else:  # what the fine-tune started from, for its model card
+            init = {"from": str(args.init_from), "step": start["step"], "train_s": start["train_s"],
+                    "args": {k: v for k, v in start["args"].items() if k != "d2t"}}
         if main_proc:
-            print(f"resumed from step {step}", flush=True)
+            print(f"resumed from step {step}" if resumed else f"fine-tuning from {src} (step {start['step']})", flush=True)
     source.rng = np.random.default_rng(args.seed + 1000 * rank + step)  # a resumed run draws new windows
     heldout = (source.heldout(8, net) if args.features else source.heldout(8)).to(device)
     gen = torch.Generator(device=device).manual_seed(args.seed + rank + step)
@@ -227,7 +251,7 @@ def train(args) -> None:
 
     def state() -> dict:
         return {"net": net.state_dict(), "opt": opt.state_dict(), "step": step, "train_s": train_s,
-                "method": args.method, "args": vars(args)}
+                "method": args.method, "args": vars(args), **({"init": init} if init else {})}
 
     def progress() -> float:
         """Share of the run done; under DDP every rank takes the largest, so all stop together
@@ -292,6 +316,15 @@ def train(args) -> None:
         # gloo's teardown (seen in tests/test_ddp.py under load).
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _start_state(args, ckpt_path: Path) -> dict | None:
+    """The checkpoint a run starts from: its own (resume), else ``--init-from``'s, else none."""
+    if ckpt_path.is_file():
+        return load_checkpoint(ckpt_path)
+    if args.init_from is not None:
+        return load_checkpoint(args.init_from / CKPT)
+    return None
 
 
 def _draft_vocab(args, source, vocab_size: int) -> np.ndarray:
