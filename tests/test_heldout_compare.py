@@ -1,0 +1,58 @@
+"""experiments/heldout_compare.py: exported drafters of different methods on the same held-out
+windows, as the fine-tune check of issue 14 uses it (a tiny target and its feature cache)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+from specblock.training.drafter import main as train_main
+from tests.test_featcache import tiny_feature_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    spec = importlib.util.spec_from_file_location("heldout_compare", ROOT / "experiments" / "heldout_compare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_drafters_of_several_methods_on_the_same_windows(tmp_path, capsys):
+    mod = _module()
+    tdir, model, cache = tiny_feature_cache(tmp_path)
+    flags = ["--target", str(tdir), "--features", str(cache), "--draft-vocab", "20", "--window", "17", "--batch", "2",
+             "--eval-every", "2", "--intermediate", "32", "--threads", "1"]
+    for method in ("specblock", "eagle3", "medusa"):
+        train_main(flags + ["--method", method, "--run-dir", str(tmp_path / method), "--out", str(tmp_path / method / "d"),
+                            "--max-steps", "2"] + (["--K", "3"] if method == "specblock" else []))
+    # a fine-tune of the SpecBlock run: what the script is for
+    train_main(flags + ["--method", "specblock", "--K", "3", "--run-dir", str(tmp_path / "ft"), "--init-from",
+                        str(tmp_path / "specblock"), "--max-steps", "2", "--own-share", "0.5", "--out", str(tmp_path / "ft" / "d")])
+    out = tmp_path / "cmp"
+    specs = [f"sb=specblock:{tmp_path / 'specblock' / 'd'}", f"sb-again=specblock:{tmp_path / 'specblock' / 'd'}",
+             f"sb-ft=specblock:{tmp_path / 'ft' / 'd'}", f"e3=eagle3:{tmp_path / 'eagle3' / 'd'}",
+             f"md=medusa:{tmp_path / 'medusa' / 'd'}"]
+    argv = ["--target", str(tdir), "--features", str(cache), "--windows", "4", "--window", "17", "--out", str(out),
+            "--threads", "1"]
+    assert mod.main(argv + [x for s in specs for x in ("--drafter", s)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["sb", "sb-again", "sb-ft", "e3", "md"]
+    assert rows[0]["block1_acc"] == rows[1]["block1_acc"]  # same drafter, same windows
+    total, parts = mod.accepted(rows[3])
+    assert total == sum(rows[3]["chain_acc"]) and 0 <= total <= len(parts)
+    total, parts = mod.accepted(rows[4])
+    assert math.isnan(total) and parts == rows[4]["head_top1"]
+    md = out.with_suffix(".md").read_text()
+    assert "| sb-ft | specblock |" in md and "| md | medusa | nan |" in md
+    # bad input: one line, nothing written
+    assert mod.main(argv[:-4] + ["--out", str(tmp_path / "bad"), "--drafter", "x=specblock"]) == 2
+    assert mod.main(argv[:-4] + ["--out", str(tmp_path / "bad"), "--drafter", f"x=specblock:{tmp_path / 'nowhere'}"]) == 2
+    err = capsys.readouterr().err
+    assert "NAME=METHOD:DIR" in err and "config.json missing" in err
+    assert not (tmp_path / "bad.json").exists()
