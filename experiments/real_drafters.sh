@@ -2,7 +2,7 @@
 # Drafters for the real target (SmolLM2-135M-Instruct, issue 14), every command in order. Each
 # step is resumable: rerun the same line after an interruption and it continues where it stopped.
 # Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
-#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|vocab|vocab-heads|export|bench|calibrate|table|packed|lossless|widths|eval
+#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|lossless|widths|eval
 # One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
 # generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
 # side by side (featcache --follow picks up new chatgen shards, training new feature shards).
@@ -42,9 +42,10 @@ case "${1:-}" in
   refs)      # 1b. reference answers (AlpacaEval responses, GSM8K solutions, stdlib functions): ~10x the
     #            tokens per CPU minute of generation, since only features are computed for them
     $PY -m specblock.training refanswers --target $T --out $REFS ;;
-  features)  # 2. the feature cache: every finished chatgen shard first, then reference shards (--follow: wait for more)
+  features)  # 2. the feature cache: every finished chatgen shard first, then reference shards (--follow: wait for more;
+    #            69 reference shards of ~70k tokens wait, ~8 min each: MAX_SHARDS=n or MAX_MINUTES=m bound a run)
     $PY -m specblock.training featcache --target $T --data $DATA --data $REFS --out $FEAT --k 8 --dtype float32 --threads 1 \
-        ${FOLLOW:+--follow} ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
+        ${FOLLOW:+--follow} ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ${MAX_SHARDS:+--max-shards $MAX_SHARDS} ;;
   specblock) # 3. SpecBlock from the cache: K = 4, M = 2, the lab recipe (2 layers: the layer-wise shift sits between
     #            layers, so one layer has none; a 1-layer run reached block-1 acceptance 0.31 / 0.045 / 0.013 / 0.008
     #            at 147 steps), an 8k-row draft vocabulary (frequencies: answers and the shared-data corpus 50/50).
@@ -70,6 +71,20 @@ case "${1:-}" in
     M=${METHOD:-specblock}
     train "$M" "$H/runs/$T/$M-ft" --init-from "$H/runs/$T/$M" --lr "${LR:-5e-4}" --warmup 20 --rank-freeze 0 \
         --own-share "${OWN_SHARE:-0.5}" ;;
+  finetune-check) # 3j. The fine-tunes against the shipped drafters they started from: each exported to $H/finetune/METHOD
+    #            with the shipped serving.json (same node budget, M and widths), held-out acceptance on the same 64 windows,
+    #            then a packed-fp16 bench of both side by side (FT_METHODS= picks the methods, PROMPTS= prompts per domain)
+    FT=$H/finetune; CMP=(); SETS=(); M=ar
+    for m in ${FT_METHODS:-specblock eagle3}; do
+      METHOD=$m-ft DEST=$FT/$m bash "$0" export
+      cp "specblock/assets/drafters/$T/$m/serving.json" "$FT/$m/"
+      CMP+=(--drafter "$m=$m:specblock/assets/drafters/$T/$m" --drafter "$m-ft=$m:$FT/$m")
+      M+=",$m,$m@ft"; SETS+=(--set "$m@ft:drafter=$FT/$m")
+    done
+    $PY experiments/heldout_compare.py --target $T --features "$FEAT" "${CMP[@]}" --threads 2 \
+        --out experiments/results/heldout_finetune_smollm2
+    $PY -m specblock.runtime bench --target $T --methods "$M" "${SETS[@]}" --dtype packed-fp16 --prompts "${PROMPTS:-2}" \
+        --runs 3 --max-new-tokens 48 --threads 2 --out experiments/results/bench_smollm2_finetune ;;
   vocab)     # 3f. Draft vocabulary N = 4k / 8k / 16k / full: the shipped SpecBlock and EAGLE-3 drafters (trained at 8k)
     #            re-headed (no retraining; held-out coverage and acceptance in the JSON), then benched side by side in
     #            packed-fp16 at their serving.json settings: tau, T_D%, Spd
@@ -164,5 +179,5 @@ case "${1:-}" in
     $PY experiments/specblock_eval.py --target $T --drafter specblock/assets/drafters/$T/specblock --windows 4 \
         --dtype packed-fp16 --bench experiments/results/bench_smollm2_packed.json \
         --latency specblock/sim/data/latency_cpu_smollm2_packed_fp16.json --out experiments/results/specblock_eval_smollm2.json ;;
-  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|vocab|vocab-heads|export|bench|calibrate|table|packed|lossless|widths|eval" >&2; exit 2 ;;
+  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|lossless|widths|eval" >&2; exit 2 ;;
 esac

@@ -56,3 +56,25 @@ def test_drafters_of_several_methods_on_the_same_windows(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "NAME=METHOD:DIR" in err and "config.json missing" in err
     assert not (tmp_path / "bad.json").exists()
+
+
+def test_a_fine_tune_card_names_its_source_and_mix(tmp_path, monkeypatch):
+    """export_drafter.py on an --init-from run: the card counts the fine-tune's own steps and says what it
+    started from and how its windows were mixed."""
+    tdir, model, cache = tiny_feature_cache(tmp_path)
+    flags = ["--target", str(tdir), "--features", str(cache), "--draft-vocab", "20", "--window", "17", "--batch", "2",
+             "--eval-every", "2", "--intermediate", "32", "--threads", "1", "--K", "3"]
+    train_main(flags + ["--run-dir", str(tmp_path / "base"), "--max-steps", "3"])
+    train_main(flags + ["--run-dir", str(tmp_path / "base-ft"), "--init-from", str(tmp_path / "base"), "--max-steps", "2",
+                        "--own-share", "0.5"])
+    spec = importlib.util.spec_from_file_location("export_drafter", ROOT / "experiments" / "export_drafter.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "exported"
+    monkeypatch.setattr(sys, "argv", ["export_drafter.py", "--run-dir", str(tmp_path / "base-ft"), "--features", str(cache),
+                                      "--data", str(tmp_path / "gen"), "--out", str(out)])
+    mod.main()
+    card = (out / "README.md").read_text()
+    assert "- 2 steps in" in card and "50% of windows from the target's own answers" in card
+    assert "Fine-tuned from the run in `base`: 3 steps" in card
+    assert (out / "model.safetensors").is_file()
