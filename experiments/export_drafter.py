@@ -84,12 +84,23 @@ def _training_line(run: dict, method: str) -> str:
             f"warmup and cosine decay over wall time{extra}{mix}.{_init_line(run)}")
 
 
+def gen_totals(gen: dict, feat: dict) -> dict:
+    """The chatgen totals over the shards the feature cache holds: generation may have gone on
+    since, and answers never cached were never trained on."""
+    shards = [v for n, v in gen.get("shards", {}).items() if n in feat.get("shards", {})]
+    if not shards:
+        return gen.get("totals", {})
+    ans, secs = sum(s.get("answer_tokens", 0) for s in shards), sum(s.get("seconds", 0.0) for s in shards)
+    return {"sequences": sum(s.get("sequences", 0) for s in shards), "answer_tokens": ans, "minutes": round(secs / 60, 2),
+            "answer_tokens_per_s": round(ans / secs, 1) if secs else 0}
+
+
 def card(run: dict, last: dict, gen: dict, refs: dict | None, feat: dict, net, target_name: str, sessions: str = "") -> str:
     method = run["method"]
     cfg = net.cfg if hasattr(net, "cfg") else net.model.config  # SpS: an HF model's config
     vocab = (VOCAB_LM.format(v=cfg.vocab_size) if method == "sps" else
              VOCAB_HEAD.format(n=getattr(cfg, "draft_vocab", None) or cfg.vocab_size, v=cfg.vocab_size))
-    g, f = gen.get("totals", {}), feat.get("totals", {})
+    g, f = gen_totals(gen, feat), feat.get("totals", {})
     ref_tokens = sum(s.get("answer_tokens", 0) for n, s in feat.get("shards", {}).items() if n.startswith("ref_"))
     ref_line = ""
     if refs is not None:

@@ -78,3 +78,13 @@ def test_a_fine_tune_card_names_its_source_and_mix(tmp_path, monkeypatch):
     assert "- 2 steps in" in card and "50% of windows from the target's own answers" in card
     assert "Fine-tuned from the run in `base`: 3 steps" in card
     assert (out / "model.safetensors").is_file()
+    # answers generated after the cache was built were never trained on: the card counts cached shards only
+    gen = json.loads((tmp_path / "gen" / "manifest.json").read_text())
+    feat = json.loads((cache / "manifest.json").read_text())
+    cached = {n: v for n, v in gen["shards"].items() if n in feat["shards"]}
+    for i, v in enumerate(cached.values()):  # the fake chatgen records sequences only
+        v.update(answer_tokens=100 + i, seconds=10.0)
+    gen["shards"]["shard_00099"] = {"sequences": 7, "answer_tokens": 1000, "seconds": 60.0}
+    assert mod.gen_totals(gen, feat)["answer_tokens"] == sum(v["answer_tokens"] for v in cached.values())
+    assert mod.gen_totals(gen, feat)["sequences"] == sum(v["sequences"] for v in cached.values())
+    assert mod.gen_totals(gen, feat)["minutes"] == round(10.0 * len(cached) / 60, 2)
