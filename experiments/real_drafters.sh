@@ -134,7 +134,7 @@ case "${1:-}" in
     #            to serving.json, and best.json (--method auto) is chosen from the main table, where every method
     #            runs at its serving.json settings (specblock@m1: the same with M = 1). SKIP_CALIBRATE=1 keeps the
     #            latency file; SWEEP_METHODS= sweeps a subset (the others keep their serving.json); SKIP_SWEEP=1
-    #            runs the main table only; PROMPTS= prompts per domain in the main table (default 3).
+    #            runs the main table only; PROMPTS= prompts per domain in the main table (default 3); MAIN_OUT= its file name.
     [[ ${SKIP_CALIBRATE:-} ]] || $PY -m specblock.runtime calibrate --target $T --dtype packed-fp16 --reps 9 \
         --out specblock/sim/data/latency_cpu_smollm2_packed_fp16.json
     if [[ ! ${SKIP_SWEEP:-} ]]; then
@@ -156,8 +156,8 @@ case "${1:-}" in
     $PY -m specblock.runtime bench --target $T \
         --methods ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt \
         "${PIN[@]}" --dtype packed-fp16 --prompts ${PROMPTS:-3} --runs 3 --max-new-tokens 48 --threads 2 \
-        --out experiments/results/bench_smollm2_packed --trace-dir runs/traces_smollm2_packed
-    $PY experiments/best_method.py experiments/results/bench_smollm2_packed.json --write specblock/assets/drafters/$T ;;
+        --out "experiments/results/${MAIN_OUT:-bench_smollm2_packed}" --trace-dir runs/traces_smollm2_packed
+    $PY experiments/best_method.py "experiments/results/${MAIN_OUT:-bench_smollm2_packed}.json" --write specblock/assets/drafters/$T ;;
   lossless)  # 6d. Every method against plain decoding at fp32 (the lossless run: match rate and divergences, not
     #            speed), 3 prompts per domain, 48 new tokens, each at its serving.json settings. METHODS= and NAME= pick a subset and its file.
     M=${METHODS:-ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt}
