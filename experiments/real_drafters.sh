@@ -73,7 +73,8 @@ case "${1:-}" in
         --own-share "${OWN_SHARE:-0.5}" ;;
   finetune-check) # 3j. The fine-tunes against the shipped drafters they started from: each exported to $H/finetune/METHOD
     #            with the shipped serving.json (same node budget, M and widths), held-out acceptance on the same 64 windows,
-    #            then a packed-fp16 bench of both side by side (FT_METHODS= picks the methods, PROMPTS= prompts per domain)
+    #            then a packed-fp16 bench of both side by side (FT_METHODS= picks the methods, PROMPTS= prompts per domain,
+    #            CHECK_OUT= names the result files: heldout_CHECK_OUT_smollm2, bench_smollm2_CHECK_OUT)
     FT=$H/finetune; CMP=(); SETS=(); M=ar
     for m in ${FT_METHODS:-specblock eagle3}; do
       METHOD=$m-ft DEST=$FT/$m bash "$0" export
@@ -82,9 +83,9 @@ case "${1:-}" in
       M+=",$m,$m@ft"; SETS+=(--set "$m@ft:drafter=$FT/$m")
     done
     $PY experiments/heldout_compare.py --target $T --features "$FEAT" "${CMP[@]}" --threads 2 \
-        --out experiments/results/heldout_finetune_smollm2
+        --out "experiments/results/heldout_${CHECK_OUT:-finetune}_smollm2"
     $PY -m specblock.runtime bench --target $T --methods "$M" "${SETS[@]}" --dtype packed-fp16 --prompts "${PROMPTS:-2}" \
-        --runs 3 --max-new-tokens 48 --threads 2 --out experiments/results/bench_smollm2_finetune ;;
+        --runs 3 --max-new-tokens 48 --threads 2 --out "experiments/results/bench_smollm2_${CHECK_OUT:-finetune}" ;;
   vocab)     # 3f. Draft vocabulary N = 4k / 8k / 16k / full: the shipped SpecBlock and EAGLE-3 drafters (trained at 8k)
     #            re-headed (no retraining; held-out coverage and acceptance in the JSON), then benched side by side in
     #            packed-fp16 at their serving.json settings: tau, T_D%, Spd
