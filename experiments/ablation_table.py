@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from specblock.atomic import write_atomic
 from specblock.errors import SpecBlockError
 from specblock.models import resolve_target
 from specblock.runtime.drafters.specblock_net import SpecBlockNet
@@ -151,9 +152,10 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps({"windows": a.windows, "window": a.window, "rows": rows}, indent=1) + "\n")
-    a.out.with_suffix(".md").write_text(markdown(rows, a.windows, a.window))
-    print(markdown(rows, a.windows, a.window))
+    md = markdown(rows, a.windows, a.window)
+    write_atomic(a.out.with_suffix(".json"), json.dumps({"windows": a.windows, "window": a.window, "rows": rows}, indent=1) + "\n")
+    write_atomic(a.out.with_suffix(".md"), md)
+    print(md)
     return 0
 
 

@@ -17,6 +17,7 @@ from specblock.runtime.target import load_causal_lm
 from specblock.training import recipes
 from specblock.training.checkpoint import load_checkpoint
 from specblock.training.drafter import CKPT
+from specblock.training.featcache import is_reference
 
 
 DESCRIBE = {
@@ -101,16 +102,16 @@ def card(run: dict, last: dict, gen: dict, refs: dict | None, feat: dict, net, t
     vocab = (VOCAB_LM.format(v=cfg.vocab_size) if method == "sps" else
              VOCAB_HEAD.format(n=getattr(cfg, "draft_vocab", None) or cfg.vocab_size, v=cfg.vocab_size))
     g, f = gen_totals(gen, feat), feat.get("totals", {})
-    ref_tokens = sum(s.get("answer_tokens", 0) for n, s in feat.get("shards", {}).items() if n.startswith("ref_"))
+    ref_tokens = sum(s.get("answer_tokens", 0) for n, s in feat.get("shards", {}).items() if is_reference(n))
     ref_line = ""
     if refs is not None:
         ref_line = (f"\n- Reference answers (`training/refanswers.py`, cached in the feature cache as `ref_*` shards): "
-                    f"{sum(1 for n in feat.get('shards', {}) if n.startswith('ref_'))} shards, {ref_tokens:,} answer tokens of "
+                    f"{sum(1 for n in feat.get('shards', {}) if is_reference(n))} shards, {ref_tokens:,} answer tokens of "
                     "AlpacaEval 0-699 responses by 11 open chat models, GSM8K training solutions and whole stdlib "
                     "functions, encoded with the target's chat template; soft targets and features from the target.")
     held = set(feat.get("heldout_shards", []))
-    own = sum(s["tokens"] for n, s in feat.get("shards", {}).items() if n.startswith("shard_") and n not in held)
-    ref = sum(s["tokens"] for n, s in feat.get("shards", {}).items() if n.startswith("ref_"))
+    own = sum(s["tokens"] for n, s in feat.get("shards", {}).items() if not is_reference(n) and n not in held)
+    ref = sum(s["tokens"] for n, s in feat.get("shards", {}).items() if is_reference(n))
     mix_line = (f"\n- Training windows are drawn from {own:,} tokens of the target's own answers and {ref:,} tokens of "
                 f"reference answers (prompts included); the held-out shards ({', '.join(sorted(held)) or 'none'}) are never trained on.")
     figures = "\n".join(f"  - {k}: {_acc(v)}" for k, v in last.items() if k not in ("step", "train_s", "final", "loss"))

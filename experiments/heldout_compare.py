@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: vocab_sweep is a sibling
 
+from specblock.atomic import write_atomic  # noqa: E402
 from specblock.errors import SpecBlockError  # noqa: E402
 from specblock.models import resolve_target  # noqa: E402
 from specblock.runtime.target import load_causal_lm  # noqa: E402
@@ -83,9 +84,10 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps({"windows": a.windows, "window": a.window, "rows": rows}, indent=1) + "\n")
-    a.out.with_suffix(".md").write_text(markdown(rows, a.windows, a.window))
-    print(markdown(rows, a.windows, a.window))
+    md = markdown(rows, a.windows, a.window)
+    write_atomic(a.out.with_suffix(".json"), json.dumps({"windows": a.windows, "window": a.window, "rows": rows}, indent=1) + "\n")
+    write_atomic(a.out.with_suffix(".md"), md)
+    print(md)
     return 0
 
 

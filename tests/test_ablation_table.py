@@ -3,27 +3,18 @@ variants and the fixed top-k branching analysis, on a tiny target and its featur
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from specblock.training.drafter import main as train_main
 from tests.test_featcache import tiny_feature_cache
+from tests.tiny import experiment
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("ablation_table", ROOT / "experiments" / "ablation_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_ablation_table_evaluates_finished_variants_and_branching_rules(tmp_path, capsys):
-    mod = _module()
+    mod = experiment("ablation_table")
     tdir, model, cache = tiny_feature_cache(tmp_path)
     root = tmp_path / "ablations"
     for name, flags in (("full", []), ("no-shift", ["--no-shift"])):
@@ -56,7 +47,7 @@ def test_rank_rule_with_equal_widths_is_fixed_top_k(tmp_path):
     from specblock.training.cachewindows import CacheWindows
     from specblock.training.featcache import FeatureCache
 
-    mod = _module()
+    mod = experiment("ablation_table")
     tdir, model, cache = tiny_feature_cache(tmp_path)
     train_main(["--method", "specblock", "--target", str(tdir), "--features", str(cache), "--run-dir",
                 str(tmp_path / "run"), "--out", str(tmp_path / "d"), "--window", "17", "--batch", "2",

@@ -3,28 +3,18 @@ windows, as the fine-tune check of issue 14 uses it (a tiny target and its featu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 from specblock.training.drafter import main as train_main
 from tests.test_featcache import tiny_feature_cache
+from tests.tiny import experiment
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _module():
-    sys.path.insert(0, str(ROOT / "experiments"))
-    spec = importlib.util.spec_from_file_location("heldout_compare", ROOT / "experiments" / "heldout_compare.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_drafters_of_several_methods_on_the_same_windows(tmp_path, capsys):
-    mod = _module()
+    mod = experiment("heldout_compare")
     tdir, model, cache = tiny_feature_cache(tmp_path)
     flags = ["--target", str(tdir), "--features", str(cache), "--draft-vocab", "20", "--window", "17", "--batch", "2",
              "--eval-every", "2", "--intermediate", "32", "--threads", "1"]
@@ -67,9 +57,7 @@ def test_a_fine_tune_card_names_its_source_and_mix(tmp_path, monkeypatch):
     train_main(flags + ["--run-dir", str(tmp_path / "base"), "--max-steps", "3"])
     train_main(flags + ["--run-dir", str(tmp_path / "base-ft"), "--init-from", str(tmp_path / "base"), "--max-steps", "2",
                         "--own-share", "0.5"])
-    spec = importlib.util.spec_from_file_location("export_drafter", ROOT / "experiments" / "export_drafter.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = experiment("export_drafter")
     out = tmp_path / "exported"
     monkeypatch.setattr(sys, "argv", ["export_drafter.py", "--run-dir", str(tmp_path / "base-ft"), "--features", str(cache),
                                       "--data", str(tmp_path / "gen"), "--out", str(out)])

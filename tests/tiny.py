@@ -120,3 +120,19 @@ def run_cli(capsys, *argv):
     code = main([str(a) for a in argv])
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def experiment(name: str):
+    """``experiments/NAME.py`` imported as a module (the scripts are not a package; their folder goes
+    on ``sys.path`` so that one script may import a sibling, as heldout_compare imports vocab_sweep)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "experiments"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from specblock.errors import SpecBlockError
-from specblock.training.featcache import FeatureCache, as_tensor
+from specblock.training.featcache import FeatureCache, as_tensor, is_reference
 from specblock.training.medusa_step import MedusaPass
 from specblock.training.specblock_step import TargetPass, to_draft_vocab
 from specblock.training.sps_step import SpsTopkPass
@@ -47,7 +47,7 @@ class CacheWindows:
         self.held = [n for n in cache.names if n in held and sizes[n] > window]
         self.sizes = np.array([sizes[n] for n in self.train], dtype=np.float64)
         self.p = self.sizes / max(self.sizes.sum(), 1.0)
-        own = np.array([not n.startswith("ref_") for n in self.train])
+        own = np.array([not is_reference(n) for n in self.train])
         if self.own_share is not None and own.any() and (~own).any():
             self.p = np.where(own, self.own_share * self.sizes / self.sizes[own].sum(),
                               (1 - self.own_share) * self.sizes / self.sizes[~own].sum())

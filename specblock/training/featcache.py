@@ -38,6 +38,15 @@ import numpy as np
 from specblock.models.convert import sha256
 from specblock.errors import SpecBlockError
 
+#: Shards of reference answers (``refanswers``) are named ``ref_NNNNN``; chatgen's, the target's
+#: own answers, ``shard_NNNNN``. One cache holds both kinds side by side.
+REF_PREFIX = "ref_"
+
+
+def is_reference(name: str) -> bool:
+    return name.startswith(REF_PREFIX)
+
+
 FILES = ("tokens", "offsets", "prompt_lens", "taps", "top", "topk_ids", "topk_logp")
 
 

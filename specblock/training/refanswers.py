@@ -26,6 +26,7 @@ from pathlib import Path
 
 from specblock.errors import SpecBlockError
 from specblock.training.chatgen import Instruction, code_prompt, read_jsonl, training_functions
+from specblock.training.featcache import REF_PREFIX
 
 #: Share of answers per domain while every domain lasts (the bench's chat-like domains weigh most).
 MIX: dict[str, float] = {"chat": 0.5, "math": 0.3, "code": 0.2}
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     man = {"kind": "specblock-reference", "target": ident["name"], "target_sha256": ident["weights_sha256"],
            "settings": settings, "heldout_shards": [], "shards": {}}
     for i in range(0, len(rows), args.shard_size):
-        part, name = rows[i:i + args.shard_size], f"ref_{i // args.shard_size:05d}"
+        part, name = rows[i:i + args.shard_size], f"{REF_PREFIX}{i // args.shard_size:05d}"
         f = args.out / f"{name}.jsonl"
         tmp = f.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in part))
