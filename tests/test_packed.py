@@ -86,3 +86,26 @@ def test_refusals_are_one_line(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(SpecBlockError, match="no CUDA device"):
             TargetModel.load(save_tiny(tmp_path / "t", "llama", vocab=V), "packed-fp16", "cuda")
+
+
+def test_compiled_packed_target_is_one_graph_and_lossless():
+    """``--compile`` on packed-fp16: the packed GEMM sits behind an op dynamo traces
+    (``packed.packed_linear``), so the forward is one graph, not one per linear, and greedy output is
+    the packed model's own. Regional compilation refuses packed linears in one line."""
+    import torch._dynamo as dynamo
+
+    from specblock.compiled.target import StaticTarget
+
+    model = packed_model("llama", seed=5, layers=3)
+    ids = torch.arange(2, 10)[None]
+    with torch.no_grad():
+        explained = dynamo.explain(lambda i: model(i).logits)(ids)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    with pytest.raises(SpecBlockError, match="compile-mode whole"):
+        StaticTarget(model, compile=False, regions=True)
+    target = StaticTarget(model, compile=True, buckets=(1, 8))
+    rng = np.random.default_rng(6)
+    prompt = rng.integers(2, V, 10)
+    ref = hf_greedy(model, prompt, 20)
+    for drafter in (RandomDrafter(V, seed=0), LookupDrafter(branches=2, max_ngram=2)):
+        assert Engine(target, drafter, budget=7).generate(prompt, 20).token_ids == ref, drafter.name

@@ -17,6 +17,9 @@ runs the same packed model, and outputs are compared with that model's own greed
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 from torch import nn
 
@@ -43,12 +46,39 @@ class PackedLinear(nn.Module):
         self.bias = lin.bias
         bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
         self._packed = torch.ops.quantized.linear_prepack_fp16(lin.weight.detach().float().contiguous(), bias)
+        self._key = next(_KEYS)
+        _PACKED[self._key] = self._packed
+        weakref.finalize(self, _PACKED.pop, self._key, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the same kernel, behind an op dynamo can trace (see packed_linear)
+            return packed_linear(x, self._key, self.out_features)
         return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed fp16"
+
+
+#: Packed weights by key, for ``packed_linear``: a compiled graph may hold ints, not fbgemm's
+#: packed-weight object. Each ``PackedLinear`` removes its entry when it is collected.
+_PACKED: dict[int, torch.ScriptObject] = {}
+_KEYS = itertools.count()
+
+
+@torch.library.custom_op("specblock::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    """fbgemm's packed fp16 GEMM as an opaque op for ``torch.compile``.
+
+    Why: dynamo cannot put the packed-weight ScriptObject into a graph, so every ``PackedLinear``
+    split a compiled forward in two (211 graph breaks in the real model), and the compiled
+    packed-fp16 target ran slower than the eager one. Behind this op, with the weight named by an
+    int, the whole forward is one graph whose linears inductor calls as extern kernels."""
+    return torch.ops.quantized.linear_dynamic_fp16(x, _PACKED[key])
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def pack_linears(model: nn.Module) -> int:
