@@ -5,7 +5,7 @@ Each ``--drafter NAME=METHOD:DIR`` is loaded and evaluated by its training recip
 on), more than the 8 that training logs. The figure to compare is ``accepted``: the expected drafts
 a top-1 chain gets accepted (SpecBlock: block 1's chain; EAGLE-3 / ParallelSpec / Falcon: the chain
 over depths), with its parts by position; Medusa's heads are not a chain, so its row shows each
-head's top-1.
+head's top-1, and SpS's its top-1 agreement with the target (alpha).
 
     python experiments/heldout_compare.py --features ~/.cache/specblock/features/smollm2-135m-instruct \
         --drafter shipped=specblock:specblock/assets/drafters/smollm2-135m-instruct/specblock \
@@ -31,6 +31,17 @@ from specblock.training.featcache import FeatureCache  # noqa: E402
 from vocab_sweep import evaluate, load  # noqa: E402
 
 
+def load_drafter(method: str, path: Path, model):
+    """Any exported drafter: SpS is an HF model of its own, the rest are re-headable nets."""
+    if method != "sps":
+        return load(method, path, model)
+    from transformers import AutoModelForCausalLM
+
+    from specblock.training.sps_step import SpsNet
+
+    return SpsNet(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).eval()
+
+
 def parse(spec: str) -> tuple[str, str, Path]:
     name, _, rest = spec.partition("=")
     method, _, path = rest.partition(":")
@@ -42,10 +53,12 @@ def parse(spec: str) -> tuple[str, str, Path]:
 
 
 def accepted(row: dict) -> tuple[float, list[float]]:
-    """The chain's expected accepted drafts and its parts; Medusa: its heads' top-1."""
+    """The chain's expected accepted drafts and its parts; Medusa: its heads' top-1; SpS: alpha."""
     for key in ("block1_acc", "chain_acc"):
         if isinstance(row.get(key), list):
             return float(sum(row[key])), row[key]
+    if "alpha" in row:
+        return float("nan"), [row["alpha"]]
     return float("nan"), row.get("head_top1", [])
 
 
@@ -77,7 +90,7 @@ def main(argv: list[str]) -> int:
         rows = []
         for name, method, path in specs:
             row = {"name": name, "method": method, "drafter": str(path),
-                   **evaluate(method, load(method, path, model), cache, a.windows, a.window)}
+                   **evaluate(method, load_drafter(method, path, model), cache, a.windows, a.window)}
             print(json.dumps(row), flush=True)
             rows.append(row)
     except SpecBlockError as e:

@@ -49,7 +49,6 @@ from specblock.training.featcache import FeatureCache
 
 SIZES = (4096, 8192, 16384, None)  # None: the target's whole vocabulary
 NETS = {"eagle3": Eagle3Net, "medusa": MedusaNet, "parallelspec": ParallelSpecNet, "falcon": FalconNet}
-FEATURE = {"medusa": "top"}  # what each method reads from the cache (the others: the taps)
 
 
 def load(kind: str, path: Path, model):
@@ -76,9 +75,10 @@ def reheaded(base, model, d2t: np.ndarray | None):
 
 @torch.no_grad()
 def evaluate(kind: str, net, cache: FeatureCache, windows: int, window: int = 257) -> dict:
-    src = CacheWindows(cache, window, feature=FEATURE.get(kind, "taps"))
+    src = CacheWindows(cache, window, feature=recipes.get(kind).cached)  # what the method trained on
     held = src.heldout(windows, net)
-    cov = 1.0 if held.y_ok is None else float(held.y_ok[:, :-1].float().mean())
+    y_ok = getattr(held, "y_ok", None)  # None: the full vocabulary (SpS)
+    cov = 1.0 if y_ok is None else float(y_ok[:, :-1].float().mean())
     args = argparse.Namespace(ttt_steps=6, hard_labels=False)
     ev = recipes.get(kind).evaluate(net, None, held, args)
     out = {"coverage": round(cov, 4), **ev}

@@ -21,23 +21,28 @@ def test_drafters_of_several_methods_on_the_same_windows(tmp_path, capsys):
     for method in ("specblock", "eagle3", "medusa"):
         train_main(flags + ["--method", method, "--run-dir", str(tmp_path / method), "--out", str(tmp_path / method / "d"),
                             "--max-steps", "2"] + (["--K", "3"] if method == "specblock" else []))
+    sps_flags = [f for f in flags if f not in ("--draft-vocab", "20")]  # SpS drafts over the whole vocabulary
+    train_main(sps_flags + ["--method", "sps", "--layers", "1", "--draft-hidden", "16", "--run-dir", str(tmp_path / "sps"),
+                            "--out", str(tmp_path / "sps" / "d"), "--max-steps", "2"])
     # a fine-tune of the SpecBlock run: what the script is for
     train_main(flags + ["--method", "specblock", "--K", "3", "--run-dir", str(tmp_path / "ft"), "--init-from",
                         str(tmp_path / "specblock"), "--max-steps", "2", "--own-share", "0.5", "--out", str(tmp_path / "ft" / "d")])
     out = tmp_path / "cmp"
     specs = [f"sb=specblock:{tmp_path / 'specblock' / 'd'}", f"sb-again=specblock:{tmp_path / 'specblock' / 'd'}",
              f"sb-ft=specblock:{tmp_path / 'ft' / 'd'}", f"e3=eagle3:{tmp_path / 'eagle3' / 'd'}",
-             f"md=medusa:{tmp_path / 'medusa' / 'd'}"]
+             f"md=medusa:{tmp_path / 'medusa' / 'd'}", f"sps=sps:{tmp_path / 'sps' / 'd'}"]
     argv = ["--target", str(tdir), "--features", str(cache), "--windows", "4", "--window", "17", "--out", str(out),
             "--threads", "1"]
     assert mod.main(argv + [x for s in specs for x in ("--drafter", s)]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [r["name"] for r in rows] == ["sb", "sb-again", "sb-ft", "e3", "md"]
+    assert [r["name"] for r in rows] == ["sb", "sb-again", "sb-ft", "e3", "md", "sps"]
     assert rows[0]["block1_acc"] == rows[1]["block1_acc"]  # same drafter, same windows
     total, parts = mod.accepted(rows[3])
     assert total == sum(rows[3]["chain_acc"]) and 0 <= total <= len(parts)
     total, parts = mod.accepted(rows[4])
     assert math.isnan(total) and parts == rows[4]["head_top1"]
+    total, parts = mod.accepted(rows[5])  # SpS: its top-1 agreement with the target
+    assert math.isnan(total) and parts == [rows[5]["alpha"]] and 0 <= rows[5]["alpha"] <= 1
     md = out.with_suffix(".md").read_text()
     assert "| sb-ft | specblock |" in md and "| md | medusa | nan |" in md
     # bad input: one line, nothing written
