@@ -147,7 +147,11 @@ def main() -> None:
     target = load_causal_lm(targs.target, "bfloat16", "cpu", "sdpa", False)
     net = recipes.get(run["method"]).build(target, targs)
     net.load_state_dict(run["net"])
-    net.save(args.out)
+    serving = args.out / "serving.json"  # measured serving settings (best_budgets.py): kept over a re-export
+    kept = serving.read_bytes() if serving.is_file() else None
+    net.save(args.out)  # SpS writes a fresh HF directory in place of the old one
+    if kept is not None:
+        write_atomic(serving, kept)
     lines = [json.loads(x) for x in (args.run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     gen = json.loads((args.data / "manifest.json").read_text())
     refs = json.loads((args.refs / "manifest.json").read_text()) if args.refs else None

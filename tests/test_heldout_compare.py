@@ -64,6 +64,8 @@ def test_a_fine_tune_card_names_its_source_and_mix(tmp_path, monkeypatch):
                         "--own-share", "0.5"])
     mod = experiment("export_drafter")
     out = tmp_path / "exported"
+    out.mkdir()
+    (out / "serving.json").write_text('{"budget": 3}')  # a re-export keeps the measured serving settings
     monkeypatch.setattr(sys, "argv", ["export_drafter.py", "--run-dir", str(tmp_path / "base-ft"), "--features", str(cache),
                                       "--data", str(tmp_path / "gen"), "--out", str(out)])
     mod.main()
@@ -71,6 +73,7 @@ def test_a_fine_tune_card_names_its_source_and_mix(tmp_path, monkeypatch):
     assert "- 2 steps in" in card and "50% of windows from the target's own answers" in card
     assert "Fine-tuned from the run in `base`: 3 steps" in card
     assert (out / "model.safetensors").is_file()
+    assert (out / "serving.json").read_text() == '{"budget": 3}'
     # answers generated after the cache was built were never trained on: the card counts cached shards only
     gen = json.loads((tmp_path / "gen" / "manifest.json").read_text())
     feat = json.loads((cache / "manifest.json").read_text())
