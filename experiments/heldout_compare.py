@@ -35,11 +35,9 @@ def load_drafter(method: str, path: Path, model):
     """Any exported drafter: SpS is an HF model of its own, the rest are re-headable nets."""
     if method != "sps":
         return load(method, path, model)
-    from transformers import AutoModelForCausalLM
-
     from specblock.training.sps_step import SpsNet
 
-    return SpsNet(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).eval()
+    return SpsNet(load_causal_lm(path, "float32", "cpu", "sdpa", False)).eval()  # as the runtime loads it
 
 
 def parse(spec: str) -> tuple[str, str, Path]:

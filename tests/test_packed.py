@@ -1,6 +1,7 @@
 """``--dtype packed-fp16``: fp16 weights packed for fbgemm, fp32 arithmetic; lossless like fp32."""
 
 import copy
+import gc
 import json
 
 import numpy as np
@@ -34,6 +35,13 @@ def test_packed_linear_is_fp32_arithmetic_on_fp16_weights():
     assert got.dtype == torch.float32 and got.shape == (5, 3, 24)
     assert torch.allclose(got, want, atol=1e-5)
     assert not torch.allclose(got, lin(x), atol=1e-6)  # the weights really are rounded to fp16
+    # the op a compiled graph calls finds the weights by key; a copy keeps working once the original is gone
+    original = packed.PackedLinear(lin)
+    twin = copy.deepcopy(original)
+    assert twin._key != original._key
+    del original
+    gc.collect()
+    assert torch.equal(packed.packed_linear(x, twin._key, 24), got)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

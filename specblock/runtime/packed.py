@@ -46,9 +46,17 @@ class PackedLinear(nn.Module):
         self.bias = lin.bias
         bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
         self._packed = torch.ops.quantized.linear_prepack_fp16(lin.weight.detach().float().contiguous(), bias)
+        self._register()
+
+    def _register(self) -> None:
         self._key = next(_KEYS)
         _PACKED[self._key] = self._packed
         weakref.finalize(self, _PACKED.pop, self._key, None)
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (deepcopy, pickle) gets a key of its own: the original's is dropped with it."""
+        super().__setstate__(state)
+        self._register()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the same kernel, behind an op dynamo can trace (see packed_linear)
