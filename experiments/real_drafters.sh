@@ -2,7 +2,7 @@
 # Drafters for the real target (SmolLM2-135M-Instruct, issue 14), every command in order. Each
 # step is resumable: rerun the same line after an interruption and it continues where it stopped.
 # Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
-#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|lossless|widths|eval
+#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|compiled|lossless|widths|eval
 # One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
 # generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
 # side by side (featcache --follow picks up new chatgen shards, training new feature shards).
@@ -159,6 +159,17 @@ case "${1:-}" in
         "${PIN[@]}" --dtype packed-fp16 --prompts ${PROMPTS:-3} --runs 3 --max-new-tokens 48 --threads 2 \
         --out "experiments/results/${MAIN_OUT:-bench_smollm2_packed}" --trace-dir runs/traces_smollm2_packed
     $PY experiments/best_method.py "experiments/results/${MAIN_OUT:-bench_smollm2_packed}.json" --write specblock/assets/drafters/$T ;;
+  compiled)  # 6e. Compiled against eager in one run (issue 16): each method twice, METHOD on the eager packed-fp16
+    #            target and METHOD@c on the compiled one (the same weights, --set METHOD@c:compiled=true), interleaved,
+    #            every one at its serving.json settings; Spd divides by eager plain decoding (ar), so ar@c is the
+    #            compiled target's own gain. COMPILED_METHODS= picks the methods, PROMPTS= prompts per domain (default 1).
+    M=""; SETS=()
+    for m in ${COMPILED_METHODS:-ar lookup medusa parallelspec falcon eagle3 specblock}; do
+      M+="$m,$m@c,"; SETS+=(--set "$m@c:compiled=true")
+      [[ $m == specblock ]] && SETS+=(--set "specblock:M=2" --set "specblock@c:M=2")
+    done
+    $PY -m specblock.runtime bench --target $T --methods "${M%,}" "${SETS[@]}" --dtype packed-fp16 \
+        --prompts ${PROMPTS:-1} --runs 3 --max-new-tokens 48 --threads 2 --out "experiments/results/${NAME:-bench_smollm2_compiled}" ;;
   lossless)  # 6d. Every method against plain decoding at fp32 (the lossless run: match rate and divergences, not
     #            speed), 3 prompts per domain, 48 new tokens, each at its serving.json settings. METHODS= and NAME= pick a subset and its file.
     M=${METHODS:-ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt}
@@ -180,5 +191,5 @@ case "${1:-}" in
     $PY experiments/specblock_eval.py --target $T --drafter specblock/assets/drafters/$T/specblock --windows 4 \
         --dtype packed-fp16 --bench experiments/results/bench_smollm2_packed.json \
         --latency specblock/sim/data/latency_cpu_smollm2_packed_fp16.json --out experiments/results/specblock_eval_smollm2.json ;;
-  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|lossless|widths|eval" >&2; exit 2 ;;
+  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|compiled|lossless|widths|eval" >&2; exit 2 ;;
 esac

@@ -105,3 +105,43 @@ def test_bench_adapt_row_is_lossless_and_restarts_from_theta0_each_run(tmp_path)
     # the last run's adapter only: windows of one run's 2 prompts, not of both runs
     iters_per_run = rows["specblock+adapt"]["new_tokens"] / rows["specblock+adapt"]["tau"]
     assert 1 <= summary["adapt_windows"] <= iters_per_run / 3 + 1
+
+
+def test_compiled_and_eager_methods_in_one_run(tmp_path, capsys, monkeypatch):
+    """``--set METHOD:compiled=true`` puts one method on the compiled target (the same model's
+    weights), so compiled and eager decoding are timed interleaved in one run; every other method
+    stays eager, and HF generate peers refuse the option. The static target here runs its padded
+    step eagerly (``compile=False``): the routing is under test, not inductor."""
+    from specblock.compiled.target import StaticTarget
+    from specblock.runtime import cli
+    from tiny import run_cli
+
+    built = []
+
+    class Counting(StaticTarget):
+        def tree_forward(self, tree):
+            self.forwards += 1
+            return super().tree_forward(tree)
+
+    def fake_compile(target, compile, mode="whole"):
+        assert compile and mode == "whole"
+        built.append(Counting.wrap(target, compile=False))
+        built[-1].forwards = 0
+        return built[-1]
+
+    monkeypatch.setattr(cli, "maybe_compile", fake_compile)
+    save_tiny(tmp_path / "t", "llama", vocab=96, ctx=2048)
+    out = tmp_path / "c"
+    assert main(["bench", "--target", str(tmp_path / "t"), "--methods", "ar,lookup,ar@c,lookup@c", "--domains", "code",
+                 "--prompts", "1", "--max-new-tokens", "8", "--runs", "1", "--dtype", "float32",
+                 "--set", "ar@c:compiled=true", "--set", "lookup@c:compiled=true", "--out", str(out)]) == 0
+    assert len(built) == 1 and built[0].forwards > 0  # one compiled target, shared by both @c methods
+    rows = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert set(rows) == {"ar", "lookup", "ar@c", "lookup@c"} and all(r["match_rate"] == 1.0 for r in rows.values())
+    n = built[0].forwards
+    assert main(["bench", "--target", str(tmp_path / "t"), "--methods", "lookup", "--domains", "code", "--prompts", "1",
+                 "--max-new-tokens", "8", "--runs", "1", "--dtype", "float32", "--out", str(out)]) == 0
+    assert len(built) == 1 and built[0].forwards == n  # no compiled=true: nothing compiled, nothing routed there
+    code, _, err = run_cli(capsys, "bench", "--target", tmp_path / "t", "--methods", "hf-lookup", "--domains", "code",
+                           "--prompts", "1", "--set", "hf-lookup:compiled=true", "--out", out)
+    assert code != 0 and "compiled=true is for this project's methods" in err

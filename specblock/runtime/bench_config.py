@@ -15,6 +15,7 @@ from specblock.errors import SpecBlockError
 from specblock.flags import check, one_line
 from specblock.prompts import DOMAINS
 from specblock.runtime.config import RunConfig
+from specblock.runtime.peers import is_peer
 
 _SHARED = ("ngram", "lookup_depth", "branches", "seed", "drafter", "M", "max_seeds", "widths", "budget",
            "adapt_window", "policy", "policy_kwargs", "seed_policy", "seed_policy_kwargs", "adapt_policy",
@@ -23,13 +24,16 @@ _POSITIVE = (int | None, Field(None, ge=1))
 
 #: What ``--set`` accepts: RunConfig's own fields, plus the drafters' serving knobs the decoding
 #: CLI has no flag for (EAGLE-3's depth and top-k, SpS's gamma, Falcon's forwards and seeds, the
-#: HF assisted peer's assistant tokens).
+#: HF assisted peer's assistant tokens), and ``compiled`` (this method on the ``--compile`` target).
 MethodOptions = create_model(
     "MethodOptions",
     __config__=ConfigDict(extra="forbid"),
     **{k: (RunConfig.model_fields[k].annotation, RunConfig.model_fields[k]) for k in _SHARED if k in RunConfig.model_fields},
     depth=_POSITIVE, top_k=_POSITIVE, gamma=_POSITIVE, forwards=_POSITIVE, falcon_seeds=_POSITIVE,
     num_assistant_tokens=_POSITIVE,
+    # this method on the compiled target (specblock/compiled, one model shared with the eager one):
+    # compiled against eager in one run, e.g. --methods ar,ar@c --set ar@c:compiled=true
+    compiled=(bool | None, None),
 )
 
 
@@ -107,4 +111,9 @@ def check_bench_flags(args) -> dict[str, dict]:
     per-method options."""
     check(BenchFlags, vars(args))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    return method_options(args.set, methods)
+    opts = method_options(args.set, methods)
+    for m, o in opts.items():
+        if o.get("compiled") and is_peer(m):
+            raise SpecBlockError(f"--set {m}:compiled: HF generate peers run HF's own loop; "
+                                 "compiled=true is for this project's methods")
+    return opts
