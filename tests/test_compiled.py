@@ -35,8 +35,8 @@ def random_tree(rng: np.random.Generator, n: int, root: int, vocab: int = 32) ->
 
 
 def test_buckets_and_spans():
-    assert [bucket_of(n) for n in (1, 2, 8, 9, 33, 64, 65, 130)] == [1, 8, 8, 16, 64, 64, 128, 192]
-    assert bucket_of(5, (1, 4)) == 8 and BUCKETS == (1, 8, 16, 32, 64)
+    assert [bucket_of(n) for n in (1, 2, 5, 7, 8, 9, 33, 64, 65, 130)] == [1, 2, 6, 8, 8, 12, 48, 64, 128, 192]
+    assert bucket_of(5, (1, 4)) == 8 and BUCKETS == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
     assert [span_of(n, 1088) for n in (1, 256, 257, 600, 1088)] == [256, 256, 512, 1024, 1088]
 
 
@@ -243,3 +243,19 @@ def test_cuda_graphs_path_is_lossless(regions):
         for drafter in (ARDrafter(), RandomDrafter(VOCAB, seed=trial), LookupDrafter(branches=3, max_ngram=2)):
             res = Engine(target, drafter, budget=15).generate(prompt, 32)
             assert res.token_ids == ref, (drafter.name, trial)
+
+
+def test_features_step_is_one_graph_on_a_fresh_model():
+    """Drafters that read the target's hidden states (SpecBlock, EAGLE-3, Medusa, ...) need the
+    features step; on a model that never returned hidden states, transformers installs its capture
+    hooks under a lock dynamo cannot enter, which split the compiled step into 4 graphs. The
+    compiled target installs them eagerly first (nothing is compiled here: dynamo only traces)."""
+    import torch._dynamo as dynamo
+
+    n = 8
+    args = (torch.zeros(n, dtype=torch.long), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(),
+            torch.tensor(3), span_of(3 + n, 64), True, False)
+    for compile, graphs in ((False, 4), (True, 1)):  # compile=False never installs them: the split shows
+        target = StaticTarget(tiny_model("llama", vocab=32, seed=2, layers=2), compile=compile)
+        explained = dynamo.explain(target._step)(*args)
+        assert explained.graph_count == graphs, (compile, explained.break_reasons)

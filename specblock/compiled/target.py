@@ -40,7 +40,12 @@ from specblock.models.registry import specblock_home
 from specblock.policies.tree import DraftTree
 from specblock.runtime.target import TargetModel, TargetOutput
 
-BUCKETS: tuple[int, ...] = (1, 8, 16, 32, 64)
+#: Tree sizes compiled for (each on first use). Fine at the small end because a padded row is not
+#: free here: on this 2-core CPU each tree row adds about 3 ms to the real model's compiled T(n)
+#: (T(1) / T(3) / T(8) = 42.5 / 50.6 / 67.6 ms), so the 3-5-node trees the shipped drafters serve
+#: ran 12-17 ms slower padded to 8 (``experiments/results/compiled_rows.md``). Above 8 a bucket is
+#: at most 1.5x its smallest tree. More buckets cost compile time only for the sizes a run meets.
+BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 MIN_SPAN = 256
 #: Inductor on CPU: ``freezing`` folds the (fixed) target weights into the graph as constants so
 #: the linears run on prepacked oneDNN weights, and ``cpp_wrapper`` calls the kernels from C++
@@ -112,6 +117,7 @@ class StaticTarget(TargetModel):
         if compile:
             use_disk_cache()
             _allow_recompiles()
+            self._install_output_hooks()
             if self.mode is not None:
                 kw = {"mode": self.mode}
             else:
@@ -201,6 +207,18 @@ class StaticTarget(TargetModel):
         if (whole - parts).abs().max() > 1e-3 * whole.abs().max() + 1e-5:
             raise SpecBlockError(f"{type(self.model).__name__}: the regional forward differs from the model's own; "
                                  "use the whole-model compile mode (--compile-mode whole)")
+
+    @torch.no_grad()
+    def _install_output_hooks(self) -> None:
+        """One small eager forward with hidden states, before anything is compiled. Why:
+        transformers installs its hidden-state capture hooks lazily on the first forward that asks
+        for them, under a ``threading.Lock`` that dynamo cannot enter; traced then, a compiled step
+        with features split into 4 graphs (3 breaks) instead of 1. Nothing it writes is kept: the
+        static slots it fills are overwritten by the next prefill."""
+        dev = self.device
+        one = torch.zeros(1, dtype=torch.long, device=dev)
+        self._eager_step(one, one, torch.ones(1, 1, dtype=torch.bool, device=dev), torch.tensor(0, device=dev),
+                         span_of(1, self.capacity), True, True)
 
     # ------------------------------------------------------------------ the three moves
     def reset(self) -> None:
