@@ -40,11 +40,11 @@ from specblock.models.registry import specblock_home
 from specblock.policies.tree import DraftTree
 from specblock.runtime.target import TargetModel, TargetOutput
 
-#: Tree sizes compiled for (each on first use). Fine at the small end because a padded row is not
-#: free here: on this 2-core CPU each tree row adds about 3 ms to the real model's compiled T(n)
-#: (T(1) / T(3) / T(8) = 42.5 / 50.6 / 67.6 ms), so the 3-5-node trees the shipped drafters serve
-#: ran 12-17 ms slower padded to 8 (``experiments/results/compiled_rows.md``). Above 8 a bucket is
-#: at most 1.5x its smallest tree. More buckets cost compile time only for the sizes a run meets.
+#: Tree sizes compiled for (each on first use). Fine at the small end because padded rows are not
+#: free here: on this 2-core CPU the real model's compiled T(3) / T(4) / T(6) were 1.02-1.11x T(1)
+#: but T(8) 1.39x (``experiments/results/compiled_rows.md``), so the 3-5-node trees the shipped
+#: drafters serve paid 12-16 ms a step padded to 8. Above 8 a bucket is at most 1.5x its smallest
+#: tree. More buckets cost compile time only for the sizes a run meets.
 BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 MIN_SPAN = 256
 #: Inductor on CPU: ``freezing`` folds the (fixed) target weights into the graph as constants so

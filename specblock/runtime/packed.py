@@ -75,7 +75,7 @@ _KEYS = itertools.count()
 
 #: ``specblock::packed_linear``, registered with the plain ``torch.library.Library`` API rather
 #: than the ``custom_op`` decorator: the decorator's wrappers (autograd, schema checks) cost about
-#: 30 us a call on this CPU, 211 calls per forward of the real model, which was 15-20% of a
+#: 30 us a call on this CPU, 211 calls per forward of the real model, about a fifth of a
 #: compiled T(1); the plain registration costs about 7 us over the kernel
 #: (``experiments/packed_op_overhead.py``). A compiled graph calls it through the dispatcher.
 _LIB = torch.library.Library("specblock", "DEF")
