@@ -2,7 +2,7 @@
 # Drafters for the real target (SmolLM2-135M-Instruct, issue 14), every command in order. Each
 # step is resumable: rerun the same line after an interruption and it continues where it stopped.
 # Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
-#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|compiled|lossless|widths|eval
+#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|compiled|compiled-budgets|lossless|widths|eval
 # One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
 # generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
 # side by side (featcache --follow picks up new chatgen shards, training new feature shards).
@@ -170,6 +170,18 @@ case "${1:-}" in
     done
     $PY -m specblock.runtime bench --target $T --methods "${M%,}" "${SETS[@]}" --dtype packed-fp16 \
         --prompts ${PROMPTS:-1} --runs 3 --max-new-tokens 48 --threads 2 --out "experiments/results/${NAME:-bench_smollm2_compiled}" ;;
+  compiled-budgets) # 6f. Node budgets on the compiled target (its tree cost differs from eager's: compiled_rows.md), a
+    #            diagnostic, not written to serving.json: METHOD@cB at budget B for B in BUDGETS (default 2 3 5),
+    #            SWEEP_METHODS (default specblock medusa parallelspec), 1 prompt per domain, 2 runs.
+    M="ar,ar@c"; SETS=(); PIN=()
+    for m in ${SWEEP_METHODS:-specblock medusa parallelspec}; do
+      for b in ${BUDGETS:-2 3 5}; do
+        M+=",$m@c$b"; SETS+=(--set "$m@c$b:compiled=true" --set "$m@c$b:budget=$b")
+        [[ $m == specblock ]] && PIN+=(--set "specblock@c$b:M=2")
+      done
+    done
+    $PY -m specblock.runtime bench --target $T --methods "$M" "${SETS[@]}" "${PIN[@]}" --dtype packed-fp16 --prompts 1 \
+        --runs 2 --max-new-tokens 48 --threads 2 --out "experiments/results/${NAME:-bench_smollm2_compiled_budgets}" ;;
   lossless)  # 6d. Every method against plain decoding at fp32 (the lossless run: match rate and divergences, not
     #            speed), 3 prompts per domain, 48 new tokens, each at its serving.json settings. METHODS= and NAME= pick a subset and its file.
     M=${METHODS:-ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt}
@@ -191,5 +203,5 @@ case "${1:-}" in
     $PY experiments/specblock_eval.py --target $T --drafter specblock/assets/drafters/$T/specblock --windows 4 \
         --dtype packed-fp16 --bench experiments/results/bench_smollm2_packed.json \
         --latency specblock/sim/data/latency_cpu_smollm2_packed_fp16.json --out experiments/results/specblock_eval_smollm2.json ;;
-  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|compiled|lossless|widths|eval" >&2; exit 2 ;;
+  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|compiled|compiled-budgets|lossless|widths|eval" >&2; exit 2 ;;
 esac
