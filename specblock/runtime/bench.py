@@ -112,26 +112,22 @@ class Targets:
     shared): ``--compile`` puts every method on it, ``--set METHOD:compiled=true`` one method, so
     compiled and eager decoding can be timed interleaved in one run."""
 
-    def __init__(self, eager: TargetModel, args) -> None:
-        self.eager, self._compiled, self.args = eager, None, args
+    def __init__(self, eager: TargetModel, mode: str) -> None:
+        self.eager, self.mode, self._compiled = eager, mode, None
 
     def compiled(self) -> TargetModel:
         if self._compiled is None:
             from specblock.runtime.cli import maybe_compile
 
-            self._compiled = maybe_compile(self.eager, True, self.args.compile_mode)
+            self._compiled = maybe_compile(self.eager, True, self.mode)
         return self._compiled
 
-    def of(self, method: str) -> TargetModel:
-        """HF generate peers run HF's own loop on the eager target's model, compiled or not."""
-        if peers.is_peer(method):  # check_bench_flags refused compiled=true for them
-            return self.eager
-        return self.compiled() if self.args.compile or _options(method, self.args).get("compiled") else self.eager
 
-
-def _engine(m: str, target: TargetModel, args, eos: frozenset[int]) -> Engine:
+def _engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
     opts = _options(m, args)
-    opts.pop("compiled", None)  # which target: Targets.of
+    # --compile: every method on the compiled target; --set METHOD:compiled=true: this one (HF peers
+    # never: check_bench_flags refuses it, and they run HF's own loop on the eager target's model)
+    target = targets.compiled() if opts.pop("compiled", None) or args.compile else targets.eager
     # "budget" is the engine's node budget: --set METHOD:budget, then --budget, then the drafter's
     # serving.json (its measured best), then the default
     if args.budget is not None:
@@ -162,7 +158,7 @@ def run_bench(args, traces: AtomicFiles | None = None) -> dict:
     cfg = validate({"target": args.target, "dtype": args.dtype})
     args.dtype = resolve_dtype(args.dtype, "auto")  # the results' config records what ran, never "auto"
     path = cfg.target_dir
-    targets = Targets(TargetModel.load(path, args.dtype, "auto"), args)
+    targets = Targets(TargetModel.load(path, args.dtype, "auto"), args.compile_mode)
     target = targets.eager  # prompts' context check and divergences: the same model either way
     tok = load_tokenizer(path, False)
     eos = chat.stop_ids(tok, read_generation_eos(path))
@@ -179,7 +175,7 @@ def run_bench(args, traces: AtomicFiles | None = None) -> dict:
             except peers.PeerUnavailable as e:
                 skipped[m] = str(e)
         else:
-            engines[m] = _engine(m, targets.of(m), args, eos)
+            engines[m] = _engine(m, targets, args, eos)
     methods = [m for m in methods if m in engines]
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
     # A chat model gets each prompt as one user turn through its template (code framed by
@@ -202,7 +198,7 @@ def run_bench(args, traces: AtomicFiles | None = None) -> dict:
             for m in methods:  # not serve prompts it has already trained on
                 if ADAPT in m:
                     engines[m].drafter.close()
-                    engines[m] = _engine(m, targets.of(m), args, eos)
+                    engines[m] = _engine(m, targets, args, eos)
         order = methods[r % len(methods):] + methods[: r % len(methods)]  # rotate who goes first
         per_run = {k: DecodeStats() for k in cells}
         for d in domains:
