@@ -68,16 +68,18 @@ case "${1:-}" in
     #            fresh optimizer and schedule (lr LR=5e-4, 20 warmup steps, the rank head trained throughout), half the
     #            windows from the target's own answers (OWN_SHARE=0.5), into runs/$T/$METHOD-ft. Export it with
     #            METHOD=$METHOD-ft DEST=<dir> ... export, then compare held-out (ablation_table.py --also) before shipping.
+    #            A second round: FROM=specblock-ft SUFFIX=-ft2 starts from runs/$T/specblock-ft into runs/$T/specblock-ft2.
     M=${METHOD:-specblock}
-    train "$M" "$H/runs/$T/$M-ft" --init-from "$H/runs/$T/$M" --lr "${LR:-5e-4}" --warmup 20 --rank-freeze 0 \
+    train "$M" "$H/runs/$T/$M${SUFFIX:--ft}" --init-from "$H/runs/$T/${FROM:-$M}" --lr "${LR:-5e-4}" --warmup 20 --rank-freeze 0 \
         --own-share "${OWN_SHARE:-0.5}" ;;
   finetune-check) # 3j. The fine-tunes against the shipped drafters they started from: each exported to $H/finetune/METHOD
     #            with the shipped serving.json (same node budget, M and widths), held-out acceptance on the same 64 windows,
     #            then a packed-fp16 bench of both side by side (FT_METHODS= picks the methods, PROMPTS= prompts per domain,
-    #            CHECK_OUT= names the result files: heldout_CHECK_OUT_smollm2, bench_smollm2_CHECK_OUT)
+    #            CHECK_OUT= names the result files: heldout_CHECK_OUT_smollm2, bench_smollm2_CHECK_OUT; SUFFIX=-ft2 checks
+    #            a second round's runs)
     FT=$H/finetune; CMP=(); SETS=(); M=ar
     for m in ${FT_METHODS:-specblock eagle3}; do
-      METHOD=$m-ft DEST=$FT/$m bash "$0" export
+      METHOD=$m${SUFFIX:--ft} DEST=$FT/$m bash "$0" export
       cp "specblock/assets/drafters/$T/$m/serving.json" "$FT/$m/"
       CMP+=(--drafter "$m=$m:specblock/assets/drafters/$T/$m" --drafter "$m-ft=$m:$FT/$m")
       M+=",$m,$m@ft"; SETS+=(--set "$m@ft:drafter=$FT/$m")
