@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +126,20 @@ def hf_generate(model, prompt: torch.Tensor, tokens: int, mode: str) -> list[int
     return out[0, prompt.shape[1]:].tolist()
 
 
+@contextmanager
+def hf_attention(model):
+    """HF's generate runs with HF's own SDPA attention, as shipped: our compiled target switches the
+    shared model to its GQA attention (compiled/gqa.py), which would otherwise speed up HF's compiled
+    generate too. Switched back after each call, so every compiled graph keeps the setting it was
+    traced with."""
+    impl = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(impl)
+
+
 def time_decoding(eager: TargetModel, compiled: StaticTarget, prompt: np.ndarray, tokens: int, runs: int) -> dict:
     """Plain-decoding tokens/s (prefill included, as HF's) for ours eager/compiled and HF's three modes."""
     model, dev = eager.model, eager.device
@@ -139,7 +154,8 @@ def time_decoding(eager: TargetModel, compiled: StaticTarget, prompt: np.ndarray
         first[name] = clock(dev) - t0
     for mode in hf_modes:
         t0 = clock(dev)
-        outs[f"hf {mode}"] = hf_generate(model, x, tokens, mode)
+        with hf_attention(model):
+            outs[f"hf {mode}"] = hf_generate(model, x, tokens, mode)
         first[f"hf {mode}"] = clock(dev) - t0
     rates: dict[str, list[float]] = {k: [] for k in outs}
     for _ in range(runs):
@@ -148,9 +164,10 @@ def time_decoding(eager: TargetModel, compiled: StaticTarget, prompt: np.ndarray
             eng.generate(prompt, tokens)
             rates[name].append(tokens / (clock(dev) - t0))
         for mode in hf_modes:
-            t0 = clock(dev)
-            hf_generate(model, x, tokens, mode)
-            rates[f"hf {mode}"].append(tokens / (clock(dev) - t0))
+            with hf_attention(model):
+                t0 = clock(dev)
+                hf_generate(model, x, tokens, mode)
+                rates[f"hf {mode}"].append(tokens / (clock(dev) - t0))
     rows = {k: {"tokens_per_s": round(float(np.median(v)), 2), "first_call_s": round(first[k], 2),
                 "common_prefix_with_hf_plain": common_prefix(outs[k], outs["hf plain"]),
                 "common_prefix_with_ours_eager": common_prefix(outs[k], outs["ours eager"])} for k, v in rates.items()}
@@ -223,6 +240,9 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
     eager = TargetModel.load(path, args.dtype, args.device)
     compiled = {f"compiled {m}": StaticTarget.wrap(eager, compile=True, regions=m == "regions")  # same weights
                 for m in args.mode_list}
+    if args.repeat_kv_baseline:  # a second copy of the model: the attention function is the model's own setting
+        compiled["compiled whole, repeat_kv"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
+                                                                  compile=True, gqa=False)
     sizes = args.size_list
     t_ms = time_trees({"eager": eager, **compiled}, args.ctx, sizes, args.reps)
     bw = bandwidth_gbs(args.device)
@@ -247,6 +267,7 @@ def markdown(results: list[dict], args) -> str:
              f"--dtype {args.dtype} "
              f"--targets {args.targets} --modes {args.modes} --sizes {args.sizes} --threads {args.threads} --reps {args.reps} "
              f"--runs {args.runs} --tokens {args.tokens}{' --skip-compile-times' if args.skip_compile_times else ''}"
+             f"{' --repeat-kv-baseline' if args.repeat_kv_baseline else ''}"
              f"{' --skip-decoding' if args.skip_decoding else ''} --out {args.out}`).", ""]
     for r in results:
         lines += [f"## {r['target']} ({r['layers']} layers, {r['weights_mb']} MB of weights)", "",
@@ -292,6 +313,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=192, help="cached tokens for T(n); 192 + 64 keeps one attention span")
     ap.add_argument("--skip-compile-times", action="store_true")
     ap.add_argument("--skip-decoding", action="store_true", help="no plain-decoding tokens/s (HF's compiled generate is slow to build)")
+    ap.add_argument("--repeat-kv-baseline", action="store_true",
+                    help="also time a compiled target with HF's repeat_kv attention (before compiled/gqa.py)")
     ap.add_argument("--modes", default="whole", help="compile modes side by side: regions, whole or both")
     ap.add_argument("--mode", default="whole", choices=["regions", "whole"], help=argparse.SUPPRESS)  # --probe's mode
     ap.add_argument("--sizes", default=",".join(map(str, BUCKETS)), help="tree sizes n for T(n)")

@@ -17,7 +17,7 @@ from specblock.runtime.drafters import ARDrafter, LookupDrafter, RandomDrafter
 from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel
 from specblock.runtime.verify import SamplingVerifier
-from tiny import FAMILIES, hf_greedy, tiny_model
+from tiny import FAMILIES, hf_greedy, tiny_config, tiny_model
 
 VOCAB = 12
 MODEL = tiny_model("qwen3", vocab=32, seed=1)
@@ -259,3 +259,68 @@ def test_features_step_is_one_graph_on_a_fresh_model():
         target = StaticTarget(tiny_model("llama", vocab=32, seed=2, layers=2), compile=compile)
         explained = dynamo.explain(target._step)(*args)
         assert explained.graph_count == graphs, (compile, explained.break_reasons)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_gqa_attention_equals_repeat_kv(rows, monkeypatch):
+    """The compiled CPU graphs' attention (SDPA reading the grouped key/value heads in place) gives
+    HF's ``repeat_kv`` result on a tree mask, at one row and at several; outside a trace it is HF's
+    own function."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from specblock.compiled.gqa import sdpa_gqa_forward
+
+    g = torch.Generator().manual_seed(rows)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    q = torch.randn(1, 6, rows, 8, generator=g)
+    k, v = torch.randn(2, 1, 2, 40, 8, generator=g)
+    visible = torch.rand(rows, 40, generator=g) > 0.4
+    visible[:, 0] = True
+    mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)[None, None]
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=8**-0.5)
+    same, _ = sdpa_gqa_forward(module, q, k, v, mask, scaling=8**-0.5)
+    assert torch.equal(same, ref)  # not tracing: HF's path itself
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    out, _ = sdpa_gqa_forward(module, q, k, v, mask, scaling=8**-0.5)
+    assert out.shape == ref.shape == (1, rows, 6, 8)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_gqa_attention_only_where_it_applies():
+    """Switched on by compiled CPU targets of SDPA models with grouped heads, and it reaches the
+    graph (an SDPA call with ``enable_gqa``); eager attention, ungrouped heads, the eager padded
+    step and ``gqa=False`` keep the model's own setting."""
+    import torch._dynamo as dynamo
+    from transformers import AutoModelForCausalLM
+
+    from specblock.compiled.gqa import NAME, use_gqa_attention
+
+    assert not use_gqa_attention(tiny_model("llama", vocab=32, attn="eager"))
+    cfg = tiny_config("llama", vocab=32)
+    cfg.num_key_value_heads = cfg.num_attention_heads
+    assert not use_gqa_attention(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"))
+    for kw, switched in (({"compile": False}, False), ({"compile": True, "gqa": False}, False), ({"compile": True}, True)):
+        model = tiny_model("llama", vocab=32, seed=3)
+        target = StaticTarget(model, **kw)
+        assert target.gqa == switched and (model.config._attn_implementation == NAME) == switched, kw
+    n = 4
+    args = (torch.zeros(n, dtype=torch.long), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(),
+            torch.tensor(3), span_of(3 + n, 64), False, False)
+    graph = dynamo.explain(target._step)(*args).graphs[0]
+    sdpa = [nd for nd in graph.graph.nodes if nd.target is torch._C._nn.scaled_dot_product_attention]
+    assert len(sdpa) == 2 and all(nd.kwargs.get("enable_gqa") for nd in sdpa)  # both layers, no repeat_kv
+
+
+def test_compiled_artefacts_go_under_specblock_home(monkeypatch, tmp_path):
+    """Importing inductor writes its /tmp default into TORCHINDUCTOR_CACHE_DIR; that value counts as
+    unset (artefacts go under $SPECBLOCK_HOME), a directory the user chose is kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from specblock.compiled.target import use_disk_cache
+
+    monkeypatch.setenv("SPECBLOCK_HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert use_disk_cache() == tmp_path / "inductor" and (tmp_path / "inductor").is_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_disk_cache() == tmp_path / "mine"

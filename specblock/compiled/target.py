@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from specblock.compiled.gqa import use_gqa_attention
 from specblock.compiled.regions import RegionFns, check_regional, embed, head, layer_step, regional_forward
 from specblock.compiled.static_cache import TreeStaticCache
 from specblock.errors import SpecBlockError
@@ -81,7 +82,8 @@ def span_of(need: int, capacity: int) -> int:
 class StaticTarget(TargetModel):
     """``TargetModel`` with the same three moves on static buffers; ``compile=False`` runs the
     identical padded step eagerly (the tests' cheap way to check the padding); ``regions`` picks
-    one compiled layer step for all layers (True) or one compiled whole forward (False)."""
+    one compiled layer step for all layers (True) or one compiled whole forward (False); ``gqa``
+    False keeps HF's ``repeat_kv`` attention in the graph (the baseline of ``compiled_speed.py``)."""
 
     def __init__(
         self,
@@ -92,6 +94,7 @@ class StaticTarget(TargetModel):
         mode: str | None = None,
         options: dict | None = None,
         regions: bool = False,
+        gqa: bool = True,
     ) -> None:
         super().__init__(model, tap_layers)
         types = getattr(self.config, "layer_types", None)
@@ -111,12 +114,13 @@ class StaticTarget(TargetModel):
         if regions:
             check_regional(model)
             self._check_regions()
-        self.compiled = compile
+        self.compiled, self.gqa = compile, False
         self.mode = mode if mode is not None else ("reduce-overhead" if self.device.type == "cuda" else None)
         self._step_fn = self._eager_step
         if compile:
             use_disk_cache()
             _allow_recompiles()
+            self.gqa = gqa and use_gqa_attention(model)  # grouped heads read in place in the graph (compiled/gqa.py)
             self._install_output_hooks()
             if self.mode is not None:
                 kw = {"mode": self.mode}
@@ -268,8 +272,13 @@ class StaticTarget(TargetModel):
 def use_disk_cache() -> Path:
     """Inductor's compiled graphs (FX graph and AOT-autograd caches, on by default) go under
     ``$SPECBLOCK_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: the default
-    ``/tmp/torchinductor_$USER`` does not survive a reboot, and a warm start skips the C++ builds."""
-    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+    ``/tmp/torchinductor_$USER`` does not survive a reboot, and a warm start skips the C++ builds.
+    Importing inductor writes that default into the environment itself, so a value equal to it
+    counts as unset (until this was checked, every artefact went to /tmp)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not given or os.path.abspath(given) == os.path.abspath(default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(specblock_home() / "inductor")
     path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     path.mkdir(parents=True, exist_ok=True)

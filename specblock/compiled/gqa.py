@@ -1,0 +1,65 @@
+"""Grouped-query attention inside compiled CPU graphs without copying the keys per query head.
+
+Why: HF's SDPA attention passes ``enable_gqa`` only without a mask, and folds the query heads
+onto the key/value heads only for one eager token; under ``torch.compile`` with a tree mask it
+calls ``repeat_kv``, which materialises every layer's keys and values over the whole attention
+span once per query head (SmolLM2: 9 query heads on 3 key/value heads, 2 x 590 KB per layer at
+a 256-slot span). In the real model's compiled one-token graph that copy, fused with the cache
+write, was the largest kernel after the linears (profiled with inductor's kernel profile).
+PyTorch's CPU SDPA takes ``enable_gqa`` with a mask and reads the shared key/value heads in
+place; its output matched ``repeat_kv``'s bit for bit at 1-8 query rows in our probes, and the
+lossless tests of the compiled path run through it.
+
+Scope: registered under its own name and switched on by the compiled CPU target only, and only
+while dynamo traces: eager forwards of the same model (prefill, the eager target that shares its
+weights in a bench) keep HF's own SDPA path unchanged. On CUDA a masked ``enable_gqa`` falls back
+to the math kernel, so CUDA graphs keep ``repeat_kv``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+NAME = "specblock_sdpa_gqa"
+
+
+def sdpa_gqa_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, q, d]
+    key: torch.Tensor,  # [B, H_kv, kv, d]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """HF's SDPA attention, except that a traced forward hands the grouped heads to SDPA."""
+    plain = not torch.compiler.is_compiling() or any(kwargs.get(k) is not None for k in ("softcap", "position_bias"))
+    if plain or query.shape[1] == key.shape[1]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    causal = query.shape[2] > 1 and attention_mask is None and causal  # HF's rule, as in sdpa_attention_forward
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+                                         is_causal=causal, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_gqa_attention(model: PreTrainedModel) -> bool:
+    """Switch an SDPA model on CPU with grouped key/value heads to :func:`sdpa_gqa_forward`.
+    Returns whether it did (other attention, devices or head layouts are left as they are)."""
+    cfg = model.config
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    device = next(model.parameters()).device
+    if device.type != "cpu" or kv_heads == heads or cfg._attn_implementation not in ("sdpa", NAME):
+        return False
+    AttentionInterface.register(NAME, sdpa_gqa_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # masks built the SDPA way
+    model.set_attn_implementation(NAME)
+    return True
