@@ -16,7 +16,7 @@ from specblock.atomic import write_atomic
 from specblock.runtime.target import load_causal_lm
 from specblock.training import recipes
 from specblock.training.checkpoint import load_checkpoint
-from specblock.training.drafter import CKPT
+from specblock.training.drafter import CKPT, lr_at
 from specblock.training.featcache import is_reference
 
 
@@ -60,18 +60,46 @@ def _sessions_line(lines: list[dict]) -> str:
             "checkpoint with a longer --max-minutes, so the learning rate rose again and decayed over the new length.")
 
 
+def lineage(run: dict) -> list[dict]:
+    """The runs a fine-tune descends from, nearest first. Runs record their source's lineage since
+    this round; for older ones the source checkpoint is read from disk while it is there."""
+    chain, init = [], run.get("init")
+    while init:
+        chain.append(init)
+        nxt = init.get("init")
+        src = Path(init["from"]) / CKPT
+        if nxt is None and src.is_file():
+            nxt = load_checkpoint(src).get("init")
+        init = nxt
+    return chain
+
+
 def _init_line(run: dict) -> str:
-    """A fine-tune (``--init-from``) counts only its own steps below; say what it started from."""
-    init = run.get("init")
-    if not init:
+    """A fine-tune (``--init-from``) counts only its own steps below; say what it started from, and
+    what that started from."""
+    chain = lineage(run)
+    if not chain:
         return ""
-    a = init["args"]
-    return (f"\n- Fine-tuned from the run in `{Path(init['from']).name}`: {init['step']:,} steps, {init['train_s'] / 60:.1f} minutes on "
-            f"{a.get('threads', '?')} thread(s), batch {a.get('batch')} x {a.get('window')}, lr {a.get('lr')}; the figures "
-            "above are the fine-tune's alone (its own optimizer and schedule).")
+    runs = "; that one from ".join(
+        f"`{Path(i['from']).name}` ({i['step']:,} steps, {i['train_s'] / 60:.1f} minutes on {i['args'].get('threads', '?')} "
+        f"thread(s), batch {i['args'].get('batch')} x {i['args'].get('window')}, lr {i['args'].get('lr')})" for i in chain)
+    total = run["train_s"] + sum(i["train_s"] for i in chain)
+    return (f"\n- Fine-tuned from the run in {runs}. The figures above are this fine-tune's alone (its own optimizer and "
+            f"schedule); all rounds together: {run['step'] + sum(i['step'] for i in chain):,} steps, {total / 60:.1f} minutes.")
 
 
-def _training_line(run: dict, method: str) -> str:
+def _stopped_line(run: dict, last: dict) -> str:
+    """A run stopped (SIGTERM) before its schedule's end never decayed its learning rate fully."""
+    a = run["args"]
+    progress = max(run["step"] / a["max_steps"], run["train_s"] / (60 * a["max_minutes"]))
+    if progress >= 1 or not last.get("final"):
+        return ""
+    lr = lr_at(run["step"], progress, _ap.Namespace(**a))
+    return (f" Stopped by hand at {progress:.0%} of its schedule ({a['max_minutes']:g} minutes or {a['max_steps']:,} steps), "
+            f"the learning rate at {lr:.2g}.")
+
+
+def _training_line(run: dict, method: str, last: dict) -> str:
     a = run["args"]
     extra = {"specblock": f", rank head frozen for the first {a['rank_freeze']:.0%}, valid-prefix mask {a['valid_prefix']}, "
                           f"cross-block {a['cross_block']}, shared norm {not a['per_k_norm']}",
@@ -82,7 +110,7 @@ def _training_line(run: dict, method: str) -> str:
     mix = (f"; {a['own_share']:.0%} of windows from the target's own answers" if a.get("own_share") is not None else "")
     return (f"{run['step']:,} steps in {run['train_s'] / 60:.1f} minutes of training on {a['threads']} thread(s): batch {a['batch']} x "
             f"{a['window']}-token windows ({run['step'] * a['batch'] * a['window']:,} window tokens seen), AdamW lr {a['lr']} with "
-            f"warmup and cosine decay over wall time{extra}{mix}.{_init_line(run)}")
+            f"warmup and cosine decay over wall time{extra}{mix}.{_stopped_line(run, last)}{_init_line(run)}")
 
 
 def gen_totals(gen: dict, feat: dict) -> dict:
@@ -127,7 +155,7 @@ def card(run: dict, last: dict, gen: dict, refs: dict | None, feat: dict, net, t
   {g.get('minutes', 0)} minutes ({g.get('answer_tokens_per_s', 0)} answer tokens/s; `training/chatgen.py`). Held-out: chatgen shard 0.{ref_line}
 - Features: {f.get('tokens', 0):,} tokens (prompts and answers) in {f.get('shards', 0)} shards, {f.get('gb', 0)} GB,
   {f.get('minutes', 0)} minutes, the target in {feat.get('dtype')} (`training/featcache.py`).{mix_line}
-- {_training_line(run, method)}{sessions}
+- {_training_line(run, method, last)}{sessions}
 - Held-out figures at the run's last evaluation (step {last.get('step')}), from `metrics.jsonl`:
 {figures}
 """

@@ -261,14 +261,14 @@ def test_features_step_is_one_graph_on_a_fresh_model():
         assert explained.graph_count == graphs, (compile, explained.break_reasons)
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 4, 8])
 def test_gqa_attention_equals_repeat_kv(rows, monkeypatch):
     """The compiled CPU graphs' attention (SDPA reading the grouped key/value heads in place) gives
-    HF's ``repeat_kv`` result on a tree mask, at one row and at several; outside a trace it is HF's
-    own function."""
+    HF's ``repeat_kv`` result on a tree mask, at one row and at several; outside a trace, and past
+    ``MAX_ROWS`` rows, it is HF's own function."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from specblock.compiled.gqa import sdpa_gqa_forward
+    from specblock.compiled.gqa import MAX_ROWS, sdpa_gqa_forward
 
     g = torch.Generator().manual_seed(rows)
     module = torch.nn.Module()
@@ -285,6 +285,8 @@ def test_gqa_attention_equals_repeat_kv(rows, monkeypatch):
     out, _ = sdpa_gqa_forward(module, q, k, v, mask, scaling=8**-0.5)
     assert out.shape == ref.shape == (1, rows, 6, 8)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    if rows > MAX_ROWS:
+        assert torch.equal(out, ref)
 
 
 def test_gqa_attention_only_where_it_applies():
@@ -294,7 +296,7 @@ def test_gqa_attention_only_where_it_applies():
     import torch._dynamo as dynamo
     from transformers import AutoModelForCausalLM
 
-    from specblock.compiled.gqa import NAME, use_gqa_attention
+    from specblock.compiled.gqa import MAX_ROWS, NAME, use_gqa_attention
 
     assert not use_gqa_attention(tiny_model("llama", vocab=32, attn="eager"))
     cfg = tiny_config("llama", vocab=32)
@@ -304,12 +306,12 @@ def test_gqa_attention_only_where_it_applies():
         model = tiny_model("llama", vocab=32, seed=3)
         target = StaticTarget(model, **kw)
         assert target.gqa == switched and (model.config._attn_implementation == NAME) == switched, kw
-    n = 4
-    args = (torch.zeros(n, dtype=torch.long), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(),
-            torch.tensor(3), span_of(3 + n, 64), False, False)
-    graph = dynamo.explain(target._step)(*args).graphs[0]
-    sdpa = [nd for nd in graph.graph.nodes if nd.target is torch._C._nn.scaled_dot_product_attention]
-    assert len(sdpa) == 2 and all(nd.kwargs.get("enable_gqa") for nd in sdpa)  # both layers, no repeat_kv
+    for n in (MAX_ROWS, MAX_ROWS + 1):  # grouped heads in place up to MAX_ROWS rows, HF's repeat_kv past it
+        args = (torch.zeros(n, dtype=torch.long), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(),
+                torch.tensor(3), span_of(3 + n, 64), False, False)
+        graph = dynamo.explain(target._step)(*args).graphs[0]
+        sdpa = [nd for nd in graph.graph.nodes if nd.target is torch._C._nn.scaled_dot_product_attention]
+        assert len(sdpa) == 2 and all(bool(nd.kwargs.get("enable_gqa")) == (n <= MAX_ROWS) for nd in sdpa), n
 
 
 def test_compiled_artefacts_go_under_specblock_home(monkeypatch, tmp_path):

@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+from specblock.training.checkpoint import load_checkpoint
 from specblock.training.drafter import main as train_main
 from tests.test_featcache import tiny_feature_cache
 from tests.tiny import experiment
@@ -71,8 +72,17 @@ def test_a_fine_tune_card_names_its_source_and_mix(tmp_path, monkeypatch):
     mod.main()
     card = (out / "README.md").read_text()
     assert "- 2 steps in" in card and "50% of windows from the target's own answers" in card
-    assert "Fine-tuned from the run in `base`: 3 steps" in card
+    assert "Fine-tuned from the run in `base` (3 steps" in card and "all rounds together: 5 steps" in card
+    assert "Stopped by hand" not in card  # it ran to the end of its schedule
     assert (out / "model.safetensors").is_file()
+    # a second round names the whole lineage; a run stopped early says where its schedule was
+    train_main(flags + ["--run-dir", str(tmp_path / "base-ft2"), "--init-from", str(tmp_path / "base-ft"), "--max-steps", "1"])
+    run = load_checkpoint(tmp_path / "base-ft2" / "ckpt.safetensors")
+    assert run["init"]["init"]["step"] == 3  # recorded by the trainer, not read back from disk
+    line = mod._init_line(run)
+    assert "`base-ft` (2 steps" in line and "that one from `base` (3 steps" in line and "all rounds together: 6 steps" in line
+    stopped = {**run, "step": 5, "train_s": 30.0, "args": {**run["args"], "max_steps": 10, "max_minutes": 100.0}}
+    assert "Stopped by hand at 50% of its schedule" in mod._stopped_line(stopped, {"final": True})
     assert (out / "serving.json").read_text() == '{"budget": 3}'
     # answers generated after the cache was built were never trained on: the card counts cached shards only
     gen = json.loads((tmp_path / "gen" / "manifest.json").read_text())

@@ -235,7 +235,8 @@ def train(args) -> None:
             init = start.get("init")
         else:  # what the fine-tune started from, for its model card
             init = {"from": str(args.init_from), "step": start["step"], "train_s": start["train_s"],
-                    "args": {k: v for k, v in start["args"].items() if k != "d2t"}}
+                    "args": {k: v for k, v in start["args"].items() if k != "d2t"},
+                    **({"init": start["init"]} if start.get("init") else {})}  # the source's own lineage
         if main_proc:
             print(f"resumed from step {step}" if resumed else f"fine-tuning from {src} (step {start['step']})", flush=True)
     source.rng = np.random.default_rng(args.seed + 1000 * rank + step)  # a resumed run draws new windows
