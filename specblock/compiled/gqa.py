@@ -7,8 +7,8 @@ span once per query head (SmolLM2: 9 query heads on 3 key/value heads, 2 x 590 K
 a 256-slot span). In the real model's compiled one-token graph that copy, fused with the cache
 write, was the largest kernel after the linears (profiled with inductor's kernel profile).
 PyTorch's CPU SDPA takes ``enable_gqa`` with a mask and reads the shared key/value heads in
-place; its output matched ``repeat_kv``'s bit for bit at 1-8 query rows in our probes, and the
-lossless tests of the compiled path run through it.
+place; ``tests/test_compiled.py`` holds it to ``repeat_kv``'s result, and the lossless tests of
+the compiled path run through it.
 
 Scope: registered under its own name and switched on by the compiled CPU target only, and only
 while dynamo traces: eager forwards of the same model (prefill, the eager target that shares its
