@@ -140,11 +140,14 @@ def hf_attention(model):
         model.set_attn_implementation(impl)
 
 
-def time_decoding(eager: TargetModel, compiled: StaticTarget, prompt: np.ndarray, tokens: int, runs: int) -> dict:
-    """Plain-decoding tokens/s (prefill included, as HF's) for ours eager/compiled and HF's three modes."""
+def time_decoding(eager: TargetModel, compiled: dict[str, StaticTarget], prompt: np.ndarray, tokens: int, runs: int) -> dict:
+    """Plain-decoding tokens/s (prefill included, as HF's) for ours eager, each compiled target (the
+    first is "ours compiled", baselines keep their names) and HF's three modes."""
     model, dev = eager.model, eager.device
     x = torch.as_tensor(prompt, device=dev)[None]
-    engines = {"ours eager": Engine(eager, ARDrafter(), budget=0), "ours compiled": Engine(compiled, ARDrafter(), budget=0)}
+    engines = {"ours eager": Engine(eager, ARDrafter(), budget=0)}
+    for i, (name, target) in enumerate(compiled.items()):
+        engines["ours compiled" if i == 0 else f"ours {name}"] = Engine(target, ARDrafter(), budget=0)
     hf_modes = ("plain", "static", "static+compile")
     first: dict[str, float] = {}
     outs: dict[str, list[int]] = {}
@@ -243,14 +246,19 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
     if args.repeat_kv_baseline:  # a second copy of the model: the attention function is the model's own setting
         compiled["compiled whole, repeat_kv"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
                                                                   compile=True, gqa=False)
+    if args.python_kernel_baseline:  # likewise: which kernel packed linears call is pinned per model copy
+        compiled["compiled whole, Python kernel"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
+                                                                      compile=True, native=False)
+    if args.unfused_baseline:  # the pass is a compile option: a second copy keeps the graphs apart
+        compiled["compiled whole, unfused"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
+                                                                compile=True, fuse=False)
     sizes = args.size_list
     t_ms = time_trees({"eager": eager, **compiled}, args.ctx, sizes, args.reps)
     bw = bandwidth_gbs(args.device)
     wbytes = weight_bytes(eager.model)
     floor_ms = wbytes / (bw * 1e9) * 1e3
     prompt = np.random.default_rng(1).integers(3, eager.vocab_size, args.prompt_len)
-    first = next(iter(compiled.values()))
-    decoding = None if args.skip_decoding else time_decoding(eager, first, prompt, args.tokens, args.runs)
+    decoding = None if args.skip_decoding else time_decoding(eager, compiled, prompt, args.tokens, args.runs)
     return {
         "target": name, "device": str(eager.device), "layers": int(eager.config.num_hidden_layers), "weights_mb": round(wbytes / 2**20, 1),
         "ctx": args.ctx, "n": sizes, "T_ms": t_ms, "modes": args.mode_list,
@@ -268,6 +276,8 @@ def markdown(results: list[dict], args) -> str:
              f"--targets {args.targets} --modes {args.modes} --sizes {args.sizes} --threads {args.threads} --reps {args.reps} "
              f"--runs {args.runs} --tokens {args.tokens}{' --skip-compile-times' if args.skip_compile_times else ''}"
              f"{' --repeat-kv-baseline' if args.repeat_kv_baseline else ''}"
+             f"{' --python-kernel-baseline' if args.python_kernel_baseline else ''}"
+             f"{' --unfused-baseline' if args.unfused_baseline else ''}"
              f"{' --skip-decoding' if args.skip_decoding else ''} --out {args.out}`).", ""]
     for r in results:
         lines += [f"## {r['target']} ({r['layers']} layers, {r['weights_mb']} MB of weights)", "",
@@ -315,6 +325,10 @@ def main() -> None:
     ap.add_argument("--skip-decoding", action="store_true", help="no plain-decoding tokens/s (HF's compiled generate is slow to build)")
     ap.add_argument("--repeat-kv-baseline", action="store_true",
                     help="also time a compiled target with HF's repeat_kv attention (before compiled/gqa.py)")
+    ap.add_argument("--python-kernel-baseline", action="store_true",
+                    help="also time a compiled target whose packed linears call the Python kernel (before compiled/native.py)")
+    ap.add_argument("--unfused-baseline", action="store_true",
+                    help="also time a compiled target without q/k/v and gate/up fusion (before compiled/fuse.py)")
     ap.add_argument("--modes", default="whole", help="compile modes side by side: regions, whole or both")
     ap.add_argument("--mode", default="whole", choices=["regions", "whole"], help=argparse.SUPPRESS)  # --probe's mode
     ap.add_argument("--sizes", default=",".join(map(str, BUCKETS)), help="tree sizes n for T(n)")

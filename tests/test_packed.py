@@ -112,6 +112,7 @@ def test_compiled_packed_target_is_one_graph_and_lossless():
     with pytest.raises(SpecBlockError, match="compile-mode whole"):
         StaticTarget(model, compile=False, regions=True)
     target = StaticTarget(model, compile=True, buckets=(1, 8))
+    assert target.native and target.fused  # the C++ kernel and q/k/v, gate/up fusion (test_native.py)
     rng = np.random.default_rng(6)
     prompt = rng.integers(2, V, 10)
     ref = hf_greedy(model, prompt, 20)

@@ -33,7 +33,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from specblock.compiled.fuse import FusePackedLinears
 from specblock.compiled.gqa import use_gqa_attention
+from specblock.compiled.native import pin_python_kernel, use_native_kernel
 from specblock.compiled.regions import RegionFns, check_regional, embed, head, layer_step, regional_forward
 from specblock.compiled.static_cache import TreeStaticCache
 from specblock.errors import SpecBlockError
@@ -83,7 +85,9 @@ class StaticTarget(TargetModel):
     """``TargetModel`` with the same three moves on static buffers; ``compile=False`` runs the
     identical padded step eagerly (the tests' cheap way to check the padding); ``regions`` picks
     one compiled layer step for all layers (True) or one compiled whole forward (False); ``gqa``
-    False keeps HF's ``repeat_kv`` attention in the graph (the baseline of ``compiled_speed.py``)."""
+    False keeps HF's ``repeat_kv`` attention in the graph (the baseline of ``compiled_speed.py``);
+    ``native`` False keeps packed linears' Python kernel in the graph, ``fuse`` False their separate
+    calls (the baselines of ``compiled_speed.py --python-kernel-baseline`` / ``--unfused-baseline``)."""
 
     def __init__(
         self,
@@ -95,6 +99,8 @@ class StaticTarget(TargetModel):
         options: dict | None = None,
         regions: bool = False,
         gqa: bool = True,
+        native: bool = True,
+        fuse: bool = True,
     ) -> None:
         super().__init__(model, tap_layers)
         types = getattr(self.config, "layer_types", None)
@@ -114,18 +120,26 @@ class StaticTarget(TargetModel):
         if regions:
             check_regional(model)
             self._check_regions()
-        self.compiled, self.gqa = compile, False
+        self.compiled, self.gqa, self.native = compile, False, False
+        self.fused = False
         self.mode = mode if mode is not None else ("reduce-overhead" if self.device.type == "cuda" else None)
         self._step_fn = self._eager_step
         if compile:
             use_disk_cache()
             _allow_recompiles()
             self.gqa = gqa and use_gqa_attention(model)  # grouped heads read in place in the graph (compiled/gqa.py)
+            self.native = self.packed and native and use_native_kernel()  # packed linears in C++ (compiled/native.py)
+            if self.packed and not native:
+                pin_python_kernel(model)
             self._install_output_hooks()
             if self.mode is not None:
                 kw = {"mode": self.mode}
             else:
-                kw = {"options": options if options is not None else REGION_CPU_OPTIONS if regions else CPU_OPTIONS}
+                opts = dict(options if options is not None else REGION_CPU_OPTIONS if regions else CPU_OPTIONS)
+                if self.native and fuse:  # q/k/v and gate/up as one GEMM each (compiled/fuse.py)
+                    opts.setdefault("post_grad_custom_post_pass", FusePackedLinears())
+                    self.fused = True
+                kw = {"options": opts}
             if regions:
                 fns = RegionFns(*(torch.compile(f, dynamic=False, **kw) for f in (self._region_inputs, layer_step, head)))
                 self._step_fn = partial(self._step, fns=fns)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from typing import Callable
 
 import torch
 from torch import nn
@@ -37,7 +38,11 @@ class PackedLinear(nn.Module):
     """An ``nn.Linear`` whose forward runs fbgemm's packed fp16 GEMM.
 
     The fp32 ``weight`` stays, frozen, for code that reads weights (drafters copy the target's head
-    rows; a tied head shares the embedding's storage); the forward reads only the packed copy."""
+    rows; a tied head shares the embedding's storage); the forward reads only the packed copy.
+    ``compiled_op`` is what a traced forward calls (``packed_linear``, or the C++ kernel once
+    ``use_compiled_op`` swapped it in)."""
+
+    compiled_op = None  # packed_linear, set below its definition
 
     def __init__(self, lin: nn.Linear) -> None:
         super().__init__()
@@ -50,8 +55,8 @@ class PackedLinear(nn.Module):
 
     def _register(self) -> None:
         self._key = next(_KEYS)
-        _PACKED[self._key] = self._packed
-        weakref.finalize(self, _PACKED.pop, self._key, None)
+        _put(self._key, self._packed)
+        weakref.finalize(self, _drop, self._key)
 
     def __setstate__(self, state: dict) -> None:
         """A copy (deepcopy, pickle) gets a key of its own: the original's is dropped with it."""
@@ -60,7 +65,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the same kernel, behind an op dynamo can trace (see packed_linear)
-            return packed_linear(x, self._key, self.out_features)
+            return self.compiled_op(x, self._key, self.out_features)
         return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
 
     def extra_repr(self) -> str:
@@ -99,6 +104,37 @@ def _packed_linear_fake(x: torch.Tensor, key: int, out_features: int) -> torch.T
 _LIB.impl("packed_linear", _packed_linear_cpu, "CPU")
 torch.library.register_fake("specblock::packed_linear", _packed_linear_fake, lib=_LIB)
 packed_linear = torch.ops.specblock.packed_linear
+PackedLinear.compiled_op = packed_linear
+
+#: Who else keeps the packed weights by key: the C++ kernel of the compiled path has a table of
+#: its own (``specblock/compiled/native.py``).
+_MIRRORS: list[Callable[[int, object | None], None]] = []
+
+
+def _put(key: int, weight: torch.ScriptObject) -> None:
+    _PACKED[key] = weight
+    for mirror in _MIRRORS:
+        mirror(key, weight)
+
+
+def _drop(key: int) -> None:
+    _PACKED.pop(key, None)
+    for mirror in _MIRRORS:
+        try:
+            mirror(key, None)
+        except Exception:  # at interpreter exit the mirror's library may be gone first: nothing to free then
+            pass
+
+
+def use_compiled_op(op, mirror: Callable[[int, object | None], None]) -> None:
+    """Traced ``PackedLinear`` forwards call ``op(x, key, out_features)`` from now on (unless a module
+    pins its own ``compiled_op``); ``mirror(key, weight)`` is told of every packed weight, present and
+    future, and ``mirror(key, None)`` of each one dropped."""
+    if mirror not in _MIRRORS:
+        _MIRRORS.append(mirror)
+        for key, weight in list(_PACKED.items()):
+            mirror(key, weight)
+    PackedLinear.compiled_op = op
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -1,0 +1,131 @@
+"""The C++ kernel of compiled packed linears (``specblock/compiled/native.py``): the same numbers as
+the Python kernel, a weight table that follows the modules, and a fallback when it cannot be built."""
+
+import gc
+import warnings
+
+import pytest
+import torch
+
+from specblock.compiled import native
+from specblock.runtime import packed
+
+pytestmark = pytest.mark.skipif(not packed.available(), reason="torch has no fbgemm on this machine")
+
+
+@pytest.fixture(scope="module")
+def built():
+    assert native.use_native_kernel(), "the extension did not build"
+    return torch.ops.specblock_native
+
+
+@pytest.mark.parametrize("shape", [(1, 40), (5, 40), (2, 3, 40)])
+def test_cpp_kernel_equals_python_kernel(built, shape):
+    torch.manual_seed(0)
+    lin = packed.PackedLinear(torch.nn.Linear(40, 24).requires_grad_(False))
+    x = torch.randn(*shape)
+    got = built.packed_linear(x, lin._key, 24)
+    assert got.shape == (*shape[:-1], 24)
+    assert torch.equal(got, packed.packed_linear(x, lin._key, 24))
+    assert torch.equal(got, lin(x))  # the eager forward: fbgemm's op directly
+
+
+def test_weight_table_follows_the_modules(built):
+    gc.collect()
+    before = int(built.size()[0])
+    lin = packed.PackedLinear(torch.nn.Linear(8, 4))
+    key = lin._key
+    assert int(built.size()[0]) == before + 1
+    del lin
+    gc.collect()
+    assert int(built.size()[0]) == before
+    with pytest.raises(RuntimeError, match=f"no packed weight under key {key}"):
+        built.packed_linear(torch.randn(1, 8), key, 4)
+
+
+def test_put_refuses_what_is_not_a_packed_weight(built):
+    with pytest.raises(RuntimeError, match="expected a packed linear weight"):
+        built.put(10**9, 3)
+
+
+def test_traced_modules_call_the_cpp_kernel_unless_pinned(built):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 8)).requires_grad_(False)
+    packed.pack_linears(model)
+    graphs = []
+
+    def backend(gm, example):
+        graphs.append({n.target for n in gm.graph.nodes if n.op == "call_function"})
+        return gm
+
+    x = torch.randn(2, 16)
+    want = model(x)
+    assert torch.equal(torch.compile(model, backend=backend, fullgraph=True)(x), want)
+    assert torch.ops.specblock_native.packed_linear.default in graphs[-1] or \
+        torch.ops.specblock_native.packed_linear in graphs[-1]
+    native.pin_python_kernel(model)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(model, backend=backend, fullgraph=True)(x), want)
+    assert not any("specblock_native" in str(t) for t in graphs[-1])
+    assert any("specblock.packed_linear" in str(t) for t in graphs[-1])
+
+
+def test_a_failed_build_warns_once_and_keeps_the_python_kernel(monkeypatch):
+    def broken() -> None:
+        raise RuntimeError("Error building extension 'x'\nc++: not found")
+
+    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setattr(native, "_build", broken)
+    monkeypatch.setattr(packed.PackedLinear, "compiled_op", packed.packed_linear)
+    with pytest.warns(UserWarning, match="could not be built .*c\\+\\+: not found.*Python kernel"):
+        assert native.use_native_kernel() is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.use_native_kernel() is False  # decided once per process, said once
+    assert packed.PackedLinear.compiled_op is packed.packed_linear
+
+
+def test_fused_kernel_equals_its_parts_and_follows_them(built):
+    torch.manual_seed(2)
+    parts = [packed.PackedLinear(torch.nn.Linear(32, w, bias=b).requires_grad_(False)) for w, b in ((16, False), (8, True), (8, False))]
+    keys = [p._key for p in parts]
+    x = torch.randn(3, 32)
+    want = torch.cat([p(x) for p in parts], dim=-1)
+    single, fused = (int(v) for v in built.size())
+    got = built.packed_linear_cat(x, keys, 32)
+    assert torch.equal(got, want)
+    assert int(built.size()[1]) == fused + 1
+    one = torch.cat([p(x[:1]) for p in parts], dim=-1)  # fbgemm rounds by row count: compare like with like
+    assert torch.equal(built.packed_linear_cat(x[:1], keys, 32), one)  # built once, reused
+    assert int(built.size()[1]) == fused + 1
+    del parts[1]
+    gc.collect()
+    assert [int(v) for v in built.size()] == [single - 1, fused]  # a dropped part frees the stack too
+
+
+def test_the_pass_fuses_linears_that_share_an_input(built):
+    from torch._inductor.utils import run_and_get_code
+
+    from specblock.compiled.fuse import FusePackedLinears
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.o = (torch.nn.Linear(16, w) for w in (16, 8, 16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k = self.q(x), self.k(x)
+            return self.o(q * 2) + k.sum(-1, keepdim=True)
+
+    torch.manual_seed(3)
+    block = Block().requires_grad_(False)
+    packed.pack_linears(block)
+    x = torch.randn(4, 16)
+    want = block(x)
+    torch._dynamo.reset()
+    fn = torch.compile(block, fullgraph=True, options={"post_grad_custom_post_pass": FusePackedLinears()})
+    got, code = run_and_get_code(fn, x)
+    src = "\n".join(code)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # inductor's fused sum/add round their own way
+    calls = {op: src.count(f"= torch.ops.specblock_native.{op}.default(") for op in ("packed_linear_cat", "packed_linear")}
+    assert calls == {"packed_linear_cat": 1, "packed_linear": 1}, src  # q and k as one call, o on its own
