@@ -326,3 +326,12 @@ def test_compiled_artefacts_go_under_specblock_home(monkeypatch, tmp_path):
     assert use_disk_cache() == tmp_path / "inductor" and (tmp_path / "inductor").is_dir()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert use_disk_cache() == tmp_path / "mine"
+
+
+def test_each_compiled_target_has_its_own_dynamo_cache():
+    """Dynamo keeps compiled graphs per code object and walks their guards before each call: two
+    targets compiling the same ``_step`` would each check the other's graphs first (``own_code``)."""
+    a, b = (StaticTarget(tiny_model("llama", vocab=32, seed=s), compile=True, buckets=(1,)) for s in (2, 3))
+    codes = [t._step_fn._torchdynamo_orig_callable.__func__.__code__ for t in (a, b)]
+    assert codes[0] is not codes[1] and all(c is not StaticTarget._step.__code__ for c in codes)
+    assert a._step_fn._torchdynamo_orig_callable.__self__ is a

@@ -129,3 +129,4 @@ def test_the_pass_fuses_linears_that_share_an_input(built):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # inductor's fused sum/add round their own way
     calls = {op: src.count(f"= torch.ops.specblock_native.{op}.default(") for op in ("packed_linear_cat", "packed_linear")}
     assert calls == {"packed_linear_cat": 1, "packed_linear": 1}, src  # q and k as one call, o on its own
+

@@ -26,6 +26,7 @@ Regions compile several times faster but ran T(1) 13% slower on the lab model
 from __future__ import annotations
 
 import os
+import types
 from functools import partial
 from pathlib import Path
 
@@ -141,10 +142,11 @@ class StaticTarget(TargetModel):
                     self.fused = True
                 kw = {"options": opts}
             if regions:
-                fns = RegionFns(*(torch.compile(f, dynamic=False, **kw) for f in (self._region_inputs, layer_step, head)))
+                fns = RegionFns(*(torch.compile(own_code(f), dynamic=False, **kw)
+                                  for f in (self._region_inputs, layer_step, head)))
                 self._step_fn = partial(self._step, fns=fns)
             else:
-                self._step_fn = torch.compile(self._step, dynamic=False, **kw)
+                self._step_fn = torch.compile(own_code(self._step), dynamic=False, **kw)
 
     @classmethod
     def wrap(cls, target: TargetModel, **kw) -> "StaticTarget":
@@ -297,6 +299,19 @@ def use_disk_cache() -> Path:
     path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def own_code(fn):
+    """``fn`` (a function or bound method) on a copy of its code object. Why: dynamo keeps its
+    compiled graphs per code object, and before each call walks the guards of that code's graphs
+    until one matches. Every compiled target compiled the same ``_step``, so with several in one
+    process (a bench's ``ar@c`` beside ``specblock@c``, a measurement's baseline) each call first
+    failed the others' graphs' guards. With a code object each, a target sees only its own graphs."""
+    bound = getattr(fn, "__self__", None)
+    f = getattr(fn, "__func__", fn)
+    copy = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = f.__kwdefaults__, f.__qualname__, f.__doc__
+    return copy if bound is None else types.MethodType(copy, bound)
 
 
 def _allow_recompiles(limit: int = 64) -> None:
