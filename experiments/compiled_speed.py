@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specblock.compiled.target import BUCKETS, StaticTarget
+from specblock.compiled.target import BUCKETS, CPU_OPTIONS, StaticTarget
 from specblock.policies.tree import DraftTree
 from specblock.runtime.config import validate
 from specblock.runtime.drafters.base import ARDrafter
@@ -196,7 +196,7 @@ def probe(args) -> None:
     rng = np.random.default_rng(0)
     target.prefill(rng.integers(0, target.vocab_size, args.ctx))
     per = {}
-    for n in BUCKETS:
+    for n in args.compile_bucket_list:
         ta = clock(args.device)
         target.tree_forward(random_tree(rng, n, target.vocab_size))
         per[n] = round(clock(args.device) - ta, 2)
@@ -207,13 +207,13 @@ def probe(args) -> None:
                       "cpu_s": round(cpu_s, 1), "peak_rss_mb": round(me.ru_maxrss / 1024)}))
 
 
-def compile_times(target: str, threads: int, ctx: int, device: str, mode: str, dtype: str) -> dict:
+def compile_times(target: str, threads: int, ctx: int, device: str, mode: str, dtype: str, buckets: str) -> dict:
     """Cold: a fresh process on an empty inductor cache; warm: another fresh process on the same
     cache (this run's, ``TORCHINDUCTOR_CACHE_DIR``, emptied by ``run_target``)."""
     res = {}
     for kind in ("cold", "warm"):
         cmd = [sys.executable, __file__, "--probe", "--target", target, "--threads", str(threads), "--ctx", str(ctx),
-               "--device", device, "--mode", mode, "--dtype", dtype]
+               "--device", device, "--mode", mode, "--dtype", dtype, "--compile-buckets", buckets]
         out = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, check=True).stdout
         res[kind] = json.loads(out.strip().splitlines()[-1])
         print(f"compile {mode} {kind}: {res[kind]}", flush=True)
@@ -228,7 +228,8 @@ def run_target(name: str, args) -> dict:
         for mode in args.mode_list:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, mode)
             if not args.skip_compile_times:
-                compile_s[mode] = compile_times(name, args.threads, args.ctx, args.device, mode, args.dtype)
+                compile_s[mode] = compile_times(name, args.threads, args.ctx, args.device, mode, args.dtype,
+                                                args.compile_buckets)
         merged = os.path.join(root, "all")
         for mode in args.mode_list:
             if os.path.isdir(os.path.join(root, mode)):
@@ -249,6 +250,10 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
     if args.python_kernel_baseline:  # likewise: which kernel packed linears call is pinned per model copy
         compiled["compiled whole, Python kernel"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
                                                                       compile=True, native=False)
+    if args.unfrozen_variant:  # CPU_OPTIONS without inductor's freezing (faster warm starts)
+        opts = {k: v for k, v in CPU_OPTIONS.items() if k != "freezing"}
+        compiled["compiled whole, unfrozen"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
+                                                                 compile=True, options=opts)
     if args.unfused_baseline:  # the pass is a compile option: a second copy keeps the graphs apart
         compiled["compiled whole, unfused"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
                                                                 compile=True, fuse=False)
@@ -275,9 +280,11 @@ def markdown(results: list[dict], args) -> str:
              f"--dtype {args.dtype} "
              f"--targets {args.targets} --modes {args.modes} --sizes {args.sizes} --threads {args.threads} --reps {args.reps} "
              f"--runs {args.runs} --tokens {args.tokens}{' --skip-compile-times' if args.skip_compile_times else ''}"
+             f"{'' if args.compile_bucket_list == list(BUCKETS) else ' --compile-buckets ' + args.compile_buckets}"
              f"{' --repeat-kv-baseline' if args.repeat_kv_baseline else ''}"
              f"{' --python-kernel-baseline' if args.python_kernel_baseline else ''}"
              f"{' --unfused-baseline' if args.unfused_baseline else ''}"
+             f"{' --unfrozen-variant' if args.unfrozen_variant else ''}"
              f"{' --skip-decoding' if args.skip_decoding else ''} --out {args.out}`).", ""]
     for r in results:
         lines += [f"## {r['target']} ({r['layers']} layers, {r['weights_mb']} MB of weights)", "",
@@ -300,7 +307,7 @@ def markdown(results: list[dict], args) -> str:
                              f"{d['common_prefix_with_hf_plain']} / {d['common_prefix_with_ours_eager']} |")
         for mode, c in (r["compile_s"] or {}).items():
             lines += ["", f"Compile time, {mode} (fresh process; load, then the first forward of each bucket "
-                      f"{list(BUCKETS)}): cold {c['cold']['total_s']:.1f} s (empty inductor cache), "
+                      f"{args.compile_bucket_list}): cold {c['cold']['total_s']:.1f} s (empty inductor cache), "
                       f"warm {c['warm']['total_s']:.1f} s (same cache); per bucket cold {c['cold']['first_forward_s']}, "
                       f"warm {c['warm']['first_forward_s']}; CPU time (all threads and compiler processes) cold "
                       f"{c['cold'].get('cpu_s', '-')} s, warm {c['warm'].get('cpu_s', '-')} s; peak RSS {c['cold'].get('peak_rss_mb', '-')} MB."]
@@ -327,8 +334,12 @@ def main() -> None:
                     help="also time a compiled target with HF's repeat_kv attention (before compiled/gqa.py)")
     ap.add_argument("--python-kernel-baseline", action="store_true",
                     help="also time a compiled target whose packed linears call the Python kernel (before compiled/native.py)")
+    ap.add_argument("--unfrozen-variant", action="store_true",
+                    help="also time a compiled target without inductor's freezing (its warm start re-runs no AOT tracing)")
     ap.add_argument("--unfused-baseline", action="store_true",
                     help="also time a compiled target without q/k/v and gate/up fusion (before compiled/fuse.py)")
+    ap.add_argument("--compile-buckets", default=",".join(map(str, BUCKETS)),
+                    help="the buckets whose first forward the compile-time probes time (plain decoding needs 1 only)")
     ap.add_argument("--modes", default="whole", help="compile modes side by side: regions, whole or both")
     ap.add_argument("--mode", default="whole", choices=["regions", "whole"], help=argparse.SUPPRESS)  # --probe's mode
     ap.add_argument("--sizes", default=",".join(map(str, BUCKETS)), help="tree sizes n for T(n)")
@@ -337,6 +348,7 @@ def main() -> None:
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.dtype = resolve_dtype(args.dtype, args.device)  # the table names what ran, never "auto"
     args.size_list = [int(n) for n in args.sizes.split(",")]
+    args.compile_bucket_list = [int(n) for n in args.compile_buckets.split(",")]
     if args.probe:
         return probe(args)
     results = [run_target(t.strip(), args) for t in args.targets.split(",") if t.strip()]

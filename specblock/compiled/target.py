@@ -60,6 +60,10 @@ MIN_SPAN = 256
 #: prepacked copy of them (peak RSS 1.2 GB for the real model's five buckets): the first thing to
 #: re-measure on a quiet machine is ``{"cpp_wrapper": True}`` alone.
 CPU_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+#: Freezing has a price at start-up: a frozen graph's warm start re-runs AOT tracing. For packed-fp16
+#: (linears behind ``packed_linear``, so little is left to freeze) ``compiled_speed.py
+#: --unfrozen-variant`` times ``{"cpp_wrapper": True}`` beside this: in one run it started faster
+#: warm but ran slower at every tree size, so freezing stays.
 #: Regions: the weights are graph inputs (shared by every layer), so there is nothing to freeze.
 REGION_CPU_OPTIONS = {"cpp_wrapper": True}
 COMPILE_MODES = ("regions", "whole")
