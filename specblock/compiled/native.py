@@ -8,8 +8,8 @@ times the two side by side). This kernel does the same lookup and calls the same
 (``LinearPackedParamsBase::apply_dynamic``, which is what ``quantized::linear_dynamic_fp16``
 runs) from C++: identical results, tested in ``tests/test_native.py``.
 
-The extension is built on first use with the C++ compiler inductor needs anyway (about a minute,
-once; cached under ``$SPECBLOCK_HOME/extensions``). Where it cannot be built the compiled path
+The extension is built on first use with the C++ compiler inductor needs anyway (under a minute,
+once per machine and torch version; cached under ``$SPECBLOCK_HOME/extensions``). Where it cannot be built the compiled path
 keeps the Python kernel and says so once: slower, same results.
 """
 
