@@ -5,6 +5,10 @@ The highest mean Spd over the bench's domains among the methods the CLI can run 
 
     python experiments/best_method.py experiments/results/bench_smollm2_main.json \
         --write specblock/assets/drafters/smollm2-135m-instruct
+
+``--compiled`` reads a compiled-against-eager bench instead (``real_drafters.sh compiled``: each
+method as ``METHOD@c`` on the compiled target) and records its fastest ``@c`` method under
+``"compiled"`` in the same file, what ``--method auto --compile`` runs; the rest is kept.
 """
 
 from __future__ import annotations
@@ -21,11 +25,15 @@ from specblock.atomic import write_atomic
 from specblock.runtime.drafters import METHODS
 
 
-def fastest(bench: dict) -> tuple[str, dict[str, float]]:
+def fastest(bench: dict, compiled: bool = False) -> tuple[str, dict[str, float]]:
+    """The method with the highest mean Spd; ``compiled``: among the ``METHOD@c`` rows, named without it."""
     spd: dict[str, list[float]] = defaultdict(list)
     for r in bench["rows"]:
-        if r["method"] in METHODS:
-            spd[r["method"]].append(r["speedup"])
+        name = r["method"].removesuffix("@c") if compiled and r["method"].endswith("@c") else None if compiled else r["method"]
+        if name in METHODS:
+            spd[name].append(r["speedup"])
+    if not spd:
+        raise SystemExit("no runnable method in this bench" + (" with an @c (compiled) row" if compiled else ""))
     means = {m: float(np.mean(v)) for m, v in spd.items()}
     return max(means, key=means.get), means
 
@@ -34,13 +42,23 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bench", type=Path, help="a main-table bench JSON")
     ap.add_argument("--write", type=Path, required=True, metavar="DRAFTERS_DIR")
+    ap.add_argument("--compiled", action="store_true", help="record the fastest METHOD@c row for --method auto --compile")
     args = ap.parse_args(argv)
     bench = json.loads(args.bench.read_text())
-    best, means = fastest(bench)
+    best, means = fastest(bench, args.compiled)
     rec = {"method": best, "mean_speedup": round(means[best], 3), "dtype": bench["config"]["dtype"],
            "measured": f"{args.bench.with_suffix('.md').as_posix()}: the highest mean Spd of "
-                       + ", ".join(f"{m} {v:.2f}x" for m, v in sorted(means.items(), key=lambda kv: -kv[1]))}
-    write_atomic(args.write / "best.json", json.dumps(rec, indent=1) + "\n")
+                       + ", ".join(f"{m}{'@c' if args.compiled else ''} {v:.2f}x"
+                                   for m, v in sorted(means.items(), key=lambda kv: -kv[1]))}
+    out = args.write / "best.json"
+    if args.compiled:
+        if not out.is_file():
+            raise SystemExit(f"{out} does not exist: record the eager table first (without --compiled)")
+        base = json.loads(out.read_text())
+        if base.get("dtype") not in (None, rec["dtype"]):
+            raise SystemExit(f"{out} was measured in {base['dtype']}, this bench in {rec['dtype']}: measure both in one dtype")
+        rec = {**base, "compiled": rec}
+    write_atomic(out, json.dumps(rec, indent=1) + "\n")
     print(json.dumps(rec))
     return 0
 

@@ -33,6 +33,12 @@ def test_auto_falls_back_to_lookup_then_follows_the_record(fake_target):
     assert registry.best_method("fake", "bfloat16") == "lookup"  # measured in another dtype: not this one's record
     assert RunConfig(target="fake", method="auto", dtype="bfloat16").method == "lookup"
     assert RunConfig(target="fake", method="auto", dtype="packed-fp16").method == "eagle3"
+    compiled = {"method": "eagle3", "dtype": "packed-fp16", "compiled": {"method": "ar"}}
+    (fake_target / "best.json").write_text(json.dumps(compiled))
+    assert registry.best_method("fake", "packed-fp16", compiled=True) == "ar"  # measured on the compiled target
+    assert registry.best_method("fake", "packed-fp16") == "eagle3"
+    assert RunConfig(target="fake", method="auto", dtype="packed-fp16", compile=True).method == "ar"
+    assert RunConfig(target="fake", method="auto", dtype="bfloat16", compile=True).method == "lookup"
     (fake_target / "best.json").write_text("{not json")
     with pytest.raises(SpecBlockError, match="best_method.py"):
         registry.best_method("fake")
@@ -54,3 +60,24 @@ def test_best_method_script_picks_the_highest_mean_among_runnable_methods(tmp_pa
     assert bm.main([str(f), "--write", str(tmp_path)]) == 0
     rec = json.loads((tmp_path / "best.json").read_text())
     assert rec["method"] == "lookup" and rec["dtype"] == "float32"
+
+
+def test_best_method_script_records_the_compiled_winner_beside_the_eager_one(tmp_path):
+    path = Path(__file__).resolve().parents[1] / "experiments" / "best_method.py"
+    spec = importlib.util.spec_from_file_location("best_method", path)
+    bm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bm)
+    row = lambda m, s: {"method": m, "domain": "code", "speedup": s}
+    bench = {"config": {"dtype": "packed-fp16"},
+             "rows": [row("ar", 1.0), row("ar@c", 1.9), row("medusa", 1.2), row("medusa@c", 1.8), row("hf-lookup@c", 9.0)]}
+    assert bm.fastest(bench) == ("medusa", {"ar": 1.0, "medusa": 1.2})
+    assert bm.fastest(bench, compiled=True)[0] == "ar"
+    f = tmp_path / "b.json"
+    f.write_text(json.dumps(bench))
+    with pytest.raises(SystemExit, match="eager table first"):
+        bm.main([str(f), "--write", str(tmp_path), "--compiled"])
+    (tmp_path / "best.json").write_text(json.dumps({"method": "parallelspec", "dtype": "packed-fp16"}))
+    assert bm.main([str(f), "--write", str(tmp_path), "--compiled"]) == 0
+    rec = json.loads((tmp_path / "best.json").read_text())
+    assert rec["method"] == "parallelspec" and rec["compiled"]["method"] == "ar"
+    assert "ar@c 1.90x" in rec["compiled"]["measured"]

@@ -127,11 +127,13 @@ def drafters_dir(path: Path) -> Path:
 FALLBACK_METHOD = "lookup"
 
 
-def best_method(target: str | Path | None, dtype: str | None = None) -> str:
+def best_method(target: str | Path | None, dtype: str | None = None, compiled: bool = False) -> str:
     """What ``--method auto`` runs for this target: the fastest method of its measured main table,
     written as ``best.json`` beside its shipped drafters (``experiments/best_method.py``), else
     prompt lookup. A record measured in another dtype than ``dtype`` (the one that will run) does
-    not count: which method wins depends on what a tree costs in that dtype. Reads no model."""
+    not count: which method wins depends on what a tree costs in that dtype. ``compiled``
+    (``--compile``): the record's ``"compiled"`` entry where it has one, measured on the compiled
+    target, where a tree costs relatively more than eager. Reads no model."""
     spec = MODELS.get(str(target or DEFAULT_TARGET_NAME))
     if spec is None and target is not None and Path(target).is_dir():
         spec = spec_for(Path(target))
@@ -145,5 +147,7 @@ def best_method(target: str | Path | None, dtype: str | None = None) -> str:
         raise SpecBlockError(f"{f} is not a valid best-method record; rerun experiments/best_method.py or delete it") from None
     if dtype is not None and rec.get("dtype") not in (None, dtype):
         return FALLBACK_METHOD
+    if compiled and isinstance(rec.get("compiled"), dict) and "method" in rec["compiled"]:
+        return str(rec["compiled"]["method"])
     return str(method)
 

@@ -91,7 +91,7 @@ class RunConfig(BaseModel):
             # there against SpecBlock's 1.22x (bench_main.md). A record of another dtype does not count.
             from specblock.runtime.target import resolve_dtype
 
-            self.method = best_method(self.target, resolve_dtype(self.dtype, self.device))
+            self.method = best_method(self.target, resolve_dtype(self.dtype, self.device), compiled=self.compile)
         return self
 
     @field_validator("adapt_arms")
