@@ -25,7 +25,7 @@ class FusePackedLinears(CustomGraphPass):
     slices of its output (views, so no copy)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        single = getattr(torch.ops, "specblock_native").packed_linear.default
+        single = torch.ops.specblock_native.packed_linear.default  # built: the target adds this pass only then
         groups: dict[torch.fx.Node, list[torch.fx.Node]] = {}
         for node in graph.nodes:
             if node.op == "call_function" and node.target is single:

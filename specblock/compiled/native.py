@@ -9,8 +9,8 @@ times the two side by side). This kernel does the same lookup and calls the same
 runs) from C++: identical results, tested in ``tests/test_native.py``.
 
 The extension is built on first use with the C++ compiler inductor needs anyway (under a minute,
-once per machine and torch version; cached under ``$SPECBLOCK_HOME/extensions``). Where it cannot be built the compiled path
-keeps the Python kernel and says so once: slower, same results.
+once per machine and torch version; cached under ``$SPECBLOCK_HOME/extensions``). Where it cannot
+be built, the compiled path keeps the Python kernel and says so once: slower, same results.
 """
 
 from __future__ import annotations
