@@ -29,7 +29,9 @@ def fastest(bench: dict, compiled: bool = False) -> tuple[str, dict[str, float]]
     """The method with the highest mean Spd; ``compiled``: among the ``METHOD@c`` rows, named without it."""
     spd: dict[str, list[float]] = defaultdict(list)
     for r in bench["rows"]:
-        name = r["method"].removesuffix("@c") if compiled and r["method"].endswith("@c") else None if compiled else r["method"]
+        name = r["method"]
+        if compiled:  # only the compiled rows count, by their method's name
+            name = name.removesuffix("@c") if name.endswith("@c") else None
         if name in METHODS:
             spd[name].append(r["speedup"])
     if not spd:

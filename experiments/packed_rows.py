@@ -27,19 +27,19 @@ from specblock.runtime.config import validate
 from specblock.runtime.packed import PackedLinear
 from specblock.runtime.target import TargetModel
 
+#: Linears that read their parent's one input (Llama-style layers): the pass stacks them.
+SHARED_INPUT = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+
 
 def forward_calls(model: torch.nn.Module) -> list[tuple[list[int], int, int]]:
     """One forward's linear calls as the fused graph makes them: (keys, in_features, out_features),
-    siblings that read the same input (q/k/v, gate/up: same parent, same in_features) stacked."""
+    the siblings that read the same input (q/k/v, gate/up) stacked, every other linear alone."""
     calls = []
     for parent in model.modules():
-        kids = [m for m in parent.children() if isinstance(m, PackedLinear)]
-        groups: dict[tuple[int, str], list[PackedLinear]] = {}
-        for m in kids:
-            role = "in" if any(m is getattr(parent, n, None) for n in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) else id(m)
-            groups.setdefault((m.in_features, str(role)), []).append(m)
-        for (fin, _), ms in groups.items():
-            calls.append(([m._key for m in ms], fin, sum(m.out_features for m in ms)))
+        shared = [m for n, m in parent.named_children() if n in SHARED_INPUT and isinstance(m, PackedLinear)]
+        alone = [m for n, m in parent.named_children() if n not in SHARED_INPUT and isinstance(m, PackedLinear)]
+        for ms in ([shared] if shared else []) + [[m] for m in alone]:
+            calls.append(([m._key for m in ms], ms[0].in_features, sum(m.out_features for m in ms)))
     return calls
 
 

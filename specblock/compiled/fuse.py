@@ -46,16 +46,13 @@ def fuse_group(graph: torch.fx.Graph, x: torch.fx.Node, parts: list[torch.fx.Nod
     mode = detect_fake_mode([fake_x]) if fake_x is not None else None
     with graph.inserting_before(parts[0]):
         out = graph.call_function(fused_op, (x, keys, sum(widths)))
-        if mode is not None:
-            with mode:
-                out.meta["val"] = fused_op(fake_x, keys, sum(widths))
-        start = 0
-        for part, width in zip(parts, widths):
-            piece = graph.call_function(torch.ops.aten.slice.Tensor, (out, -1, start, start + width))
-            if mode is not None:
-                with mode:
-                    piece.meta["val"] = out.meta["val"][..., start:start + width]
-            part.replace_all_uses_with(piece)
-            start += width
-    for part in parts:  # only now: a node inserted before an erased one would be lost from the graph
-        graph.erase_node(part)
+        starts = [sum(widths[:i]) for i in range(len(parts))]
+        pieces = [graph.call_function(torch.ops.aten.slice.Tensor, (out, -1, a, a + w)) for a, w in zip(starts, widths)]
+    if mode is not None:  # the shapes and strides later passes read
+        with mode:
+            out.meta["val"] = fused_op(fake_x, keys, sum(widths))
+            for piece, a, w in zip(pieces, starts, widths):
+                piece.meta["val"] = out.meta["val"][..., a:a + w]
+    for part, piece in zip(parts, pieces):
+        part.replace_all_uses_with(piece)
+        graph.erase_node(part)  # only after the inserts: one inserted before an erased node is lost
