@@ -214,8 +214,10 @@ def compile_times(target: str, threads: int, ctx: int, device: str, mode: str, d
     for kind in ("cold", "warm"):
         cmd = [sys.executable, __file__, "--probe", "--target", target, "--threads", str(threads), "--ctx", str(ctx),
                "--device", device, "--mode", mode, "--dtype", dtype, "--compile-buckets", buckets]
+        t = time.perf_counter()
         out = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, check=True).stdout
         res[kind] = json.loads(out.strip().splitlines()[-1])
+        res[kind]["process_s"] = round(time.perf_counter() - t, 2)  # with interpreter start and imports
         print(f"compile {mode} {kind}: {res[kind]}", flush=True)
     return res
 
@@ -250,10 +252,9 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
     if args.python_kernel_baseline:  # likewise: which kernel packed linears call is pinned per model copy
         compiled["compiled whole, Python kernel"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
                                                                       compile=True, native=False)
-    if args.unfrozen_variant:  # CPU_OPTIONS without inductor's freezing (faster warm starts)
-        opts = {k: v for k, v in CPU_OPTIONS.items() if k != "freezing"}
-        compiled["compiled whole, unfrozen"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
-                                                                 compile=True, options=opts)
+    if args.frozen_variant:  # inductor's freezing, as before packed-fp16 went without it (no saved graphs then)
+        compiled["compiled whole, frozen"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
+                                                               compile=True, options=CPU_OPTIONS)
     if args.unfused_baseline:  # the pass is a compile option: a second copy keeps the graphs apart
         compiled["compiled whole, unfused"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
                                                                 compile=True, fuse=False)
@@ -284,7 +285,7 @@ def markdown(results: list[dict], args) -> str:
              f"{' --repeat-kv-baseline' if args.repeat_kv_baseline else ''}"
              f"{' --python-kernel-baseline' if args.python_kernel_baseline else ''}"
              f"{' --unfused-baseline' if args.unfused_baseline else ''}"
-             f"{' --unfrozen-variant' if args.unfrozen_variant else ''}"
+             f"{' --frozen-variant' if args.frozen_variant else ''}"
              f"{' --skip-decoding' if args.skip_decoding else ''} --out {args.out}`).", ""]
     for r in results:
         lines += [f"## {r['target']} ({r['layers']} layers, {r['weights_mb']} MB of weights)", "",
@@ -310,7 +311,9 @@ def markdown(results: list[dict], args) -> str:
                       f"{args.compile_bucket_list}): cold {c['cold']['total_s']:.1f} s (empty inductor cache), "
                       f"warm {c['warm']['total_s']:.1f} s (same cache); per bucket cold {c['cold']['first_forward_s']}, "
                       f"warm {c['warm']['first_forward_s']}; CPU time (all threads and compiler processes) cold "
-                      f"{c['cold'].get('cpu_s', '-')} s, warm {c['warm'].get('cpu_s', '-')} s; peak RSS {c['cold'].get('peak_rss_mb', '-')} MB."]
+                      f"{c['cold'].get('cpu_s', '-')} s, warm {c['warm'].get('cpu_s', '-')} s; peak RSS {c['cold'].get('peak_rss_mb', '-')} MB; "
+                      f"whole process with interpreter start and imports cold {c['cold'].get('process_s', '-')} s, "
+                      f"warm {c['warm'].get('process_s', '-')} s."]
         lines.append("")
     return "\n".join(lines)
 
@@ -334,8 +337,8 @@ def main() -> None:
                     help="also time a compiled target with HF's repeat_kv attention (before compiled/gqa.py)")
     ap.add_argument("--python-kernel-baseline", action="store_true",
                     help="also time a compiled target whose packed linears call the Python kernel (before compiled/native.py)")
-    ap.add_argument("--unfrozen-variant", action="store_true",
-                    help="also time a compiled target without inductor's freezing (its warm start re-runs no AOT tracing)")
+    ap.add_argument("--frozen-variant", action="store_true",
+                    help="also time a compiled target with inductor's freezing (CPU_OPTIONS; packed-fp16 goes without)")
     ap.add_argument("--unfused-baseline", action="store_true",
                     help="also time a compiled target without q/k/v and gate/up fusion (before compiled/fuse.py)")
     ap.add_argument("--compile-buckets", default=",".join(map(str, BUCKETS)),

@@ -198,11 +198,13 @@ def test_regions_refuse_a_model_forward_they_do_not_rebuild():
 
 
 @REGIONS
-def test_compiled_path_is_lossless(regions):
+def test_compiled_path_is_lossless(regions, monkeypatch, tmp_path):
     """The real thing: compiled with inductor (two buckets to bound compile time on two cores).
-    Regions: one graph per bucket however many layers (the layers share the compiled step)."""
+    Regions: one graph per bucket however many layers (the layers share the compiled step); an
+    empty cache, so that none of them is loaded from an earlier run's saved graphs."""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     model = tiny_model("llama", vocab=VOCAB, seed=4, layers=3)
     target = StaticTarget(model, compile=True, buckets=(1, 8), regions=regions)
     graphs = counters["stats"]["unique_graphs"]

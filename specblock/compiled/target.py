@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 
 from specblock.compiled.fuse import FusePackedLinears
 from specblock.compiled.gqa import use_gqa_attention
+from specblock.compiled import precompile
 from specblock.compiled.native import pin_python_kernel, use_native_kernel
 from specblock.compiled.regions import RegionFns, check_regional, embed, head, layer_step, regional_forward
 from specblock.compiled.static_cache import TreeStaticCache
@@ -57,14 +58,14 @@ MIN_SPAN = 256
 #: machine) cpp_wrapper won clearly and freezing was within the noise; ``max_autotune``'s C++ GEMM
 #: templates were faster still but took minutes to compile. Frozen weights mean a compiled target
 #: must not be trained afterwards (the target never is), and each compiled graph holds its own
-#: prepacked copy of them (peak RSS 1.2 GB for the real model's five buckets): the first thing to
-#: re-measure on a quiet machine is ``{"cpp_wrapper": True}`` alone.
+#: prepacked copy of them.
 CPU_OPTIONS = {"freezing": True, "cpp_wrapper": True}
-#: Freezing has a price at start-up: a frozen graph's warm start re-runs AOT tracing. For packed-fp16
-#: (linears behind ``packed_linear``, so little is left to freeze) ``compiled_speed.py
-#: --unfrozen-variant`` times ``{"cpp_wrapper": True}`` beside this: in one run it started faster
-#: warm but ran slower at every tree size, so freezing stays.
-#: Regions: the weights are graph inputs (shared by every layer), so there is nothing to freeze.
+#: packed-fp16 (linears behind ``packed_linear``, little left to fold) does without ``freezing``:
+#: it turns off the AOT-autograd cache that saved graphs need (``compiled/precompile.py``), so a
+#: frozen graph's warm start re-ran AOT tracing. ``compiled_speed.py --frozen-variant`` times
+#: ``CPU_OPTIONS`` beside this (figures in the README).
+PACKED_CPU_OPTIONS = {"cpp_wrapper": True}
+#: Regions: the weights are graph inputs (shared by every layer) in either case.
 REGION_CPU_OPTIONS = {"cpp_wrapper": True}
 COMPILE_MODES = ("regions", "whole")
 
@@ -92,7 +93,8 @@ class StaticTarget(TargetModel):
     one compiled layer step for all layers (True) or one compiled whole forward (False); ``gqa``
     False keeps HF's ``repeat_kv`` attention in the graph (the baseline of ``compiled_speed.py``);
     ``native`` False keeps packed linears' Python kernel in the graph, ``fuse`` False their separate
-    calls (the baselines of ``compiled_speed.py --python-kernel-baseline`` / ``--unfused-baseline``)."""
+    calls (the baselines of ``compiled_speed.py --python-kernel-baseline`` / ``--unfused-baseline``);
+    ``saved`` False neither loads nor saves graphs for later starts (``compiled/precompile.py``)."""
 
     def __init__(
         self,
@@ -106,6 +108,7 @@ class StaticTarget(TargetModel):
         gqa: bool = True,
         native: bool = True,
         fuse: bool = True,
+        saved: bool = True,
     ) -> None:
         super().__init__(model, tap_layers)
         types = getattr(self.config, "layer_types", None)
@@ -126,7 +129,8 @@ class StaticTarget(TargetModel):
             check_regional(model)
             self._check_regions()
         self.compiled, self.gqa, self.native = compile, False, False
-        self.fused = False
+        self.fused = self.saved = False
+        self._shapes: set[tuple] = set()  # step shapes this target has run compiled
         self.mode = mode if mode is not None else ("reduce-overhead" if self.device.type == "cuda" else None)
         self._step_fn = self._eager_step
         if compile:
@@ -140,17 +144,23 @@ class StaticTarget(TargetModel):
             if self.mode is not None:
                 kw = {"mode": self.mode}
             else:
-                opts = dict(options if options is not None else REGION_CPU_OPTIONS if regions else CPU_OPTIONS)
+                default = REGION_CPU_OPTIONS if regions else PACKED_CPU_OPTIONS if self.packed else CPU_OPTIONS
+                opts = dict(options if options is not None else default)
                 if self.native and fuse:  # q/k/v and gate/up as one GEMM each (compiled/fuse.py)
                     opts.setdefault("post_grad_custom_post_pass", FusePackedLinears())
                     self.fused = True
                 kw = {"options": opts}
+            # CPU, whole forward, unfrozen: graphs saved for later starts (compiled/precompile.py). Not
+            # CUDA graphs; not regions (torch 2.13 fails to save their guards and then asserts).
+            self.saved = saved and not regions and self.mode is None and not kw["options"].get("freezing")
+            name = precompile.tag(model, kw["options"]) if self.saved else None
+            build = precompile.compile_saved if self.saved else torch.compile
             if regions:
                 fns = RegionFns(*(torch.compile(own_code(f), dynamic=False, **kw)
                                   for f in (self._region_inputs, layer_step, head)))
                 self._step_fn = partial(self._step, fns=fns)
             else:
-                self._step_fn = torch.compile(own_code(self._step), dynamic=False, **kw)
+                self._step_fn = build(own_code(self._step, name), dynamic=False, **kw)
 
     @classmethod
     def wrap(cls, target: TargetModel, **kw) -> "StaticTarget":
@@ -207,16 +217,32 @@ class StaticTarget(TargetModel):
         past = torch.tensor(self.past_len, device=dev)
         span = span_of(self.past_len + len(ids), self.capacity)
         fn = self._step_fn if compiled else self._eager_step
-        logits, top, taps = fn(
-            torch.as_tensor(ids, device=dev), torch.as_tensor(depth, device=dev), torch.as_tensor(anc, device=dev),
-            past, span, self.want_features, last_only,
-        )
+        args = (torch.as_tensor(ids, device=dev), torch.as_tensor(depth, device=dev), torch.as_tensor(anc, device=dev),
+                past, span, self.want_features, last_only)
+        shape = (len(ids), span, self.want_features, last_only)
+        if compiled and self.saved and shape not in self._shapes:  # this call compiles (or loads) a graph
+            logits, top, taps = self._first_call(fn, args)
+            self._shapes.add(shape)
+        else:
+            logits, top, taps = fn(*args)
         if compiled and self.mode == "reduce-overhead":  # CUDA-graph outputs are overwritten by the next replay
             logits, top, taps = (None if t is None else t.clone() for t in (logits, top, taps))
         rows = slice(0, logits.shape[0] if last_only else n)
         if top is None:
             return TargetOutput(logits[rows])
         return TargetOutput(logits[rows], top=top[:n], taps=taps[:n])
+
+    @staticmethod
+    def _first_call(fn, args: tuple):
+        """A shape's first compiled call, recording for later starts; saved if it compiled anything."""
+        from torch._dynamo.utils import counters
+
+        graphs = counters["stats"]["unique_graphs"]
+        with precompile.recording():
+            out = fn(*args)
+        if counters["stats"]["unique_graphs"] != graphs:
+            precompile.save()
+        return out
 
     @torch.no_grad()
     def _check_regions(self, n: int = 4) -> None:
@@ -305,16 +331,18 @@ def use_disk_cache() -> Path:
     return path
 
 
-def own_code(fn):
+def own_code(fn, tag: str | None = None):
     """``fn`` (a function or bound method) on a copy of its code object. Why: dynamo keeps its
     compiled graphs per code object, and before each call walks the guards of that code's graphs
     until one matches. Every compiled target compiled the same ``_step``, so with several in one
     process (a bench's ``ar@c`` beside ``specblock@c``, a measurement's baseline) each call first
-    failed the others' graphs' guards. With a code object each, a target sees only its own graphs."""
+    failed the others' graphs' guards. With a code object each, a target sees only its own graphs.
+    ``tag`` goes into the copy's qualname, which keys dynamo's saved entries (``compiled/precompile.py``)."""
     bound = getattr(fn, "__self__", None)
     f = getattr(fn, "__func__", fn)
     copy = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
-    copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = f.__kwdefaults__, f.__qualname__, f.__doc__
+    copy.__kwdefaults__, copy.__doc__ = f.__kwdefaults__, f.__doc__
+    copy.__qualname__ = f.__qualname__ if tag is None else f"{f.__qualname__}[{tag}]"
     return copy if bound is None else types.MethodType(copy, bound)
 
 

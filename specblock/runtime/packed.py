@@ -59,9 +59,12 @@ class PackedLinear(nn.Module):
         weakref.finalize(self, _drop, self._key)
 
     def __setstate__(self, state: dict) -> None:
-        """A copy (deepcopy, pickle) gets a key of its own: the original's is dropped with it."""
+        """A copy (deepcopy, pickle) gets a key of its own: the original's is dropped with it. A
+        copy without the packed weight registers nothing: dynamo's saved guards (a precompiled
+        graph's, ``compiled/precompile.py``) rebuild modules with their tensors left out."""
         super().__setstate__(state)
-        self._register()
+        if isinstance(self._packed, torch.ScriptObject):
+            self._register()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the same kernel, behind an op dynamo can trace (see packed_linear)

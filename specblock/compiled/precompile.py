@@ -1,0 +1,104 @@
+"""Later starts without tracing: a compiled target's graphs saved with dynamo's precompile cache.
+
+Why: inductor's FX-graph and AOT-autograd caches on disk skip the C++ builds, but every new
+process still traced the model with dynamo (and, with ``freezing``, AOT autograd) before it could
+look them up: most of a warm start (issue 16 asks for under 10 s). With torch's
+``caching_precompile``, dynamo saves what it compiled for a function (bytecode, guards, the
+compiled graphs) under the inductor cache directory (``<dir>/dynamo``), and a later
+``torch.compile`` of that function loads it and traces nothing until a guard fails.
+
+Three choices here:
+
+- The flag is on only while a compiled target is created and while it meets a new shape (the
+  calls that compile), not process-wide: it changes how dynamo builds guards for every function it
+  compiles, and other code in the process (HF's ``generate`` with ``torch.compile``) is not ours.
+- An entry is keyed by the function's qualname and first line, the same for every model; each
+  target's copy of the code (``own_code``) is tagged with its model's structure, dtype and compile
+  options (``tag``), so models never share an entry. Weights are not in the key: unfrozen graphs
+  read them as inputs, and packed linears' keys are guarded constants.
+- torch marks the feature experimental, and a saved entry that fails to load makes its
+  ``torch.compile`` raise. Then the entry is removed and the target compiles as before (one warning):
+  slower to start, same graphs.
+
+Which targets save: the whole-forward compile on CPU without inductor's ``freezing`` (it turns
+off the AOT-autograd cache these entries need), which is packed-fp16's default
+(``PACKED_CPU_OPTIONS`` in ``compiled/target.py``). Not CUDA graphs, and not ``--compile-mode
+regions``: torch 2.13 cannot save the guards of its region calls and then fails an assertion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+
+def tag(model: torch.nn.Module, options: dict[str, Any]) -> str:
+    """What a compiled step's graphs depend on besides the shapes dynamo guards: the module tree
+    (classes and sizes, ``repr``), the model's config, dtype, compile options and torch version."""
+    p = next(model.parameters())
+    config = getattr(model, "config", None)
+    opts = {k: str(v.uuid()) if hasattr(v, "uuid") else repr(v) for k, v in sorted(options.items())}  # a pass by its uuid
+    text = json.dumps([repr(model), config.to_json_string() if config is not None else "", str(p.dtype), str(p.device.type),
+                       opts, torch.__version__])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@contextmanager
+def recording() -> Iterator[None]:
+    """Dynamo saves what it compiles in here for ``save``, and loads saved entries at ``torch.compile``."""
+    with torch._dynamo.config.patch(caching_precompile=True):
+        yield
+
+
+def compile_saved(fn: Callable, **kw: Any) -> Callable:
+    """``torch.compile(fn, **kw)``, with the graphs a previous process saved for ``fn`` loaded.
+    A saved entry that does not load is removed and ``fn`` compiled without it."""
+    try:
+        with recording():
+            compiled = torch.compile(fn, **kw)
+        _skip_loaded_names(fn.__globals__)
+        return compiled
+    except Exception as exc:  # an entry from another torch build, a changed source, a torch bug
+        shutil.rmtree(entry_path(fn), ignore_errors=True)
+        warnings.warn(f"specblock: a saved compiled graph did not load ({type(exc).__name__}); compiling "
+                      "again (slower start, same graphs)", stacklevel=2)
+        return torch.compile(fn, **kw)
+
+
+def _skip_loaded_names(scope: dict[str, Any]) -> None:
+    """A loaded entry puts its globals (``__compiled_fn_7``, ``__builtins_dict___3``, ...) into the
+    function's module under the names the saving process drew from dynamo's counter; a fresh process
+    counts from 0 again, so its first new compile (a new tree size) clashed with them ("Name ...
+    already exists in scope"). Move the counter past the highest loaded name."""
+    from torch._dynamo import bytecode_transformation as bt
+
+    taken = [int(m.group(1)) for name in scope if name.startswith("__") and (m := _NUMBERED.search(name))]
+    if taken:
+        bt._unique_id_counter = itertools.count(max(next(bt._unique_id_counter), max(taken) + 1))
+
+
+_NUMBERED = re.compile(r"_(\d+)$")
+
+
+def entry_path(fn: Callable) -> Path:
+    """The folder dynamo keeps ``fn``'s saved entry in."""
+    from torch._dynamo.package import CompilePackage, DynamoCache
+
+    return Path(DynamoCache.path_prefix()) / CompilePackage.source_id_from_fn(fn)
+
+
+def save() -> None:
+    """Write every entry compiled in this process so far (with the ones it loaded) to the disk
+    cache (atomically, per entry); called after a call that compiled, so the next process finds it."""
+    from torch._dynamo.precompile_context import PrecompileContext
+
+    PrecompileContext.save_to_dynamo_cache()

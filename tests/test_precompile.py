@@ -1,0 +1,159 @@
+"""Saved compiled graphs (``specblock/compiled/precompile.py``): a later target loads them instead of
+tracing, a fresh process still compiles new shapes beside them, and nothing loaded ever changes a
+result: other weights, other packed-linear keys and a damaged entry all give the eager logits."""
+
+import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from specblock.compiled import precompile
+from specblock.compiled.target import CPU_OPTIONS, StaticTarget
+from specblock.policies.tree import DraftTree
+from specblock.runtime import packed
+from tiny import tiny_model
+
+pytestmark = pytest.mark.skipif(not packed.available(), reason="torch has no fbgemm on this machine")
+
+
+def packed_model(seed: int):
+    model = tiny_model("llama", vocab=32, seed=seed, layers=2)
+    packed.pack_linears(model)
+    return model
+
+
+def logits(target, n: int) -> torch.Tensor:
+    target.prefill(np.arange(3, 20) % 32)
+    return target.tree_forward(DraftTree.from_parents(np.arange(n) % 32, np.arange(-1, n - 1))).logits
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_a_later_target_loads_instead_of_tracing(cache):
+    model, other = packed_model(4), packed_model(5)
+    first = StaticTarget(model, compile=True, buckets=(1,))
+    assert first.saved
+    want = logits(StaticTarget(model, compile=False, buckets=(1,)), 1)
+    torch.testing.assert_close(logits(first, 1), want, atol=1e-5, rtol=1e-5)
+    assert precompile.entry_path(first._step_fn._torchdynamo_orig_callable).is_dir()
+
+    before = graphs()
+    again = StaticTarget(model, compile=True, buckets=(1,))  # a new torch.compile: reads the entry from disk
+    torch.testing.assert_close(logits(again, 1), want, atol=1e-5, rtol=1e-5)
+    assert graphs() == before, "the saved graph was traced again"
+
+    # Same structure, other weights under other packed keys: the keys are guarded, so it compiles anew.
+    moved = StaticTarget(other, compile=True, buckets=(1,))
+    torch.testing.assert_close(logits(moved, 1), logits(StaticTarget(other, compile=False, buckets=(1,)), 1),
+                               atol=1e-5, rtol=1e-5)
+    assert graphs() == before + 1
+
+
+CHILD = r"""
+import sys
+sys.path.insert(0, "tests")
+import torch
+from torch._dynamo.utils import counters
+from test_precompile import logits, packed_model
+from specblock.compiled.target import StaticTarget
+model = packed_model(4)
+target, eager = (StaticTarget(model, compile=c, buckets=(1, 2)) for c in (True, False))
+for n in map(int, sys.argv[1:]):
+    before = counters["stats"]["unique_graphs"]
+    torch.testing.assert_close(logits(target, n), logits(eager, n), atol=1e-5, rtol=1e-5)
+    print(n, counters["stats"]["unique_graphs"] - before)
+"""
+
+
+def test_a_fresh_process_loads_and_still_compiles_new_shapes(cache):
+    """The second process loads bucket 1 and compiles bucket 2 beside it: dynamo's global names
+    restart at 0 in each process and clashed with the loaded ones until ``_skip_loaded_names``."""
+    run = lambda *sizes: subprocess.run([sys.executable, "-c", CHILD, *map(str, sizes)], capture_output=True,
+                                        text=True, check=True, cwd=Path(__file__).parent.parent).stdout.split()
+    assert run(1) == ["1", "1"]  # compiled
+    assert run(1, 2) == ["1", "0", "2", "1"]  # loaded, then compiled
+    assert run(2, 1) == ["2", "0", "1", "0"]  # both loaded
+
+
+def test_a_damaged_entry_is_not_fatal(cache):
+    model = packed_model(4)
+    want = logits(StaticTarget(model, compile=False, buckets=(1,)), 1)
+    first = StaticTarget(model, compile=True, buckets=(1,))
+    logits(first, 1)
+    (precompile.entry_path(first._step_fn._torchdynamo_orig_callable) / "entry").write_bytes(b"not a pickle")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = StaticTarget(model, compile=True, buckets=(1,))
+    torch.testing.assert_close(logits(again, 1), want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_tag_separates_models_and_options():
+    a, b = packed_model(4), packed_model(5)
+    wide = tiny_model("llama", vocab=32, seed=4, layers=3)
+    packed.pack_linears(wide)
+    opts = {"cpp_wrapper": True}
+    assert precompile.tag(a, opts) == precompile.tag(b, opts)  # weights are inputs, not in the key
+    assert len({precompile.tag(a, opts), precompile.tag(wide, opts), precompile.tag(a, CPU_OPTIONS)}) == 3
+
+
+def test_frozen_and_regional_graphs_are_not_saved(cache):
+    model = packed_model(4)
+    assert not StaticTarget(model, compile=True, buckets=(1,), options=CPU_OPTIONS).saved  # freezing: no AOT cache
+    assert not StaticTarget(model, compile=True, buckets=(1,), saved=False).saved
+    unpacked = tiny_model("llama", vocab=32, seed=4, layers=2)
+    assert not StaticTarget(unpacked, compile=True, buckets=(1,)).saved  # fp32: frozen by default
+    assert not StaticTarget(unpacked, compile=True, buckets=(1,), regions=True).saved
+
+
+def test_a_packed_linear_rebuilt_without_its_weight_registers_nothing():
+    """Dynamo's saved guards rebuild modules with their tensors and weights left out; such a copy
+    must not take a key (it once called the C++ table's ``put`` with a placeholder and failed)."""
+    lin = packed.PackedLinear(torch.nn.Linear(4, 4).requires_grad_(False))
+    state = lin.__dict__.copy()
+    state["_packed"] = object()
+    stub = packed.PackedLinear.__new__(packed.PackedLinear)
+    before = len(packed._PACKED)
+    stub.__setstate__(state)
+    assert len(packed._PACKED) == before
+    copy = pickle.loads(pickle.dumps(lin))  # a real copy still gets a key of its own
+    assert copy._key != lin._key and len(packed._PACKED) == before + 1
+
+
+def test_an_entry_that_fails_to_install_is_removed_and_compiled_without(cache, monkeypatch):
+    """torch 2.13 raises from ``torch.compile`` when a saved entry loads but does not install (seen
+    while the packed linears' stub copies still failed): ``compile_saved`` drops the entry, warns
+    and compiles without it."""
+    calls = []
+    real = torch.compile
+
+    def flaky(fn, **kw):
+        calls.append(torch._dynamo.config.caching_precompile)
+        if torch._dynamo.config.caching_precompile:
+            raise AssertionError("CompilePackage is already initialized")
+        return real(fn, **kw)
+
+    def step(x):
+        return x + 1
+
+    entry = precompile.entry_path(step)
+    entry.mkdir(parents=True)
+    (entry / "entry").write_bytes(b"saved before")
+    monkeypatch.setattr(torch, "compile", flaky)
+    with pytest.warns(UserWarning, match="did not load"):
+        compiled = precompile.compile_saved(step, dynamic=False)
+    assert calls == [True, False] and not entry.exists()
+    assert torch.equal(compiled(torch.zeros(2)), torch.ones(2))
