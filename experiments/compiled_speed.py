@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specblock.compiled.target import BUCKETS, CPU_OPTIONS, StaticTarget
+from specblock.compiled.target import BUCKETS, CPU_OPTIONS, FROZEN_CPU_OPTIONS, StaticTarget
 from specblock.policies.tree import DraftTree
 from specblock.runtime.config import validate
 from specblock.runtime.drafters.base import ARDrafter
@@ -252,9 +252,14 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
     if args.python_kernel_baseline:  # likewise: which kernel packed linears call is pinned per model copy
         compiled["compiled whole, Python kernel"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
                                                                       compile=True, native=False)
-    if args.frozen_variant:  # inductor's freezing, as before packed-fp16 went without it (no saved graphs then)
-        compiled["compiled whole, frozen"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
-                                                               compile=True, options=CPU_OPTIONS)
+    # With and without inductor's freezing, whatever the dtype's default (frozen graphs are not saved).
+    for flag, label, opts in ((args.frozen_variant, "frozen", FROZEN_CPU_OPTIONS), (args.unfrozen_variant, "unfrozen", CPU_OPTIONS)):
+        if flag:
+            compiled[f"compiled whole, {label}"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
+                                                                     compile=True, options=opts)
+    if args.dynamic_variant:  # one graph for the buckets past 1 (symbolic tree size and span)
+        compiled["compiled whole, dynamic"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
+                                                                compile=True, dynamic=None)
     if args.unfused_baseline:  # the pass is a compile option: a second copy keeps the graphs apart
         compiled["compiled whole, unfused"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
                                                                 compile=True, fuse=False)
@@ -286,6 +291,8 @@ def markdown(results: list[dict], args) -> str:
              f"{' --python-kernel-baseline' if args.python_kernel_baseline else ''}"
              f"{' --unfused-baseline' if args.unfused_baseline else ''}"
              f"{' --frozen-variant' if args.frozen_variant else ''}"
+             f"{' --unfrozen-variant' if args.unfrozen_variant else ''}"
+             f"{' --dynamic-variant' if args.dynamic_variant else ''}"
              f"{' --skip-decoding' if args.skip_decoding else ''} --out {args.out}`).", ""]
     for r in results:
         lines += [f"## {r['target']} ({r['layers']} layers, {r['weights_mb']} MB of weights)", "",
@@ -338,7 +345,11 @@ def main() -> None:
     ap.add_argument("--python-kernel-baseline", action="store_true",
                     help="also time a compiled target whose packed linears call the Python kernel (before compiled/native.py)")
     ap.add_argument("--frozen-variant", action="store_true",
-                    help="also time a compiled target with inductor's freezing (CPU_OPTIONS; packed-fp16 goes without)")
+                    help="also time a compiled target with inductor's freezing (FROZEN_CPU_OPTIONS, the default until saved graphs)")
+    ap.add_argument("--unfrozen-variant", action="store_true",
+                    help="also time a second compiled target without freezing (CPU_OPTIONS, as the default now is)")
+    ap.add_argument("--dynamic-variant", action="store_true",
+                    help="also time a compiled target with dynamic=None (one graph for the tree sizes past 1)")
     ap.add_argument("--unfused-baseline", action="store_true",
                     help="also time a compiled target without q/k/v and gate/up fusion (before compiled/fuse.py)")
     ap.add_argument("--compile-buckets", default=",".join(map(str, BUCKETS)),

@@ -131,7 +131,7 @@ case "${1:-}" in
     $PY -m specblock.runtime bench --target $T --methods ar,lookup,medusa,eagle3,specblock \
         --dtype bfloat16 --domains code,chat --prompts 1 --runs 3 --max-new-tokens 48 --threads 2 \
         --out experiments/results/bench_smollm2_main_bf16 ;;
-  packed)    # 6c. The same table in packed-fp16 (--dtype auto on a CPU without native bf16: fp16 weights packed for
+  packed)    # 6c. The same table in packed-fp16 (--dtype auto on an x86 CPU: fp16 weights packed for
     #            fbgemm, fp32 arithmetic): its T(n) curve is its own, so the node budgets are swept again (2/3/4/8;
     #            SpecBlock with the rank head's widths, fixed top-4, and fixed top-4 at M = 1), the winners written
     #            to serving.json, and best.json (--method auto) is chosen from the main table, where every method

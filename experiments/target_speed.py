@@ -19,7 +19,18 @@ import torch
 
 from specblock.runtime.calibrate import N_GRID, time_target
 from specblock.runtime.config import validate
-from specblock.runtime.target import TargetModel
+from specblock.runtime.target import TargetModel, native_bf16
+
+
+def cpu_model() -> str:
+    """The CPU's name from /proc/cpuinfo (Linux), so a table says which machine it was measured on."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 def main() -> None:
@@ -47,9 +58,12 @@ def main() -> None:
                              "ratio": [round(x / ms[0], 3) for x in ms]})
                 print(json.dumps(rows[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
+    cpu = {"native_bf16": native_bf16(torch.device("cpu")), "model": cpu_model()}
+    args.out.with_suffix(".json").write_text(json.dumps({"threads": args.threads, "cpu": cpu, "rows": rows}, indent=1))
     head = "| dtype | attn | ctx | T(1) ms | " + " | ".join(f"T({n})/T(1)" for n in N_GRID[1:]) + " |"
-    lines = [head, "|---" * (4 + len(N_GRID) - 1) + "|"]
+    lines = [f"{cpu['model']}, native bf16: {cpu['native_bf16']}, {args.threads} threads (`python experiments/target_speed.py "
+             f"--dtypes {args.dtypes} --attn {args.attn} --ctx {args.ctx} --reps {args.reps} --threads {args.threads} "
+             f"--out {args.out}`).", "", head, "|---" * (4 + len(N_GRID) - 1) + "|"]
     for r in rows:
         lines.append(f"| {r['dtype']} | {r['attn']} | {r['ctx']} | {r['ms'][0]:.2f} | " + " | ".join(f"{x:.2f}" for x in r["ratio"][1:]) + " |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -1,5 +1,5 @@
-"""``--dtype auto``: bf16 where it is native, packed-fp16 on other x86 CPUs (bf16 trees are emulated
-there), resolved in one place, recorded as resolved."""
+"""``--dtype auto``: packed-fp16 on CPUs with fbgemm (x86), native bf16 or not; bf16 elsewhere;
+resolved in one place, recorded as resolved."""
 
 import json
 
@@ -17,9 +17,9 @@ from tiny import save_tiny
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("native, fbgemm, want", [(True, True, "bfloat16"), (False, True, "packed-fp16"),
-                                                  (False, False, "bfloat16")])
-def test_auto_is_bf16_where_native_else_packed_fp16(monkeypatch, native, fbgemm, want):
+@pytest.mark.parametrize("native, fbgemm, want", [(True, True, "packed-fp16"), (False, True, "packed-fp16"),
+                                                  (False, False, "bfloat16"), (True, False, "bfloat16")])
+def test_auto_is_packed_fp16_where_fbgemm_is(monkeypatch, native, fbgemm, want):
     monkeypatch.setattr(target_mod, "native_bf16", lambda device: native)
     monkeypatch.setattr(target_mod, "packed_available", lambda: fbgemm)
     assert resolve_dtype("auto", CPU) == want
@@ -45,19 +45,19 @@ def test_auto_is_every_default():
     assert bench_parser().parse_args([]).dtype == "auto"
 
 
-@pytest.mark.parametrize("native, want", [(True, torch.bfloat16), (False, torch.float32)])
-def test_load_resolves_auto(tmp_path, monkeypatch, native, want):
+@pytest.mark.parametrize("fbgemm, want", [(False, torch.bfloat16), (True, torch.float32)])
+def test_load_resolves_auto(tmp_path, monkeypatch, fbgemm, want):
     save_tiny(tmp_path / "t", "llama", vocab=32)
-    monkeypatch.setattr(target_mod, "native_bf16", lambda device: native)
-    monkeypatch.setattr(target_mod, "packed_available", lambda: True)
+    monkeypatch.setattr(target_mod, "native_bf16", lambda device: True)
+    monkeypatch.setattr(target_mod, "packed_available", lambda: fbgemm)
     target = TargetModel.load(tmp_path / "t", "auto", "cpu")
     assert target.dtype == want  # packed-fp16 computes in fp32
-    assert (type(target.model.lm_head).__name__ == "PackedLinear") == (not native)
+    assert (type(target.model.lm_head).__name__ == "PackedLinear") == fbgemm
 
 
 def test_bench_records_resolved_dtype(tmp_path, monkeypatch):
     save_tiny(tmp_path / "t", "llama", vocab=96, ctx=2048)
-    monkeypatch.setattr(target_mod, "native_bf16", lambda device: True)
+    monkeypatch.setattr(target_mod, "packed_available", lambda: False)  # auto is bf16 then
     out = tmp_path / "bench"
     assert main(["bench", "--target", str(tmp_path / "t"), "--methods", "lookup", "--domains", "code",
                  "--prompts", "1", "--max-new-tokens", "4", "--runs", "1", "--out", str(out)]) == 0

@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from specblock.compiled import precompile
-from specblock.compiled.target import CPU_OPTIONS, StaticTarget
+from specblock.compiled.target import FROZEN_CPU_OPTIONS, StaticTarget
 from specblock.policies.tree import DraftTree
 from specblock.runtime import packed
 from tiny import tiny_model
@@ -107,15 +107,16 @@ def test_the_tag_separates_models_and_options():
     packed.pack_linears(wide)
     opts = {"cpp_wrapper": True}
     assert precompile.tag(a, opts) == precompile.tag(b, opts)  # weights are inputs, not in the key
-    assert len({precompile.tag(a, opts), precompile.tag(wide, opts), precompile.tag(a, CPU_OPTIONS)}) == 3
+    assert len({precompile.tag(a, opts), precompile.tag(wide, opts), precompile.tag(a, FROZEN_CPU_OPTIONS)}) == 3
 
 
 def test_frozen_and_regional_graphs_are_not_saved(cache):
     model = packed_model(4)
-    assert not StaticTarget(model, compile=True, buckets=(1,), options=CPU_OPTIONS).saved  # freezing: no AOT cache
+    assert StaticTarget(model, compile=True, buckets=(1,)).saved
+    assert not StaticTarget(model, compile=True, buckets=(1,), options=FROZEN_CPU_OPTIONS).saved  # no AOT cache
     assert not StaticTarget(model, compile=True, buckets=(1,), saved=False).saved
     unpacked = tiny_model("llama", vocab=32, seed=4, layers=2)
-    assert not StaticTarget(unpacked, compile=True, buckets=(1,)).saved  # fp32: frozen by default
+    assert StaticTarget(unpacked, compile=True, buckets=(1,)).saved  # fp32 or bf16 alike
     assert not StaticTarget(unpacked, compile=True, buckets=(1,), regions=True).saved
 
 

@@ -21,9 +21,9 @@ Three choices here:
   slower to start, same graphs.
 
 Which targets save: the whole-forward compile on CPU without inductor's ``freezing`` (it turns
-off the AOT-autograd cache these entries need), which is packed-fp16's default
-(``PACKED_CPU_OPTIONS`` in ``compiled/target.py``). Not CUDA graphs, and not ``--compile-mode
-regions``: torch 2.13 cannot save the guards of its region calls and then fails an assertion.
+off the AOT-autograd cache these entries need), the default (``CPU_OPTIONS`` in
+``compiled/target.py``). Not CUDA graphs, and not ``--compile-mode regions``: torch 2.13 cannot
+save the guards of its region calls and then fails an assertion.
 """
 
 from __future__ import annotations

@@ -52,19 +52,15 @@ from specblock.runtime.target import TargetModel, TargetOutput
 #: tree. More buckets cost compile time only for the sizes a run meets.
 BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 MIN_SPAN = 256
-#: Inductor on CPU: ``freezing`` folds the (fixed) target weights into the graph as constants so
-#: the linears run on prepacked oneDNN weights, and ``cpp_wrapper`` calls the kernels from C++
-#: instead of a Python wrapper. In interleaved trials on the lab model (bucket 1, a loaded
-#: machine) cpp_wrapper won clearly and freezing was within the noise; ``max_autotune``'s C++ GEMM
-#: templates were faster still but took minutes to compile. Frozen weights mean a compiled target
-#: must not be trained afterwards (the target never is), and each compiled graph holds its own
-#: prepacked copy of them.
-CPU_OPTIONS = {"freezing": True, "cpp_wrapper": True}
-#: packed-fp16 (linears behind ``packed_linear``, little left to fold) does without ``freezing``:
-#: it turns off the AOT-autograd cache that saved graphs need (``compiled/precompile.py``), so a
-#: frozen graph's warm start re-ran AOT tracing. ``compiled_speed.py --frozen-variant`` times
-#: ``CPU_OPTIONS`` beside this (figures in the README).
-PACKED_CPU_OPTIONS = {"cpp_wrapper": True}
+#: Inductor on CPU: ``cpp_wrapper`` calls the kernels from C++ instead of a Python wrapper (it won
+#: clearly in interleaved trials on the lab model; ``max_autotune``'s C++ GEMM templates were faster
+#: still but took minutes to compile). Not ``freezing`` (the fixed weights folded into the graph as
+#: constants, the linears on prepacked oneDNN weights): it turns off the AOT-autograd cache that
+#: saved graphs need (``compiled/precompile.py``), so a frozen graph's warm start re-ran AOT tracing.
+#: ``compiled_speed.py --frozen-variant`` times ``FROZEN_CPU_OPTIONS`` beside the default: on the
+#: real model it was worth 0-6% of T(n) at packed-fp16 and nothing at bf16 (README).
+CPU_OPTIONS = {"cpp_wrapper": True}
+FROZEN_CPU_OPTIONS = {"freezing": True, "cpp_wrapper": True}
 #: Regions: the weights are graph inputs (shared by every layer) in either case.
 REGION_CPU_OPTIONS = {"cpp_wrapper": True}
 COMPILE_MODES = ("regions", "whole")
@@ -94,7 +90,9 @@ class StaticTarget(TargetModel):
     False keeps HF's ``repeat_kv`` attention in the graph (the baseline of ``compiled_speed.py``);
     ``native`` False keeps packed linears' Python kernel in the graph, ``fuse`` False their separate
     calls (the baselines of ``compiled_speed.py --python-kernel-baseline`` / ``--unfused-baseline``);
-    ``saved`` False neither loads nor saves graphs for later starts (``compiled/precompile.py``)."""
+    ``saved`` False neither loads nor saves graphs for later starts (``compiled/precompile.py``);
+    ``dynamic`` is ``torch.compile``'s (None: dynamo makes the tree size and span symbolic once they
+    change, so one graph serves the buckets past 1; ``compiled_speed.py --dynamic-variant``)."""
 
     def __init__(
         self,
@@ -109,6 +107,7 @@ class StaticTarget(TargetModel):
         native: bool = True,
         fuse: bool = True,
         saved: bool = True,
+        dynamic: bool | None = False,
     ) -> None:
         super().__init__(model, tap_layers)
         types = getattr(self.config, "layer_types", None)
@@ -144,8 +143,7 @@ class StaticTarget(TargetModel):
             if self.mode is not None:
                 kw = {"mode": self.mode}
             else:
-                default = REGION_CPU_OPTIONS if regions else PACKED_CPU_OPTIONS if self.packed else CPU_OPTIONS
-                opts = dict(options if options is not None else default)
+                opts = dict(options if options is not None else REGION_CPU_OPTIONS if regions else CPU_OPTIONS)
                 if self.native and fuse:  # q/k/v and gate/up as one GEMM each (compiled/fuse.py)
                     opts.setdefault("post_grad_custom_post_pass", FusePackedLinears())
                     self.fused = True
@@ -153,14 +151,14 @@ class StaticTarget(TargetModel):
             # CPU, whole forward, unfrozen: graphs saved for later starts (compiled/precompile.py). Not
             # CUDA graphs; not regions (torch 2.13 fails to save their guards and then asserts).
             self.saved = saved and not regions and self.mode is None and not kw["options"].get("freezing")
-            name = precompile.tag(model, kw["options"]) if self.saved else None
+            name = precompile.tag(model, {**kw["options"], "dynamic": dynamic}) if self.saved else None
             build = precompile.compile_saved if self.saved else torch.compile
             if regions:
-                fns = RegionFns(*(torch.compile(own_code(f), dynamic=False, **kw)
+                fns = RegionFns(*(torch.compile(own_code(f), dynamic=dynamic, **kw)
                                   for f in (self._region_inputs, layer_step, head)))
                 self._step_fn = partial(self._step, fns=fns)
             else:
-                self._step_fn = build(own_code(self._step, name), dynamic=False, **kw)
+                self._step_fn = build(own_code(self._step, name), dynamic=dynamic, **kw)
 
     @classmethod
     def wrap(cls, target: TargetModel, **kw) -> "StaticTarget":

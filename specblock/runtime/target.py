@@ -55,21 +55,22 @@ def native_bf16(device: torch.device) -> bool:
 
 
 #: The one line every ``--dtype`` help prints: what ``auto`` picks and why.
-DTYPE_HELP = (f"auto (default): bfloat16 on CUDA and on CPUs with native bf16; {PACKED_FP16} (fp16 weights packed "
-              "for fbgemm, fp32 arithmetic) on other x86 CPUs, where bf16 trees are emulated (calibrate)")
+DTYPE_HELP = (f"auto (default): {PACKED_FP16} (fp16 weights packed for fbgemm, fp32 arithmetic) on x86 CPUs, "
+              "bfloat16 on CUDA and elsewhere (calibrate)")
 
 
 def resolve_dtype(name: str, device: str | torch.device = "auto") -> str:
     """The target's dtype name, ``auto`` resolved (the one place it is). Explicit names pass as is.
 
-    ``auto`` is bfloat16 where bf16 products are native. Elsewhere it is packed-fp16 when torch has
-    fbgemm. Measured with ``experiments/target_speed.py`` on an AVX2 CPU without
-    native bf16 (SmolLM2-135M): bf16 reads half of fp32's bytes for one token, but its trees are
-    emulated (T(16) = 6-7 x T(1)); packed fp16 reads as few bytes as bf16, with trees close to
-    fp32's ratio, and its T(1) was below bf16's too."""
+    ``auto`` is packed-fp16 on a CPU where torch has fbgemm (x86), bfloat16 elsewhere (CUDA, ARM).
+    Measured with ``experiments/target_speed.py`` (SmolLM2-135M, 2 threads): on an AVX2 CPU without
+    native bf16, bf16 trees are emulated (T(16) = 6-7 x T(1)) and packed fp16's T(1) was below
+    bf16's too; on a CPU with AMX (native bf16, ``target_speed_amx.md``) bf16 trees are nearly flat,
+    but packed fp16 was still faster up to 8 tree tokens (T(1) 28.5 against 38.3 ms), the sizes the
+    shipped drafters serve, and the shipped drafters' records are measured at packed-fp16."""
     if name == "auto":
         dev = resolve_device(device) if isinstance(device, str) else device
-        if dev.type == "cpu" and not native_bf16(dev) and packed_available():
+        if dev.type == "cpu" and packed_available():
             return PACKED_FP16
         return "bfloat16"
     if name not in DTYPES and name != PACKED_FP16:

@@ -268,13 +268,14 @@ def build_cache(data: Path | list[Path], out: Path, target_dir: Path, model, k: 
         rows = [json.loads(line) for line in (d / f"{name}.jsonl").read_text().splitlines() if line.strip()]
         ts = time.perf_counter()
         info = write_shard(out / name, model, rows, taps, k, batch_tokens)
-        info["seconds"] = round(time.perf_counter() - ts, 2)
+        took = time.perf_counter() - ts
+        info["seconds"] = round(took, 2)
         man["shards"][name] = info
         man["totals"] = {"shards": len(man["shards"]), "tokens": sum(s["tokens"] for s in man["shards"].values()),
                          "gb": round(sum(s["bytes"] for s in man["shards"].values()) / 1e9, 3),
                          "minutes": round(sum(s["seconds"] for s in man["shards"].values()) / 60, 2)}
         _write_json(out / "manifest.json", man)
-        log(json.dumps({"shard": name, "shard_tokens": info["tokens"], "tok_s": round(info["tokens"] / info["seconds"], 1),
+        log(json.dumps({"shard": name, "shard_tokens": info["tokens"], "tok_s": round(info["tokens"] / max(took, 1e-9), 1),  # a tiny shard rounds to 0.0 s
                         "cache": man["totals"]}))
     _write_json(out / "manifest.json", man)
     return man
