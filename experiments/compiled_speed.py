@@ -83,8 +83,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
                                                          if id(p) not in skip)
 
 
-def time_trees(targets: dict[str, TargetModel], ctx: int, sizes: list[int], reps: int, seed: int = 0) -> dict:
-    """Median ms of one tree forward of n nodes at context ``ctx``, per target, interleaved."""
+def time_trees(targets: dict[str, TargetModel], ctx: int, sizes: list[int], reps: int, seed: int = 0,
+               first: dict | None = None) -> dict:
+    """Median ms of one tree forward of n nodes at context ``ctx``, per target, interleaved;
+    ``first`` gets each target's seconds for its first forward of each n (a compile, a load or
+    neither: a size whose bucket or graph it has already)."""
     rng = np.random.default_rng(seed)
     vocab = next(iter(targets.values())).vocab_size
     dev = next(iter(targets.values())).device
@@ -94,7 +97,10 @@ def time_trees(targets: dict[str, TargetModel], ctx: int, sizes: list[int], reps
         ts = {name: [] for name in targets}
         for name, t in targets.items():
             t.prefill(prompt)
-            t.tree_forward(random_tree(rng, n, vocab))  # first use of a bucket compiles: not timed
+            t0 = clock(dev)
+            t.tree_forward(random_tree(rng, n, vocab))  # first use of a bucket compiles: not in the medians
+            if first is not None:
+                first.setdefault(name, []).append(round(clock(dev) - t0, 2))
             rewind(t, ctx)
         for _ in range(reps):
             tree = random_tree(rng, n, vocab)
@@ -257,14 +263,15 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
         if flag:
             compiled[f"compiled whole, {label}"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
                                                                      compile=True, options=opts)
-    if args.dynamic_variant:  # one graph for the buckets past 1 (symbolic tree size and span)
+    if args.dynamic_variant:  # meant as one graph for the buckets past 1; each size still compiled (README)
         compiled["compiled whole, dynamic"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
                                                                 compile=True, dynamic=None)
     if args.unfused_baseline:  # the pass is a compile option: a second copy keeps the graphs apart
         compiled["compiled whole, unfused"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
                                                                 compile=True, fuse=False)
     sizes = args.size_list
-    t_ms = time_trees({"eager": eager, **compiled}, args.ctx, sizes, args.reps)
+    first_s: dict[str, list[float]] = {}
+    t_ms = time_trees({"eager": eager, **compiled}, args.ctx, sizes, args.reps, first=first_s)
     bw = bandwidth_gbs(args.device)
     wbytes = weight_bytes(eager.model)
     floor_ms = wbytes / (bw * 1e9) * 1e3
@@ -276,7 +283,7 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
         "T_ratio_eager_over_compiled": {k: [round(a / b, 2) for a, b in zip(t_ms["eager"], t_ms[k])] for k in compiled},
         "bandwidth_gbs": round(bw, 1), "floor_ms": round(floor_ms, 3),
         "T1_over_floor": {k: round(v[0] / floor_ms, 2) for k, v in t_ms.items()},
-        "decoding": decoding, "compile_s": compile_s,
+        "decoding": decoding, "compile_s": compile_s, "first_forward_s": first_s,
     }
 
 
@@ -302,6 +309,9 @@ def markdown(results: list[dict], args) -> str:
             lines.append(f"| {k} ms | " + " | ".join(f"{x:.2f}" for x in v) + " |")
         for k, v in r["T_ratio_eager_over_compiled"].items():
             lines.append(f"| eager / {k} | " + " | ".join(f"{x:.2f}x" for x in v) + " |")
+        for k, v in r.get("first_forward_s", {}).items():  # in this process, sizes in the order above
+            if k != "eager":
+                lines.append(f"| {k}: first forward s | " + " | ".join(f"{x:.1f}" for x in v) + " |")
         floors = ", ".join(f"{v:.1f}x {k}" for k, v in r["T1_over_floor"].items())
         lines += ["", f"Bandwidth floor: {r['weights_mb']} MB / {r['bandwidth_gbs']} GB/s = {r['floor_ms']:.2f} ms; "
                   f"T({r['n'][0]}) is {floors}.", ""]
@@ -349,7 +359,7 @@ def main() -> None:
     ap.add_argument("--unfrozen-variant", action="store_true",
                     help="also time a second compiled target without freezing (CPU_OPTIONS, as the default now is)")
     ap.add_argument("--dynamic-variant", action="store_true",
-                    help="also time a compiled target with dynamic=None (one graph for the tree sizes past 1)")
+                    help="also time a compiled target with dynamic=None (tried for one graph per size past 1; it did not)")
     ap.add_argument("--unfused-baseline", action="store_true",
                     help="also time a compiled target without q/k/v and gate/up fusion (before compiled/fuse.py)")
     ap.add_argument("--compile-buckets", default=",".join(map(str, BUCKETS)),

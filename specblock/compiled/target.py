@@ -91,8 +91,9 @@ class StaticTarget(TargetModel):
     ``native`` False keeps packed linears' Python kernel in the graph, ``fuse`` False their separate
     calls (the baselines of ``compiled_speed.py --python-kernel-baseline`` / ``--unfused-baseline``);
     ``saved`` False neither loads nor saves graphs for later starts (``compiled/precompile.py``);
-    ``dynamic`` is ``torch.compile``'s (None: dynamo makes the tree size and span symbolic once they
-    change, so one graph serves the buckets past 1; ``compiled_speed.py --dynamic-variant``)."""
+    ``dynamic`` is ``torch.compile``'s. None was tried so that one graph would serve every bucket past
+    1: each tree size still compiled its own graph (the model code specializes the sizes), at the
+    same speed (``compiled_speed.py --dynamic-variant``, README), so the default stays False."""
 
     def __init__(
         self,
