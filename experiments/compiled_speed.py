@@ -209,8 +209,12 @@ def probe(args) -> None:
         rewind(target, args.ctx)
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime  # C++ builds run in child processes
+    from torch._dynamo.utils import compilation_time_metrics  # dynamo's and inductor's timed phases (nested)
+
+    phases = sorted(((k, sum(v)) for k, v in compilation_time_metrics.items()), key=lambda kv: -kv[1])[:10]
     print(json.dumps({"load_s": round(t1 - t0, 2), "first_forward_s": per, "total_s": round(time.perf_counter() - t0, 2),
-                      "cpu_s": round(cpu_s, 1), "peak_rss_mb": round(me.ru_maxrss / 1024)}))
+                      "cpu_s": round(cpu_s, 1), "peak_rss_mb": round(me.ru_maxrss / 1024),
+                      "phases_s": {k: round(v, 2) for k, v in phases}}))
 
 
 def compile_times(target: str, threads: int, ctx: int, device: str, mode: str, dtype: str, buckets: str) -> dict:
@@ -331,6 +335,10 @@ def markdown(results: list[dict], args) -> str:
                       f"{c['cold'].get('cpu_s', '-')} s, warm {c['warm'].get('cpu_s', '-')} s; peak RSS {c['cold'].get('peak_rss_mb', '-')} MB; "
                       f"whole process with interpreter start and imports cold {c['cold'].get('process_s', '-')} s, "
                       f"warm {c['warm'].get('process_s', '-')} s."]
+            for kind in ("cold", "warm"):
+                if c[kind].get("phases_s"):
+                    lines += ["", f"Longest timed compile phases, {kind} (seconds, nested: an outer phase includes inner ones): "
+                              + ", ".join(f"`{k}` {v}" for k, v in c[kind]["phases_s"].items())]
         lines.append("")
     return "\n".join(lines)
 
