@@ -267,6 +267,9 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
         if flag:
             compiled[f"compiled whole, {label}"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
                                                                      compile=True, options=opts)
+    if args.options_variant:  # any inductor options, e.g. '{"cpp_wrapper": true, "cpp_wrapper_build_separate": true}'
+        compiled[f"compiled whole, {args.options_variant}"] = StaticTarget.wrap(
+            TargetModel.load(path, args.dtype, args.device), compile=True, options=json.loads(args.options_variant))
     if args.dynamic_variant:  # meant as one graph for the buckets past 1; each size still compiled (README)
         compiled["compiled whole, dynamic"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
                                                                 compile=True, dynamic=None)
@@ -304,6 +307,7 @@ def markdown(results: list[dict], args) -> str:
              f"{' --frozen-variant' if args.frozen_variant else ''}"
              f"{' --unfrozen-variant' if args.unfrozen_variant else ''}"
              f"{' --dynamic-variant' if args.dynamic_variant else ''}"
+             f"{f' --options-variant {chr(39)}{args.options_variant}{chr(39)}' if args.options_variant else ''}"
              f"{' --skip-decoding' if args.skip_decoding else ''} --out {args.out}`).", ""]
     for r in results:
         lines += [f"## {r['target']} ({r['layers']} layers, {r['weights_mb']} MB of weights)", "",
@@ -366,6 +370,7 @@ def main() -> None:
                     help="also time a compiled target with inductor's freezing (FROZEN_CPU_OPTIONS, the default until saved graphs)")
     ap.add_argument("--unfrozen-variant", action="store_true",
                     help="also time a second compiled target without freezing (CPU_OPTIONS, as the default now is)")
+    ap.add_argument("--options-variant", metavar="JSON", help="also time a compiled target with these inductor options")
     ap.add_argument("--dynamic-variant", action="store_true",
                     help="also time a compiled target with dynamic=None (tried for one graph per size past 1; it did not)")
     ap.add_argument("--unfused-baseline", action="store_true",

@@ -59,7 +59,9 @@ MIN_SPAN = 256
 #: saved graphs need (``compiled/precompile.py``), so a frozen graph's warm start re-ran AOT tracing.
 #: ``compiled_speed.py --frozen-variant`` times ``FROZEN_CPU_OPTIONS`` beside the default: on the
 #: real model it was worth 0-6% of T(n) at packed-fp16 and nothing at bf16 (README).
-CPU_OPTIONS = {"cpp_wrapper": True}
+#: ``cpp_wrapper_build_separate`` compiles the wrapper (-O1) apart from the kernels (-O3): a cold
+#: bucket compiled in 46.5 s instead of 60.7 s, T(n) no slower (``--options-variant``, README).
+CPU_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 FROZEN_CPU_OPTIONS = {"freezing": True, "cpp_wrapper": True}
 #: Regions: the weights are graph inputs (shared by every layer) in either case.
 REGION_CPU_OPTIONS = {"cpp_wrapper": True}
