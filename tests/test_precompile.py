@@ -158,3 +158,14 @@ def test_an_entry_that_fails_to_install_is_removed_and_compiled_without(cache, m
         compiled = precompile.compile_saved(step, dynamic=False)
     assert calls == [True, False] and not entry.exists()
     assert torch.equal(compiled(torch.zeros(2)), torch.ones(2))
+
+
+def test_a_failed_save_warns_and_the_run_goes_on(monkeypatch):
+    from torch._dynamo.precompile_context import PrecompileContext
+
+    def full_disk():
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(PrecompileContext, "save_to_dynamo_cache", staticmethod(full_disk))
+    with pytest.warns(UserWarning, match="not saved for later starts.*No space left"):
+        precompile.save()

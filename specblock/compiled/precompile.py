@@ -98,7 +98,13 @@ def entry_path(fn: Callable) -> Path:
 
 def save() -> None:
     """Write every entry compiled in this process so far (with the ones it loaded) to the disk
-    cache (atomically, per entry); called after a call that compiled, so the next process finds it."""
+    cache (atomically, per entry); called after a call that compiled, so the next process finds it.
+    A failed save (a full disk, something dynamo cannot pickle) costs later starts, not this run:
+    one warning."""
     from torch._dynamo.precompile_context import PrecompileContext
 
-    PrecompileContext.save_to_dynamo_cache()
+    try:
+        PrecompileContext.save_to_dynamo_cache()
+    except Exception as exc:
+        warnings.warn(f"specblock: compiled graphs not saved for later starts ({type(exc).__name__}: "
+                      f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r})", stacklevel=2)

@@ -20,7 +20,9 @@ What is compiled: ``regions=True`` compiles one decoder-layer step shared by all
 the tree inputs with the embedding and the final norm with the LM head (``compiled/regions.py``);
 ``regions=False`` (the default) the whole forward per shape. Same padding and masks either way.
 Regions compile several times faster but ran T(1) 13% slower on the lab model
-(``experiments/results/compiled_regions.md``), hence not the default yet.
+(``experiments/results/compiled_regions.md``), hence not the default yet. On CPU the whole-forward
+graphs are saved as they are compiled, and a later process loads them instead of tracing
+(``compiled/precompile.py``).
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from specblock.compiled import precompile
 from specblock.compiled.fuse import FusePackedLinears
 from specblock.compiled.gqa import use_gqa_attention
-from specblock.compiled import precompile
 from specblock.compiled.native import pin_python_kernel, use_native_kernel
 from specblock.compiled.regions import RegionFns, check_regional, embed, head, layer_step, regional_forward
 from specblock.compiled.static_cache import TreeStaticCache
