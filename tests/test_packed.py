@@ -118,3 +118,19 @@ def test_compiled_packed_target_is_one_graph_and_lossless():
     ref = hf_greedy(model, prompt, 20)
     for drafter in (RandomDrafter(V, seed=0), LookupDrafter(branches=2, max_ngram=2)):
         assert Engine(target, drafter, budget=7).generate(prompt, 20).token_ids == ref, drafter.name
+
+
+def test_packing_in_threads_keeps_each_weight_and_a_fixed_key_order():
+    """``pack_linears`` packs on torch's threads: each module must still get its own weight, and
+    keys must come in the same order every time (saved compiled graphs guard on them)."""
+    offsets = []
+    for _ in range(2):
+        model = packed_model("llama", seed=7, layers=3)
+        mods = [m for m in model.modules() if isinstance(m, packed.PackedLinear)]
+        keys = [m._key for m in mods]
+        assert len(mods) == 3 * 7 + 1 and sorted(keys) == list(range(min(keys), min(keys) + len(keys)))
+        offsets.append([k - min(keys) for k in keys])
+    assert offsets[0] == offsets[1]
+    for m in mods:
+        x_in = torch.randn(3, m.in_features)
+        assert torch.equal(m(x_in), torch.ops.quantized.linear_dynamic_fp16(x_in, packed.prepack(m)))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -44,13 +45,12 @@ class PackedLinear(nn.Module):
 
     compiled_op = None  # packed_linear, set below its definition
 
-    def __init__(self, lin: nn.Linear) -> None:
+    def __init__(self, lin: nn.Linear, packed: torch.ScriptObject | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.weight = lin.weight
         self.bias = lin.bias
-        bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
-        self._packed = torch.ops.quantized.linear_prepack_fp16(lin.weight.detach().float().contiguous(), bias)
+        self._packed = packed if packed is not None else prepack(lin)
         self._register()
 
     def _register(self) -> None:
@@ -140,6 +140,12 @@ def use_compiled_op(op, mirror: Callable[[int, object | None], None]) -> None:
     PackedLinear.compiled_op = op
 
 
+def prepack(lin: nn.Linear) -> torch.ScriptObject:
+    """fbgemm's packed fp16 copy of ``lin``'s weight and bias."""
+    bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
+    return torch.ops.quantized.linear_prepack_fp16(lin.weight.detach().float().contiguous(), bias)
+
+
 def pack_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of an fp32 CPU model in place; returns how many."""
     if not available():
@@ -151,10 +157,12 @@ def pack_linears(model: nn.Module) -> int:
         raise SpecBlockError(f"--dtype {PACKED_FP16} packs an fp32 model, not a {p.dtype} one; load it in float32 first")
     for p in model.parameters():
         p.requires_grad_(False)
-    n = 0
-    for mod in list(model.modules()):
-        for name, child in list(mod.named_children()):
-            if type(child) is nn.Linear:
-                setattr(mod, name, PackedLinear(child))
-                n += 1
-    return n
+    found = [(mod, name, child) for mod in list(model.modules()) for name, child in mod.named_children()
+             if type(child) is nn.Linear]
+    # fbgemm packs on one thread and releases the GIL: pack on torch's threads, then build the
+    # modules in order (their keys stay in model order).
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        packs = list(pool.map(lambda f: prepack(f[2]), found))
+    for (mod, name, child), packed in zip(found, packs):
+        setattr(mod, name, PackedLinear(child, packed))
+    return len(found)
