@@ -160,7 +160,7 @@ def pack_linears(model: nn.Module) -> int:
     found = [(mod, name, child) for mod in list(model.modules()) for name, child in mod.named_children()
              if type(child) is nn.Linear]
     # fbgemm packs on one thread and releases the GIL: pack on torch's threads, then build the
-    # modules in order (their keys stay in model order).
+    # modules in order (their keys come in a fixed order).
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         packs = list(pool.map(lambda f: prepack(f[2]), found))
     for (mod, name, child), packed in zip(found, packs):

@@ -66,7 +66,7 @@ def resolve_dtype(name: str, device: str | torch.device = "auto") -> str:
     Measured with ``experiments/target_speed.py`` (SmolLM2-135M, 2 threads): on an AVX2 CPU without
     native bf16, bf16 trees are emulated (T(16) = 6-7 x T(1)) and packed fp16's T(1) was below
     bf16's too; on a CPU with AMX (native bf16, ``target_speed_amx.md``) bf16 trees are nearly flat,
-    but packed fp16 was still faster up to 8 tree tokens (T(1) 28.5 against 38.3 ms), the sizes the
+    but packed fp16 was as fast or faster up to 8 tree tokens (T(1) 28.5 against 38.3 ms), the sizes the
     shipped drafters serve, and the shipped drafters' records are measured at packed-fp16."""
     if name == "auto":
         dev = resolve_device(device) if isinstance(device, str) else device
