@@ -256,26 +256,20 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
     eager = TargetModel.load(path, args.dtype, args.device)
     compiled = {f"compiled {m}": StaticTarget.wrap(eager, compile=True, regions=m == "regions")  # same weights
                 for m in args.mode_list}
-    if args.repeat_kv_baseline:  # a second copy of the model: the attention function is the model's own setting
-        compiled["compiled whole, repeat_kv"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
-                                                                  compile=True, gqa=False)
-    if args.python_kernel_baseline:  # likewise: which kernel packed linears call is pinned per model copy
-        compiled["compiled whole, Python kernel"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
-                                                                      compile=True, native=False)
-    # With and without inductor's freezing, whatever the dtype's default (frozen graphs are not saved).
-    for flag, label, opts in ((args.frozen_variant, "frozen", FROZEN_CPU_OPTIONS), (args.unfrozen_variant, "unfrozen", CPU_OPTIONS)):
-        if flag:
-            compiled[f"compiled whole, {label}"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
-                                                                     compile=True, options=opts)
-    if args.options_variant:  # any inductor options, e.g. '{"cpp_wrapper": true, "cpp_wrapper_build_separate": true}'
-        compiled[f"compiled whole, {args.options_variant}"] = StaticTarget.wrap(
-            TargetModel.load(path, args.dtype, args.device), compile=True, options=json.loads(args.options_variant))
-    if args.dynamic_variant:  # meant as one graph for the buckets past 1; each size still compiled (README)
-        compiled["compiled whole, dynamic"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
-                                                                compile=True, dynamic=None)
-    if args.unfused_baseline:  # the pass is a compile option: a second copy keeps the graphs apart
-        compiled["compiled whole, unfused"] = StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device),
-                                                                compile=True, fuse=False)
+
+    def second(**kw) -> StaticTarget:  # a second copy of the model: attention, kernel and options are per copy
+        return StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device), compile=True, **kw)
+
+    variants = {  # label: (asked for, StaticTarget arguments)
+        "repeat_kv": (args.repeat_kv_baseline, {"gqa": False}),
+        "Python kernel": (args.python_kernel_baseline, {"native": False}),
+        "frozen": (args.frozen_variant, {"options": FROZEN_CPU_OPTIONS}),  # frozen graphs are not saved
+        "unfrozen": (args.unfrozen_variant, {"options": CPU_OPTIONS}),
+        str(args.options_variant): (args.options_variant, {"options": json.loads(args.options_variant or "{}")}),
+        "dynamic": (args.dynamic_variant, {"dynamic": None}),  # meant as one graph past bucket 1; it was not (README)
+        "unfused": (args.unfused_baseline, {"fuse": False}),
+    }
+    compiled.update({f"compiled whole, {label}": second(**kw) for label, (asked, kw) in variants.items() if asked})
     sizes = args.size_list
     first_s: dict[str, list[float]] = {}
     t_ms = time_trees({"eager": eager, **compiled}, args.ctx, sizes, args.reps, first=first_s)

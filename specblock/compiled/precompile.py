@@ -20,6 +20,9 @@ Three choices here:
   ``torch.compile`` raise. Then the entry is removed and the target compiles as before (one warning):
   slower to start, same graphs.
 
+Entries are pickles, as inductor's own caches are: the cache folder (under ``$SPECBLOCK_HOME``)
+must be as trusted as the code, since loading a crafted entry runs code.
+
 Which targets save: the whole-forward compile on CPU without inductor's ``freezing`` (it turns
 off the AOT-autograd cache these entries need), the default (``CPU_OPTIONS`` in
 ``compiled/target.py``). Not CUDA graphs, and not ``--compile-mode regions``: torch 2.13 cannot
@@ -94,6 +97,19 @@ def entry_path(fn: Callable) -> Path:
     from torch._dynamo.package import CompilePackage, DynamoCache
 
     return Path(DynamoCache.path_prefix()) / CompilePackage.source_id_from_fn(fn)
+
+
+def first_call(fn: Callable, *args: Any) -> Any:
+    """A compiled function's first call at a new shape: recorded, and saved if it compiled a graph
+    (rather than loading one)."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    with recording():
+        out = fn(*args)
+    if counters["stats"]["unique_graphs"] != graphs:
+        save()
+    return out
 
 
 def save() -> None:

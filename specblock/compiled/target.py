@@ -224,7 +224,7 @@ class StaticTarget(TargetModel):
                 past, span, self.want_features, last_only)
         shape = (len(ids), span, self.want_features, last_only)
         if compiled and self.saved and shape not in self._shapes:  # this call compiles (or loads) a graph
-            logits, top, taps = self._first_call(fn, args)
+            logits, top, taps = precompile.first_call(fn, *args)
             self._shapes.add(shape)
         else:
             logits, top, taps = fn(*args)
@@ -234,18 +234,6 @@ class StaticTarget(TargetModel):
         if top is None:
             return TargetOutput(logits[rows])
         return TargetOutput(logits[rows], top=top[:n], taps=taps[:n])
-
-    @staticmethod
-    def _first_call(fn, args: tuple):
-        """A shape's first compiled call, recording for later starts; saved if it compiled anything."""
-        from torch._dynamo.utils import counters
-
-        graphs = counters["stats"]["unique_graphs"]
-        with precompile.recording():
-            out = fn(*args)
-        if counters["stats"]["unique_graphs"] != graphs:
-            precompile.save()
-        return out
 
     @torch.no_grad()
     def _check_regions(self, n: int = 4) -> None:
