@@ -49,6 +49,23 @@ def test_built_model_has_card_checksums_and_template(real):
     assert not list(path.parent.glob(f".{NAME}.*/"))  # no half-built directory left beside it
 
 
+def test_q4_file_holds_the_ggufs_weights_in_the_checkpoints_order(real):
+    """``--dtype q4`` reads the GGUF's Q4_1 values: dequantized and rounded to bf16 they are the
+    checkpoint, bit for bit, for all 210 decoder linears (q/k rows un-permuted as transformers does)."""
+    from safetensors import safe_open
+
+    from specblock.q4file import Q4_FILE, dequantize_q4_1
+
+    path, target, tok, stops = real
+    mods = dict(target.model.named_modules())
+    with safe_open(str(path / Q4_FILE), framework="pt") as f:
+        names = sorted({k.rsplit(".", 1)[0] for k in f.keys()})
+        assert len(names) == 7 * 30 == json.loads((path / "specblock_model.json").read_text())["q4_linears"]
+        for name in names:
+            w = dequantize_q4_1(f.get_tensor(f"{name}.qs"), f.get_tensor(f"{name}.d"), f.get_tensor(f"{name}.m"))
+            assert torch.equal(w.bfloat16().float(), mods[name].weight), name
+
+
 @pytest.mark.parametrize("method", ["ar", "lookup", "random"])
 def test_greedy_fp32_equals_hf_generate_with_the_chat_template(real, method):
     path, target, tok, stops = real

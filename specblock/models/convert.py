@@ -22,8 +22,10 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
+
 from specblock.errors import SpecBlockError
-from specblock.models.registry import GGUFSource, ModelSpec
+from specblock.models.registry import GGUFSource, ModelSpec, build_complete
 
 
 def sha256(path: Path) -> str:
@@ -109,6 +111,52 @@ def dequantize(gguf: Path, arch: str, out: Path) -> dict:
             "vocab_size": config.vocab_size, "eos_token_ids": stop, "chat_template": bool(tok.chat_template)}
 
 
+#: GGUF tensor names of a llama block's linears -> transformers' module names.
+_LLAMA_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                  "ffn_down": "mlp.down_proj"}
+
+
+def write_q4(gguf: Path, out: Path) -> int:
+    """The GGUF's Q4_1 linears, as they are, into ``out/q4_1.safetensors`` for ``--dtype q4``
+    (``runtime/q4.py``); returns how many. Rows in the checkpoint's order: llama.cpp stores q/k rows
+    permuted for its rotary layout and transformers un-permutes them on load, so the same is done
+    here (the test compares against the dequantized checkpoint). Other tensor types, and
+    architectures other than llama, are left out: ``--dtype q4`` then packs them as fp16."""
+    import gguf as _gguf
+    import torch
+
+    from specblock.q4file import Q4_FILE, decode_gguf_q4_1, pack_nibbles, save_q4
+
+    reader = _gguf.GGUFReader(str(gguf))
+    cfg = json.loads((out / "config.json").read_text())
+    if cfg.get("model_type") != "llama":
+        return 0
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg.get("num_key_value_heads") or cfg["num_attention_heads"]}
+    tensors = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")  # blk.<i>.<kind>.weight
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LLAMA_LINEARS:
+            continue
+        if t.tensor_type != _gguf.GGMLQuantizationType.Q4_1:
+            continue
+        q, d, m = decode_gguf_q4_1(np.asarray(t.data))
+        if parts[2] in heads:
+            rows = unpermute_rows(q.shape[0], heads[parts[2]])
+            q, d, m = q[rows], d[rows], m[rows]
+        tensors[f"model.layers.{parts[1]}.{_LLAMA_LINEARS[parts[2]]}"] = (
+            pack_nibbles(torch.from_numpy(q)), torch.from_numpy(d.copy()), torch.from_numpy(m.copy()))
+    if tensors:
+        save_q4(out / Q4_FILE, tensors)
+    return len(tensors)
+
+
+def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order of transformers' ``reverse_permute_weights`` for a q or k projection."""
+    dim = n_rows // n_head // 2
+    return np.arange(n_rows).reshape(n_head, dim, 2).swapaxes(2, 1).reshape(-1)
+
+
 def end_of_turn_tokens(tok) -> list[str]:
     """Special tokens the chat template closes a turn with (ChatML's ``<|im_end|>``, ...)."""
     template = tok.chat_template or ""
@@ -121,7 +169,7 @@ def build_model(spec: ModelSpec, dest: Path) -> Path:
     if spec.source is None:
         raise SpecBlockError(f"model {spec.name!r} is shipped, not built")
     with _lock(dest):
-        if (dest / "config.json").is_file():
+        if build_complete(spec, dest):
             return dest
         t0 = time.monotonic()
         _say(f"building {spec.name} into {dest} (first use only)")
@@ -133,6 +181,7 @@ def build_model(spec: ModelSpec, dest: Path) -> Path:
             _say(f"2/3 dequantizing {gguf.name} to bf16 safetensors")
             out = tmp / "model"
             facts = dequantize(gguf, spec.source.architecture, out)
+            facts["q4_linears"] = write_q4(gguf, out)
             _say("3/3 checking and writing the model card")
             facts.update(name=spec.name, source=f"{spec.source.package}=={spec.source.version}",
                          wheel_sha256=spec.source.wheel_sha256, gguf_sha256=spec.source.gguf_sha256,
@@ -163,5 +212,7 @@ transfer exactly.
   {facts['parameters'] / 1e6:.1f}M parameters; tokenizer and chat template from the GGUF.
 - End-of-sequence / end-of-turn token ids: {facts['eos_token_ids']}.
 - License: {spec.license} (the model and the wheel).
+- `q4_1.safetensors`: the GGUF's {facts.get('q4_linears', 0)} Q4_1 decoder linears as stored (4-bit values,
+  fp16 scales and offsets) for `--dtype q4`, which runs them in torch's int4 kernel.
 - Built by `specblock.models.convert` in {facts['build_seconds']} s.
 """

@@ -82,7 +82,20 @@ def model_dir(name: str) -> Path:
 
 
 def is_built(name: str) -> bool:
-    return (model_dir(name) / "config.json").is_file()
+    return build_complete(MODELS[name], model_dir(name))
+
+
+def build_complete(spec: "ModelSpec", path: Path) -> bool:
+    """A built model's directory is complete once its card records everything today's build writes:
+    a directory from before ``q4_1.safetensors`` (``--dtype q4``) is rebuilt once, whole."""
+    if not (path / "config.json").is_file():
+        return False
+    if spec.source is None:
+        return True
+    try:
+        return "q4_linears" in json.loads((path / "specblock_model.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def resolve_target(target: str | Path | None, build: bool = True) -> Path:

@@ -24,11 +24,13 @@ from specblock.policies.tree import DraftTree
 from specblock.runtime.attention import attention_layout, tree_masks
 from specblock.runtime.packed import PACKED_FP16, PackedLinear, pack_linears
 from specblock.runtime.packed import available as packed_available
+from specblock.runtime.q4 import Q4, use_q4_linears
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 #: What every ``--dtype`` flag offers; packed-fp16 (CPU: fp16 weights packed for fbgemm, fp32
-#: arithmetic) loads in float32 and then packs its linears (``runtime.packed``).
-DTYPE_CHOICES = ("auto", "bfloat16", "float32", PACKED_FP16)
+#: arithmetic) loads in float32 and then packs its linears (``runtime.packed``); q4 (CPU: the
+#: model's own Q4_1 GGUF weights in torch's int4 kernel, the rest as packed-fp16; ``runtime.q4``).
+DTYPE_CHOICES = ("auto", "bfloat16", "float32", PACKED_FP16, Q4)
 
 
 def default_taps(num_layers: int) -> tuple[int, int, int]:
@@ -56,7 +58,7 @@ def native_bf16(device: torch.device) -> bool:
 
 #: The one line every ``--dtype`` help prints: what ``auto`` picks and why.
 DTYPE_HELP = (f"auto (default): {PACKED_FP16} (fp16 weights packed for fbgemm, fp32 arithmetic) on x86 CPUs, "
-              "bfloat16 on CUDA and elsewhere (calibrate)")
+              f"bfloat16 on CUDA and elsewhere (calibrate); {Q4}: the model's own 4-bit GGUF weights (CPU, named models)")
 
 
 def resolve_dtype(name: str, device: str | torch.device = "auto") -> str:
@@ -73,7 +75,7 @@ def resolve_dtype(name: str, device: str | torch.device = "auto") -> str:
         if dev.type == "cpu" and packed_available():
             return PACKED_FP16
         return "bfloat16"
-    if name not in DTYPES and name != PACKED_FP16:
+    if name not in DTYPES and name not in (PACKED_FP16, Q4):
         raise SpecBlockError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_CHOICES)}")
     return name
 
@@ -232,9 +234,9 @@ def load_causal_lm(
     if not any(path.glob("*.safetensors")):
         raise SpecBlockError(f"{path} has no *.safetensors weights (pickled checkpoints are refused); convert them first")
     dtype = resolve_dtype(dtype, device)
-    packed = dtype == PACKED_FP16
+    packed = dtype in (PACKED_FP16, Q4)
     if packed and resolve_device(device).type != "cpu":
-        raise SpecBlockError(f"--dtype {PACKED_FP16} is a CPU format (fbgemm); on {resolve_device(device).type} use bfloat16")
+        raise SpecBlockError(f"--dtype {dtype} is a CPU format; on {resolve_device(device).type} use bfloat16")
     if attn not in ("sdpa", "eager"):
         raise SpecBlockError(f"attention {attn!r} cannot run tree masks; use sdpa or eager")
     try:
@@ -265,6 +267,8 @@ def load_causal_lm(
         raise SpecBlockError(f"cannot load {path} as a causal LM: {_first_line(e)}") from None
     _check_loading(path, info)
     model = model.to(resolve_device(device))
+    if dtype == Q4:
+        use_q4_linears(model, path)  # before packing: what it does not hold (the head) is packed below
     if packed:
         pack_linears(model)
     return model

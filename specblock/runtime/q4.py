@@ -1,0 +1,109 @@
+"""The CPU dtype ``q4``: a model's own Q4_1 weights (from its GGUF) in torch's int4 layout.
+
+Why: on this CPU a compiled forward of the real model is bound by reading its weights (T(1) within
+1.3-1.8x of the bandwidth floor at packed-fp16), and the real model *is* a 4-bit model: it comes as
+a Q4_1 GGUF, and the bf16 checkpoint holds those 4-bit values dequantized. Read as 4 bits, the
+decoder's linears are a quarter of their fp16 bytes. torch has a CPU kernel for exactly this
+format (``_weight_int4pack_mm_for_cpu``: groups of 32 along the input, one scale and one offset
+per group, bf16 activations), so no kernel is written here.
+
+Q4_1 stores ``w = d * q + m`` per block of 32 (``q`` in 0..15, ``d`` and ``m`` fp16); torch's
+kernel computes ``(q - 8) * scale + zero`` with bf16 ``scale``/``zero``: ``scale = d`` and
+``zero = m + 8 d``, both rounded to bf16. So this is a slightly different target from the bf16
+checkpoint (which rounds each dequantized weight to bf16 instead), and every method here, plain
+decoding included, runs the same q4 model and is compared with that model's own greedy decoding.
+The rest of the model (norms, attention, residuals) computes in fp32, as at packed-fp16; the
+kernel's input is rounded to bf16 and its output is bf16, widened to fp32. Linears the Q4_1 file
+does not hold (the tied LM head: Q8_0 in the GGUF) are packed fp16.
+
+Each output row is its own dot products: ``tests/test_q4.py`` checks that a row's result does not
+depend on the other rows of the call (1 to 64 rows), which tree verification needs to be lossless.
+
+Where the weights come from: ``models/convert.py`` writes ``q4_1.safetensors`` (``specblock/q4file.py``)
+beside the converted checkpoint when it builds a named model from its GGUF.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specblock.errors import SpecBlockError
+from specblock.q4file import GROUP, Q4_FILE, unpack_nibbles
+
+Q4 = "q4"
+
+
+def available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+
+
+def fits(out_features: int, in_features: int) -> bool:
+    """The kernel's shape rules: whole groups along the input, rows in multiples of 16."""
+    return in_features % GROUP == 0 and out_features % 16 == 0
+
+
+class Int4Linear(nn.Module):
+    """An ``nn.Linear`` whose forward runs torch's int4 kernel on Q4_1 weights.
+
+    ``weight`` (the checkpoint's, fp32, frozen) stays for code that reads weights; the forward
+    reads only ``qweight`` and ``scale_zero``, which differ from it by the rounding described in
+    the module docstring."""
+
+    def __init__(self, lin: nn.Linear, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        super().__init__()
+        n, k = lin.out_features, lin.in_features
+        if lin.bias is not None:
+            raise SpecBlockError(f"--dtype {Q4} has no bias term; this model's linears have biases: use packed-fp16")
+        if tuple(qs.shape) != (n, k // 2) or tuple(d.shape) != (n, k // GROUP) or tuple(m.shape) != (n, k // GROUP):
+            raise SpecBlockError(f"Q4_1 weights of shape {tuple(qs.shape)} do not fit a {k} -> {n} linear")
+        if not fits(n, k):
+            raise SpecBlockError(f"a {k} -> {n} linear does not fit torch's int4 kernel (inputs in groups of 32, rows in 16s)")
+        self.in_features, self.out_features = k, n
+        self.weight = lin.weight
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(qs), 1),
+                             persistent=False)
+        d32, m32 = d.float(), m.float()
+        self.register_buffer("scale_zero", torch.stack([d32, m32 + 8 * d32], -1).transpose(0, 1).contiguous().bfloat16(),
+                             persistent=False)  # [K/32, N, 2], the kernel's layout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight, GROUP,
+                                                       self.scale_zero)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 q4_1"
+
+
+def use_q4_linears(model: nn.Module, path: Path) -> int:
+    """Replace each ``nn.Linear`` of an fp32 CPU model that ``path/q4_1.safetensors`` holds; returns how many."""
+    from safetensors import safe_open
+
+    if not available():
+        raise SpecBlockError(f"--dtype {Q4} needs torch's CPU int4 kernel (torch >= 2.6); use packed-fp16")
+    f = Path(path) / Q4_FILE
+    if not f.is_file():
+        raise SpecBlockError(f"{path} has no {Q4_FILE} (--dtype {Q4} serves a model's own Q4_1 GGUF weights; "
+                             "`python -m specblock.runtime models --build NAME` writes it for a named model); use packed-fp16")
+    p = next(model.parameters())
+    if p.device.type != "cpu" or p.dtype != torch.float32:
+        raise SpecBlockError(f"--dtype {Q4} runs on an fp32 CPU model (loaded as {p.dtype} on {p.device.type}); use bfloat16 on CUDA")
+    with safe_open(str(f), framework="pt") as st:
+        names = {k.rsplit(".", 1)[0] for k in st.keys()}
+        mods = dict(model.named_modules())
+        unknown = sorted(n for n in names if not isinstance(mods.get(n), nn.Linear))
+        if unknown:
+            raise SpecBlockError(f"{f} holds weights for {unknown[0]}, which is no linear of this model "
+                                 f"({len(unknown)} such); rebuild the model or use packed-fp16")
+        for name in sorted(names):
+            parent, _, attr = name.rpartition(".")
+            owner = mods[parent] if parent else model
+            lin = getattr(owner, attr)
+            lin.weight.requires_grad_(False)
+            setattr(owner, attr, Int4Linear(lin, st.get_tensor(f"{name}.qs"), st.get_tensor(f"{name}.d"),
+                                            st.get_tensor(f"{name}.m")))
+    return len(names)

@@ -1,0 +1,178 @@
+"""``--dtype q4``: a model's own Q4_1 GGUF weights in torch's int4 kernel; lossless like fp32."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specblock.errors import SpecBlockError
+from specblock.q4file import GROUP, Q4_FILE, decode_gguf_q4_1, dequantize_q4_1, pack_nibbles, quantize_q4_1, save_q4
+from specblock.runtime import packed, q4
+from specblock.runtime.drafters import LookupDrafter, RandomDrafter
+from specblock.runtime.engine import Engine
+from specblock.runtime.target import TargetModel
+from tiny import hf_greedy, run_cli, save_tiny, tiny_model
+
+pytestmark = pytest.mark.skipif(not (q4.available() and packed.available()),
+                                reason="torch without the CPU int4 kernel or fbgemm (not an x86 build)")
+V = 48
+
+
+def q4_linear(n: int = 48, k: int = 64, seed: int = 0) -> tuple[q4.Int4Linear, torch.Tensor]:
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=False)
+    qs, d, m = quantize_q4_1(lin.weight)
+    return q4.Int4Linear(lin, qs, d, m), (qs, d, m)
+
+
+def kernel_weights(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """What the kernel multiplies by: ``(q - 8) * scale + zero`` with bf16 scale and zero."""
+    q = torch.stack([qs & 0xF, qs >> 4], -1).reshape(qs.shape[0], -1, GROUP).float()
+    scale = d.float().bfloat16().float()[..., None]
+    zero = (m.float() + 8 * d.float()).bfloat16().float()[..., None]
+    return ((q - 8) * scale + zero).reshape(qs.shape[0], -1)
+
+
+def test_int4_linear_multiplies_by_the_q4_weights():
+    lin, (qs, d, m) = q4_linear()
+    x = torch.randn(2, 5, 64)
+    got = lin(x)
+    assert got.dtype == torch.float32 and got.shape == (2, 5, 48)
+    want = torch.nn.functional.linear(x.bfloat16().float(), kernel_weights(qs, d, m))
+    assert torch.allclose(got, want, rtol=1e-2, atol=1e-2)  # the kernel's output is bf16
+    # and the scale rounding is small against Q4_1's own step: close to d * q + m too
+    assert torch.allclose(kernel_weights(qs, d, m), dequantize_q4_1(qs, d, m), atol=float(d.float().max()) * 0.1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 64), seed=st.integers(0, 2**16))
+def test_each_row_is_its_own_dot_products(rows, seed):
+    """Tree verification is lossless only if a token's logits do not depend on the other rows."""
+    lin, _ = q4_linear(seed=seed % 7)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed))
+    together = lin(x)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(rows)])
+    assert torch.equal(together, alone)
+
+
+def test_gguf_blocks_decode_and_quantize_round_trips():
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 16, (4, 64)).astype(np.uint8)
+    d = rng.random((4, 2)).astype(np.float16)
+    m = (-rng.random((4, 2))).astype(np.float16)
+    raw = np.zeros((4, 2, 20), np.uint8)
+    raw[..., 0:2] = d.view(np.uint8).reshape(4, 2, 2)
+    raw[..., 2:4] = m.view(np.uint8).reshape(4, 2, 2)
+    blocks = q.reshape(4, 2, 32)
+    raw[..., 4:] = blocks[..., :16] | (blocks[..., 16:] << 4)  # ggml: low nibbles 0..15, high 16..31
+    got_q, got_d, got_m = decode_gguf_q4_1(raw.reshape(4, 40))
+    assert np.array_equal(got_q, q) and np.array_equal(got_d, d) and np.array_equal(got_m, m)
+    w = torch.randn(16, 64)
+    qs, d4, m4 = quantize_q4_1(w)
+    assert torch.equal(pack_nibbles(torch.stack([qs & 0xF, qs >> 4], -1).reshape(16, 64)), qs)
+    assert (dequantize_q4_1(qs, d4, m4) - w).abs().max() <= d4.float().max() * 0.51 + 1e-3
+
+
+def test_write_q4_reads_a_gguf_in_the_checkpoints_row_order(tmp_path):
+    """q/k rows un-permuted as transformers does when it dequantizes the GGUF; other linears as stored."""
+    gguf = pytest.importorskip("gguf")
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    from specblock.models.convert import unpermute_rows, write_q4
+
+    rng = np.random.default_rng(1)
+    heads, kv_heads, k = 4, 2, 64
+    shapes = {"attn_q": 64, "attn_k": 32, "ffn_up": 96}
+    raws = {}
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    for kind, rows in shapes.items():
+        raw = rng.integers(0, 256, (rows, k // 32 * 20), dtype=np.uint8)
+        raw.reshape(rows, -1, 20)[..., 0:4] = np.frombuffer(np.float16([0.01, -0.1]).tobytes(), np.uint8)
+        raws[kind] = raw
+        w.add_tensor(f"blk.0.{kind}.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(k, np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": heads,
+                                                       "num_key_value_heads": kv_heads}))
+    assert write_q4(tmp_path / "m.gguf", tmp_path) == 3
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / Q4_FILE))
+    for kind, hf in (("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("ffn_up", "mlp.up_proj")):
+        q, d, m = decode_gguf_q4_1(raws[kind])
+        stored = dequantize_q4_1(torch.from_numpy(q[:, 0::2] | (q[:, 1::2] << 4)), torch.from_numpy(d), torch.from_numpy(m))
+        # transformers' own processing of the same (dequantized) matrix
+        proc = LlamaTensorProcessor({"num_attention_heads": heads, "num_key_value_heads": kv_heads})
+        want = proc.process(stored.numpy(), f"blk.0.{kind}.weight").weights
+        if kind != "ffn_up":
+            n = heads if kind == "attn_q" else kv_heads
+            assert not np.array_equal(unpermute_rows(len(q), n), np.arange(len(q)))  # a real permutation
+        name = f"model.layers.0.{hf}"
+        ours = dequantize_q4_1(got[f"{name}.qs"], got[f"{name}.d"], got[f"{name}.m"]).numpy()
+        assert np.array_equal(ours, want), kind
+
+
+def save_tiny_q4(path, **kw):
+    """A tiny llama with a Q4_1 file for its block linears (no GGUF: ``quantize_q4_1`` of its weights)."""
+    save_tiny(path, "llama", vocab=V, hidden=64, **kw)
+    model = TargetModel.load(path, "float32", "cpu").model
+    save_q4(path / Q4_FILE, {name: quantize_q4_1(mod.weight) for name, mod in model.named_modules()
+                             if isinstance(mod, torch.nn.Linear) and name != "lm_head"})
+    return path
+
+
+def test_load_and_every_method_equal_the_q4_models_own_greedy(tmp_path, capsys):
+    path = save_tiny_q4(tmp_path / "t", layers=3)
+    target = TargetModel.load(path, "q4", "cpu")
+    mods = list(target.model.modules())
+    assert sum(isinstance(m, q4.Int4Linear) for m in mods) == 3 * 7
+    assert isinstance(target.model.lm_head, packed.PackedLinear) and target.packed
+    assert not any(type(m) is torch.nn.Linear for m in mods)
+    rng = np.random.default_rng(3)
+    accepted = 0
+    for trial in range(3):
+        prompt = rng.integers(2, V, int(rng.integers(2, 16)))
+        ref = hf_greedy(target.model, prompt, 24)
+        for drafter in (RandomDrafter(V, seed=trial), LookupDrafter(branches=3, max_ngram=2)):
+            res = Engine(target, drafter, budget=int(rng.integers(2, 16))).generate(prompt, 24)
+            assert res.token_ids == ref, (drafter.name, trial)
+            accepted += sum(res.stats.accepted)
+    assert accepted > 0
+    code, out, err = run_cli(capsys, "--target", path, "--dtype", "q4", "--method", "lookup", "--raw",
+                             "--prompt", "abcabcabc", "--max-new-tokens", "12", "--compare", "ar", "--json")
+    assert code == 0, err
+    assert all(json.loads(line)["identical"] for line in out.splitlines() if '"identical"' in line)
+
+
+def test_compiled_q4_target_is_lossless(tmp_path):
+    from specblock.compiled.target import StaticTarget
+
+    path = save_tiny_q4(tmp_path / "t", layers=2)
+    model = TargetModel.load(path, "q4", "cpu").model
+    target = StaticTarget(model, compile=True, buckets=(1, 8), saved=False)
+    rng = np.random.default_rng(6)
+    prompt = rng.integers(2, V, 10)
+    ref = hf_greedy(model, prompt, 16)
+    for drafter in (RandomDrafter(V, seed=0), LookupDrafter(branches=2, max_ngram=2)):
+        assert Engine(target, drafter, budget=7).generate(prompt, 16).token_ids == ref, drafter.name
+
+
+def test_refusals_are_one_line(tmp_path):
+    path = save_tiny(tmp_path / "plain", "llama", vocab=V, hidden=64)
+    with pytest.raises(SpecBlockError, match=f"no {Q4_FILE}.*packed-fp16") as e:
+        TargetModel.load(path, "q4", "cpu")
+    assert "\n" not in str(e.value)
+    save_q4(path / Q4_FILE, {"model.layers.9.mlp.up_proj": quantize_q4_1(torch.randn(128, 64))})
+    with pytest.raises(SpecBlockError, match="no linear of this model"):
+        TargetModel.load(path, "q4", "cpu")
+    save_q4(path / Q4_FILE, {"model.layers.0.mlp.up_proj": quantize_q4_1(torch.randn(64, 64))})
+    with pytest.raises(SpecBlockError, match="do not fit"):
+        TargetModel.load(path, "q4", "cpu")
+    with pytest.raises(SpecBlockError, match="does not fit torch's int4 kernel"):
+        q4.Int4Linear(torch.nn.Linear(64, 24, bias=False), *quantize_q4_1(torch.randn(24, 64)))
+    if not torch.cuda.is_available():
+        with pytest.raises(SpecBlockError, match="no CUDA device"):
+            TargetModel.load(path, "q4", "cuda")
