@@ -36,6 +36,7 @@ from specblock.runtime.config import validate
 from specblock.runtime.drafters.base import ARDrafter
 from specblock.runtime.engine import Engine
 from specblock.runtime.packed import PackedLinear
+from specblock.runtime.q4 import Int4Linear
 from specblock.runtime.target import DTYPE_CHOICES, TargetModel, resolve_dtype
 
 
@@ -72,15 +73,18 @@ def bandwidth_gbs(device: str, mb: int = 512, reps: int = 7) -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes one forward reads. Packed-fp16 linears read their fp16 copy (2 bytes a weight), not
-    the fp32 ``weight`` they keep; an embedding whose head is packed is read one row at a time."""
+    """Bytes one forward reads. Packed-fp16 linears read their fp16 copy (2 bytes a weight), q4
+    linears their 4-bit values and bf16 scales and offsets, not the fp32 ``weight`` either keeps; an
+    embedding whose head is packed is read one row at a time."""
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    if not packed:
+    int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    if not packed and not int4:
         return sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
-    skip = {id(m.weight) for m in packed} | {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding)
-                                             for p in m.parameters()}
-    return sum(2 * m.weight.numel() for m in packed) + sum(p.numel() * p.element_size() for p in model.parameters()
-                                                         if id(p) not in skip)
+    skip = {id(m.weight) for m in packed + int4} | {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding)
+                                                    for p in m.parameters()}
+    read = sum(2 * m.weight.numel() for m in packed)
+    read += sum(b.numel() * b.element_size() for m in int4 for b in (m.qweight, m.scale_zero))
+    return read + sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
 
 
 def time_trees(targets: dict[str, TargetModel], ctx: int, sizes: list[int], reps: int, seed: int = 0,
@@ -146,11 +150,14 @@ def hf_attention(model):
         model.set_attn_implementation(impl)
 
 
-def time_decoding(eager: TargetModel, compiled: dict[str, StaticTarget], prompt: np.ndarray, tokens: int, runs: int) -> dict:
+def time_decoding(eager: TargetModel, compiled: dict[str, StaticTarget], prompt: np.ndarray, tokens: int, runs: int,
+                  hf_also: dict[str, torch.nn.Module] | None = None) -> dict:
     """Plain-decoding tokens/s (prefill included, as HF's) for ours eager, each compiled target (the
-    first is "ours compiled", baselines keep their names) and HF's three modes."""
-    model, dev = eager.model, eager.device
+    first is "ours compiled", baselines keep their names) and HF's three modes, on our eager model
+    and on each model of ``hf_also`` (label: model, e.g. the bf16 checkpoint)."""
+    dev = eager.device
     x = torch.as_tensor(prompt, device=dev)[None]
+    hf_models = {"": eager.model, **{f" ({k})": m for k, m in (hf_also or {}).items()}}
     engines = {"ours eager": Engine(eager, ARDrafter(), budget=0)}
     for i, (name, target) in enumerate(compiled.items()):
         engines["ours compiled" if i == 0 else f"ours {name}"] = Engine(target, ARDrafter(), budget=0)
@@ -161,22 +168,24 @@ def time_decoding(eager: TargetModel, compiled: dict[str, StaticTarget], prompt:
         t0 = clock(dev)
         outs[name] = eng.generate(prompt, tokens).token_ids
         first[name] = clock(dev) - t0
-    for mode in hf_modes:
-        t0 = clock(dev)
-        with hf_attention(model):
-            outs[f"hf {mode}"] = hf_generate(model, x, tokens, mode)
-        first[f"hf {mode}"] = clock(dev) - t0
+    for suffix, model in hf_models.items():
+        for mode in hf_modes:
+            t0 = clock(dev)
+            with hf_attention(model):
+                outs[f"hf {mode}{suffix}"] = hf_generate(model, x, tokens, mode)
+            first[f"hf {mode}{suffix}"] = clock(dev) - t0
     rates: dict[str, list[float]] = {k: [] for k in outs}
     for _ in range(runs):
         for name, eng in engines.items():
             t0 = clock(dev)
             eng.generate(prompt, tokens)
             rates[name].append(tokens / (clock(dev) - t0))
-        for mode in hf_modes:
-            with hf_attention(model):
-                t0 = clock(dev)
-                hf_generate(model, x, tokens, mode)
-                rates[f"hf {mode}"].append(tokens / (clock(dev) - t0))
+        for suffix, model in hf_models.items():
+            for mode in hf_modes:
+                with hf_attention(model):
+                    t0 = clock(dev)
+                    hf_generate(model, x, tokens, mode)
+                    rates[f"hf {mode}{suffix}"].append(tokens / (clock(dev) - t0))
     rows = {k: {"tokens_per_s": round(float(np.median(v)), 2), "first_call_s": round(first[k], 2),
                 "common_prefix_with_hf_plain": common_prefix(outs[k], outs["hf plain"]),
                 "common_prefix_with_ours_eager": common_prefix(outs[k], outs["ours eager"])} for k, v in rates.items()}
@@ -257,8 +266,8 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
     compiled = {f"compiled {m}": StaticTarget.wrap(eager, compile=True, regions=m == "regions")  # same weights
                 for m in args.mode_list}
 
-    def second(**kw) -> StaticTarget:  # a second copy of the model: attention, kernel and options are per copy
-        return StaticTarget.wrap(TargetModel.load(path, args.dtype, args.device), compile=True, **kw)
+    def second(dtype: str = args.dtype, **kw) -> StaticTarget:  # a second copy: attention, kernel and options are per copy
+        return StaticTarget.wrap(TargetModel.load(path, dtype, args.device), compile=True, **kw)
 
     variants = {  # label: (asked for, StaticTarget arguments)
         "repeat_kv": (args.repeat_kv_baseline, {"gqa": False}),
@@ -268,6 +277,7 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
         str(args.options_variant): (args.options_variant, {"options": json.loads(args.options_variant or "{}")}),
         "dynamic": (args.dynamic_variant, {"dynamic": None}),  # meant as one graph past bucket 1; it was not (README)
         "unfused": (args.unfused_baseline, {"fuse": False}),
+        str(args.also_dtype): (args.also_dtype, {"dtype": args.also_dtype}),  # e.g. q4 beside packed-fp16
     }
     compiled.update({f"compiled whole, {label}": second(**kw) for label, (asked, kw) in variants.items() if asked})
     sizes = args.size_list
@@ -277,7 +287,8 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
     wbytes = weight_bytes(eager.model)
     floor_ms = wbytes / (bw * 1e9) * 1e3
     prompt = np.random.default_rng(1).integers(3, eager.vocab_size, args.prompt_len)
-    decoding = None if args.skip_decoding else time_decoding(eager, compiled, prompt, args.tokens, args.runs)
+    hf_also = {d: TargetModel.load(path, d, args.device).model for d in args.hf_also_dtype_list}
+    decoding = None if args.skip_decoding else time_decoding(eager, compiled, prompt, args.tokens, args.runs, hf_also)
     return {
         "target": name, "device": str(eager.device), "layers": int(eager.config.num_hidden_layers), "weights_mb": round(wbytes / 2**20, 1),
         "ctx": args.ctx, "n": sizes, "T_ms": t_ms, "modes": args.mode_list,
@@ -302,6 +313,8 @@ def markdown(results: list[dict], args) -> str:
              f"{' --unfrozen-variant' if args.unfrozen_variant else ''}"
              f"{' --dynamic-variant' if args.dynamic_variant else ''}"
              f"{f' --options-variant {chr(39)}{args.options_variant}{chr(39)}' if args.options_variant else ''}"
+             f"{f' --also-dtype {args.also_dtype}' if args.also_dtype else ''}"
+             f"{f' --hf-also-dtypes {args.hf_also_dtypes}' if args.hf_also_dtypes else ''}"
              f"{' --skip-decoding' if args.skip_decoding else ''} --out {args.out}`).", ""]
     for r in results:
         lines += [f"## {r['target']} ({r['layers']} layers, {r['weights_mb']} MB of weights)", "",
@@ -369,6 +382,9 @@ def main() -> None:
                     help="also time a compiled target with dynamic=None (tried for one graph per size past 1; it did not)")
     ap.add_argument("--unfused-baseline", action="store_true",
                     help="also time a compiled target without q/k/v and gate/up fusion (before compiled/fuse.py)")
+    ap.add_argument("--also-dtype", choices=DTYPE_CHOICES, help="also time a compiled copy of the target in this dtype")
+    ap.add_argument("--hf-also-dtypes", default="",
+                    help="HF generate also on copies of the model in these dtypes (e.g. bfloat16: the issue's reference)")
     ap.add_argument("--compile-buckets", default=",".join(map(str, BUCKETS)),
                     help="the buckets whose first forward the compile-time probes time (plain decoding needs 1 only)")
     ap.add_argument("--modes", default="whole", help="compile modes side by side: regions, whole or both")
@@ -379,6 +395,7 @@ def main() -> None:
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.dtype = resolve_dtype(args.dtype, args.device)  # the table names what ran, never "auto"
     args.size_list = [int(n) for n in args.sizes.split(",")]
+    args.hf_also_dtype_list = [d for d in args.hf_also_dtypes.split(",") if d]
     args.compile_bucket_list = [int(n) for n in args.compile_buckets.split(",")]
     if args.probe:
         return probe(args)

@@ -164,13 +164,14 @@ case "${1:-}" in
   compiled)  # 6e. Compiled against eager in one run (issue 16): each method twice, METHOD on the eager packed-fp16
     #            target and METHOD@c on the compiled one (the same weights, --set METHOD@c:compiled=true), interleaved,
     #            every one at its serving.json settings; Spd divides by eager plain decoding (ar), so ar@c is the
-    #            compiled target's own gain. COMPILED_METHODS= picks the methods, PROMPTS= prompts per domain (default 1).
+    #            compiled target's own gain. COMPILED_METHODS= picks the methods, PROMPTS= prompts per domain (default 1),
+    #            DTYPE= the target's dtype (default packed-fp16; q4: the GGUF's own 4-bit weights).
     M=""; SETS=()
     for m in ${COMPILED_METHODS:-ar lookup medusa parallelspec falcon eagle3 specblock}; do
       M+="$m,$m@c,"; SETS+=(--set "$m@c:compiled=true")
       [[ $m == specblock ]] && SETS+=(--set "specblock:M=2" --set "specblock@c:M=2")
     done
-    $PY -m specblock.runtime bench --target $T --methods "${M%,}" "${SETS[@]}" --dtype packed-fp16 \
+    $PY -m specblock.runtime bench --target $T --methods "${M%,}" "${SETS[@]}" --dtype ${DTYPE:-packed-fp16} \
         --prompts ${PROMPTS:-1} --runs 3 --max-new-tokens 48 --threads 2 --out "experiments/results/${NAME:-bench_smollm2_compiled}" ;;
   compiled-budgets) # 6f. Node budgets on the compiled target (its tree cost differs from eager's: compiled_rows.md), a
     #            diagnostic, not written to serving.json: METHOD@cB at budget B for B in BUDGETS (default 2 3 5),
