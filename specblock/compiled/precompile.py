@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import re
 import shutil
 import warnings
@@ -57,9 +58,19 @@ def tag(model: torch.nn.Module, options: dict[str, Any]) -> str:
 
 @contextmanager
 def recording() -> Iterator[None]:
-    """Dynamo saves what it compiles in here for ``save``, and loads saved entries at ``torch.compile``."""
-    with torch._dynamo.config.patch(caching_precompile=True):
-        yield
+    """Dynamo saves what it compiles in here for ``save``, and loads saved entries at ``torch.compile``.
+
+    Dynamo's guard builder warns once per global it leaves unguarded in a saved entry (``torch``, the
+    model's modules, each layer's hooks: about 150 lines per graph on the real model). That is how
+    these entries are made, not a fault, so those warnings are held back while recording."""
+    guards_log = logging.getLogger("torch._dynamo.guards")
+    level = guards_log.level
+    guards_log.setLevel(logging.ERROR)
+    try:
+        with torch._dynamo.config.patch(caching_precompile=True):
+            yield
+    finally:
+        guards_log.setLevel(level)
 
 
 def compile_saved(fn: Callable, **kw: Any) -> Callable:
