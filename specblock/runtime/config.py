@@ -89,9 +89,14 @@ class RunConfig(BaseModel):
             # The fastest method of the target's measured main table (best.json beside its drafters,
             # experiments/best_method.py), else lookup. The lab has no record: lookup measured 1.51x
             # there against SpecBlock's 1.22x (bench_main.md). A record of another dtype does not count.
+            # At q4 only plain decoding is exactly the model's own greedy decoding: speculative methods
+            # part from it at near-ties (runtime/q4.py). Compiled, Medusa measured 1.62x against plain
+            # decoding's 1.58x, but matched it on 3 of 5 prompts (bench_smollm2_compiled_q4.md).
+            from specblock.runtime.q4 import Q4
             from specblock.runtime.target import resolve_dtype
 
-            self.method = best_method(self.target, resolve_dtype(self.dtype, self.device), compiled=self.compile)
+            dtype = resolve_dtype(self.dtype, self.device)
+            self.method = "ar" if dtype == Q4 else best_method(self.target, dtype, compiled=self.compile)
         return self
 
     @field_validator("adapt_arms")
