@@ -91,7 +91,7 @@ class RunConfig(BaseModel):
             # there against SpecBlock's 1.22x (bench_main.md). A record of another dtype does not count.
             # At q4 only plain decoding is exactly the model's own greedy decoding: speculative methods
             # part from it at near-ties (runtime/q4.py). Compiled, Medusa measured 1.62x against plain
-            # decoding's 1.58x, but matched it on 3 of 5 prompts (bench_smollm2_compiled_q4.md).
+            # decoding's 1.58x, and both matched eager plain decoding on 3 and 2 of 5 prompts (bench_smollm2_compiled_q4.md).
             from specblock.runtime.q4 import Q4
             from specblock.runtime.target import resolve_dtype
 
