@@ -18,9 +18,9 @@ does not hold (the tied LM head: Q8_0 in the GGUF) are packed fp16.
 
 Lossless like bf16, not like fp32. Each output row of the kernel is its own dot products
 (``tests/test_q4.py`` checks a row's result does not depend on the other rows of the call, 1 to 64
-rows), but the kernel rounds its input and output to bf16, and the fp32 parts around it are not
-bit-identical across tree sizes (attention over other lengths and shapes differs by about 1e-5, as
-at fp32); bf16 rounding turns that into logit moves of a few tenths (``experiments/q4_rows.py``). So
+rows), but the kernel rounds its input and output to bf16, and the fp32 parts around it (attention,
+norms) are not bit-identical across tree sizes (at float32 a token's logits move by about 5e-5);
+bf16 rounding turns that into logit moves of a few tenths (``experiments/q4_rows.py``). So
 a speculative method's output parts from plain decoding's at near-ties, as in bf16; plain decoding
 itself has no trees and is this model's own greedy decoding.
 
