@@ -31,14 +31,16 @@ def chain(rng: np.random.Generator, n: int, vocab: int) -> DraftTree:
 
 
 def profile(target, n: int, reps: int, ctx: int) -> dict[str, float]:
-    """Microseconds per forward by profiler entry (self CPU time), median forward's worth."""
+    """Microseconds per forward by profiler entry (self CPU time), the mean over ``reps`` forwards."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, target.vocab_size, ctx)
     target.prefill(prompt)
     for _ in range(3):  # compile / warm
         target.tree_forward(chain(rng, n, target.vocab_size))
         target.past_len = ctx
-    with torch_profiler_ctx() as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(reps):
             target.tree_forward(chain(rng, n, target.vocab_size))
             target.past_len = ctx
@@ -46,12 +48,6 @@ def profile(target, n: int, reps: int, ctx: int) -> dict[str, float]:
     for e in prof.key_averages():
         out[e.key] = e.self_cpu_time_total / reps
     return out
-
-
-def torch_profiler_ctx():
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
-    return torch_profile(activities=[ProfilerActivity.CPU])
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import time
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,8 @@ from specblock.models.registry import specblock_home
 from specblock.q4file import dequantize_q4_1, quantize_q4_1
 from specblock.runtime.packed import prepack
 
-SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: q4_rows is a sibling
+from q4_rows import SHAPES, median_ms  # noqa: E402
 
 SOURCE = r"""
 #include <torch/library.h>
@@ -96,18 +97,6 @@ def build() -> None:
     load_inline(name, cpp_sources=[SOURCE], is_python_module=False, build_directory=str(where),
                 extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mfma", "-fopenmp"], verbose=False,
                 no_implicit_headers=True)
-
-
-def median_ms(fns, reps: int) -> float:
-    for f in fns:
-        f()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for f in fns:
-            f()
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(ts))
 
 
 def main() -> None:

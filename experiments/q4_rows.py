@@ -48,6 +48,19 @@ def logit_moves(target: TargetModel, sizes: list[int], prompts: int) -> dict[int
     return out
 
 
+def median_ms(fns, reps: int) -> float:
+    """Median ms of one pass over ``fns`` (after one warm-up pass)."""
+    for f in fns:
+        f()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for f in fns:
+            f()
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(ts))
+
+
 def linear_ms(rows: list[int], reps: int) -> dict[str, dict[int, float]]:
     """Median ms of one layer's seven linears x 30, int4 (bf16 in and out) and packed fp16 (fp32)."""
     out: dict[str, dict[int, float]] = {"q4": {}, "packed-fp16": {}}
@@ -63,15 +76,7 @@ def linear_ms(rows: list[int], reps: int) -> dict[str, dict[int, float]]:
                 x.bfloat16(), p, 32, s).float())
             calls["packed-fp16"].append(lambda x=x, p=pk: torch.ops.quantized.linear_dynamic_fp16(x, p))
         for name, fns in calls.items():
-            for f in fns:
-                f()
-            ts = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                for f in fns:
-                    f()
-                ts.append(time.perf_counter() - t0)
-            out[name][r] = round(30 * 1e3 * float(np.median(ts)), 2)
+            out[name][r] = round(30 * median_ms(fns, reps), 2)
         print(f"{r} rows: " + ", ".join(f"{k} {v[r]} ms" for k, v in out.items()), flush=True)
     return out
 

@@ -232,12 +232,10 @@ class StaticTarget(TargetModel):
         args = (torch.as_tensor(ids, device=dev), torch.as_tensor(depth, device=dev), torch.as_tensor(anc, device=dev),
                 past, span, self.want_features, last_only)
         shape = (len(ids), span, self.want_features, last_only)
-        if not compiled:
-            logits, top, taps = fn(*args)
-        elif shape not in self._shapes:  # this call compiles (or loads) a graph, with all of dynamo's guards
+        if compiled and shape not in self._shapes:  # this call compiles (or loads) a graph, with all of dynamo's guards
             logits, top, taps = precompile.first_call(fn, *args) if self.saved else fn(*args)
             self._shapes.add(shape)
-        elif self.skip_guards:
+        elif compiled and self.skip_guards:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                 logits, top, taps = fn(*args)
         else:
