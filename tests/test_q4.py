@@ -1,4 +1,5 @@
-"""``--dtype q4``: a model's own Q4_1 GGUF weights in torch's int4 kernel; lossless like bf16 (up to near-ties)."""
+"""``--dtype q4``: a model's own Q4_1 GGUF weights. Our fp32 kernel (AVX512): lossless like fp32;
+torch's int4 kernel (the fallback): lossless like bf16, up to near-ties."""
 
 import json
 
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from specblock.errors import SpecBlockError
 from specblock.q4file import GROUP, Q4_FILE, decode_gguf_q4_1, dequantize_q4_1, pack_nibbles, quantize_q4_1, save_q4
-from specblock.runtime import packed, q4
+from specblock.runtime import packed, q4, q4_kernel
 from specblock.runtime.drafters import LookupDrafter, RandomDrafter
 from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel
@@ -19,13 +20,17 @@ from tiny import hf_greedy, run_cli, save_tiny, tiny_model
 pytestmark = pytest.mark.skipif(not (q4.available() and packed.available()),
                                 reason="torch without the CPU int4 kernel or fbgemm (not an x86 build)")
 V = 48
+OURS = q4_kernel.cpu_supports() and q4_kernel.load()
+#: The kernels this machine runs: torch's everywhere, ours where the CPU has AVX512.
+KERNELS = ["bf16"] + (["fp32"] if OURS else [])
+needs_ours = pytest.mark.skipif(not OURS, reason="the fp32 q4 kernel needs AVX512F/AVX512BW (torch's kernel runs instead)")
 
 
-def q4_linear(n: int = 48, k: int = 64, seed: int = 0) -> tuple[q4.Int4Linear, torch.Tensor]:
+def q4_linear(n: int = 48, k: int = 64, seed: int = 0, kernel: str = "bf16") -> tuple[q4.Int4Linear, torch.Tensor]:
     torch.manual_seed(seed)
     lin = torch.nn.Linear(k, n, bias=False)
     qs, d, m = quantize_q4_1(lin.weight)
-    return q4.Int4Linear(lin, qs, d, m), (qs, d, m)
+    return q4.Int4Linear(lin, qs, d, m, kernel), (qs, d, m)
 
 
 def kernel_weights(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -36,8 +41,8 @@ def kernel_weights(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.
     return ((q - 8) * scale + zero).reshape(qs.shape[0], -1)
 
 
-def test_int4_linear_multiplies_by_the_q4_weights():
-    lin, (qs, d, m) = q4_linear()
+def test_torch_kernel_multiplies_by_bf16_rounded_q4_weights():
+    lin, (qs, d, m) = q4_linear(kernel="bf16")
     x = torch.randn(2, 5, 64)
     got = lin(x)
     assert got.dtype == torch.float32 and got.shape == (2, 5, 48)
@@ -47,11 +52,38 @@ def test_int4_linear_multiplies_by_the_q4_weights():
     assert torch.allclose(kernel_weights(qs, d, m), dequantize_q4_1(qs, d, m), atol=float(d.float().max()) * 0.1)
 
 
+@needs_ours
+def test_our_kernel_multiplies_by_the_exact_q4_weights_in_fp32():
+    lin, (qs, d, m) = q4_linear(n=96, k=128, kernel="fp32")
+    assert "fp32 kernel" in repr(lin)
+    w = dequantize_q4_1(qs, d, m)
+    assert torch.equal(lin(torch.eye(128)).t(), w)  # each weight is d * q + m bit for bit
+    x = torch.randn(3, 7, 128, dtype=torch.float64).float()
+    got = lin(x)
+    assert got.dtype == torch.float32 and got.shape == (3, 7, 96)
+    want = (x.double() @ w.double().t()).float()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)  # fp32 sums, not bf16
+    assert lin(x[:0].reshape(0, 128)).shape == (0, 96)
+
+
+@needs_ours
+def test_our_kernel_checks_its_inputs():
+    _, (qs, d, m) = q4_linear(kernel="bf16")
+    qb, dm = q4_kernel.layout(qs, d, m)
+    with pytest.raises(RuntimeError, match="inputs"):
+        q4_kernel.linear(torch.randn(2, 96), qb, dm)
+    with pytest.raises(RuntimeError, match="float32"):
+        q4_kernel.linear(torch.randn(2, 64).double(), qb, dm)
+    with pytest.raises(ValueError, match="does not fit the q4 kernel"):
+        q4_kernel.layout(qs[:6], d[:6], m[:6])
+
+
 @settings(max_examples=25, deadline=None)
-@given(rows=st.integers(1, 64), seed=st.integers(0, 2**16))
-def test_each_row_is_its_own_dot_products(rows, seed):
-    """Tree verification is lossless only if a token's logits do not depend on the other rows."""
-    lin, _ = q4_linear(seed=seed % 7)
+@given(rows=st.integers(1, 64), seed=st.integers(0, 2**16), kernel=st.sampled_from(KERNELS))
+def test_each_row_is_its_own_dot_products(rows, seed, kernel):
+    """Tree verification is lossless only if a token's logits do not depend on the other rows
+    (ours: 1-4 rows share a pass over all four features of a block, more go 8 at a time over two)."""
+    lin, _ = q4_linear(seed=seed % 7, kernel=kernel)
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed))
     together = lin(x)
     alone = torch.cat([lin(x[i:i + 1]) for i in range(rows)])
@@ -124,10 +156,10 @@ def save_tiny_q4(path, **kw):
     return path
 
 
-#: How far apart two tokens' logits may be where a q4 decoding parts from the reference: the
-#: kernel rounds its input and output to bf16, so fp32 differences of 1e-5 between tree shapes
-#: (attention over other lengths) can move a logit by a bf16 step. A wrong acceptance parts at a
-#: token far below the best (random drafts on this sharpened head: several units).
+#: How far apart two tokens' logits may be where a decoding on torch's kernel parts from the
+#: reference: that kernel rounds its input and output to bf16, so fp32 differences of 1e-5 between
+#: tree shapes (attention over other lengths) can move a logit by a bf16 step. A wrong acceptance
+#: parts at a token far below the best (random drafts on this sharpened head: several units).
 NEAR_TIE = 0.25
 
 
@@ -143,14 +175,29 @@ def first_parting(model, prompt, got: list[int], ref: list[int]) -> float | None
     return float(logits[ref[i]] - logits[got[i]])
 
 
-def test_load_and_every_method_match_the_q4_models_greedy_up_to_bf16_near_ties(tmp_path, capsys):
-    """q4 is lossless like bf16, not like fp32 (README): the int4 kernel is row-independent (above),
-    but its bf16 rounding turns the fp32 attention's 1e-5 differences between tree sizes into
-    bf16 steps. So outputs equal the q4 model's greedy decoding except where they part at a near-tie."""
+def check_parting(kernel: str, gap: float | None, what) -> None:
+    """Ours: identical (lossless like fp32). torch's: identical or parted at a near-tie (like bf16)."""
+    if kernel == "fp32":
+        assert gap is None, (what, gap)
+    else:
+        assert gap is None or abs(gap) < NEAR_TIE, (what, gap)
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request, monkeypatch):
+    """Loads in the test use this kernel (``TargetModel.load`` takes the default one)."""
+    monkeypatch.setattr(q4, "default_kernel", lambda: request.param)
+    return request.param
+
+
+def test_load_and_every_method_match_the_q4_models_greedy(tmp_path, capsys, kernel):
+    """Our kernel: every output equals the q4 model's greedy decoding (row-independent fp32).
+    torch's: equal except where a method parts at a near-tie (its bf16 rounding turns the fp32
+    attention's 1e-5 differences between tree sizes into bf16 steps)."""
     path = save_tiny_q4(tmp_path / "t", layers=3)
     target = TargetModel.load(path, "q4", "cpu")
     mods = list(target.model.modules())
-    assert sum(isinstance(m, q4.Int4Linear) for m in mods) == 3 * 7
+    assert sum(isinstance(m, q4.Int4Linear) and m.kernel == kernel for m in mods) == 3 * 7
     assert isinstance(target.model.lm_head, packed.PackedLinear) and target.packed
     assert not any(type(m) is torch.nn.Linear for m in mods)
     rng = np.random.default_rng(3)
@@ -161,17 +208,18 @@ def test_load_and_every_method_match_the_q4_models_greedy_up_to_bf16_near_ties(t
         for drafter in (RandomDrafter(V, seed=trial), LookupDrafter(branches=3, max_ngram=2)):
             res = Engine(target, drafter, budget=int(rng.integers(2, 16))).generate(prompt, 24)
             gap = first_parting(target.model, prompt, res.token_ids, ref)
-            assert gap is None or abs(gap) < NEAR_TIE, (drafter.name, trial, gap)
+            check_parting(kernel, gap, (drafter.name, trial))
             accepted += sum(res.stats.accepted)
             equal, runs = equal + (gap is None), runs + 1
     assert accepted > 0 and equal >= runs // 2
     code, out, err = run_cli(capsys, "--target", path, "--dtype", "q4", "--method", "lookup", "--raw",
                              "--prompt", "abcabcabc", "--max-new-tokens", "12", "--compare", "ar", "--json")
     assert code == 0, err
-    assert isinstance(json.loads(out)["identical_to_ar"], bool)
+    identical = json.loads(out)["identical_to_ar"]
+    assert identical is True if kernel == "fp32" else isinstance(identical, bool)
 
 
-def test_compiled_q4_target_matches_up_to_bf16_near_ties(tmp_path):
+def test_compiled_q4_target_matches_its_greedy(tmp_path, kernel):
     from specblock.compiled.target import StaticTarget
 
     path = save_tiny_q4(tmp_path / "t", layers=2)
@@ -182,7 +230,7 @@ def test_compiled_q4_target_matches_up_to_bf16_near_ties(tmp_path):
     ref = hf_greedy(model, prompt, 16)
     for drafter in (RandomDrafter(V, seed=0), LookupDrafter(branches=2, max_ngram=2)):
         gap = first_parting(model, prompt, Engine(target, drafter, budget=7).generate(prompt, 16).token_ids, ref)
-        assert gap is None or abs(gap) < NEAR_TIE, (drafter.name, gap)
+        check_parting(kernel, gap, drafter.name)
 
 
 def test_refusals_are_one_line(tmp_path):
@@ -196,7 +244,7 @@ def test_refusals_are_one_line(tmp_path):
     save_q4(path / Q4_FILE, {"model.layers.0.mlp.up_proj": quantize_q4_1(torch.randn(64, 64))})
     with pytest.raises(SpecBlockError, match="do not fit"):
         TargetModel.load(path, "q4", "cpu")
-    with pytest.raises(SpecBlockError, match="does not fit torch's int4 kernel"):
+    with pytest.raises(SpecBlockError, match="does not fit the int4 kernels"):
         q4.Int4Linear(torch.nn.Linear(64, 24, bias=False), *quantize_q4_1(torch.randn(24, 64)))
     if not torch.cuda.is_available():
         with pytest.raises(SpecBlockError, match="no CUDA device"):

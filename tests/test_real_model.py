@@ -110,3 +110,27 @@ def test_every_shipped_drafter_is_lossless_on_the_real_model_at_its_serving_sett
     res = Engine(target, drafters.build(method, target, opts), budget=budget, eos_ids=stops).generate(ids, 24)
     assert res.token_ids == plain.token_ids, method
     assert max(res.stats.accepted) > 0, method
+
+
+@pytest.fixture(scope="module")
+def real_q4(real):
+    from specblock.runtime import q4
+
+    if not (q4.available() and q4.default_kernel() == "fp32"):
+        pytest.skip("q4 with our fp32 kernel needs AVX512F/AVX512BW (torch's kernel is lossless only like bf16)")
+    path, _, tok, stops = real
+    return TargetModel.load(path, "q4", "cpu"), tok, stops
+
+
+@pytest.mark.parametrize("method", SHIPPED)
+def test_every_shipped_drafter_is_lossless_at_q4(real_q4, method):
+    """q4 on our kernel is lossless like fp32: each shipped drafter at its serving settings equals
+    the q4 model's plain decoding. On torch's bf16 kernel the same runs part at near-ties (README)."""
+    target, tok, stops = real_q4
+    for q in QUESTIONS:
+        ids = chat.encode(tok, chat.ChatRequest(prompt=q))
+        plain = Engine(target, drafters.build("ar", target, {}), eos_ids=stops).generate(ids, 48)
+        opts = drafters.serving_settings(method, target, {})
+        budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
+        res = Engine(target, drafters.build(method, target, opts), budget=budget, eos_ids=stops).generate(ids, 48)
+        assert res.token_ids == plain.token_ids, (method, q)

@@ -1,28 +1,27 @@
-"""The CPU dtype ``q4``: a model's own Q4_1 weights (from its GGUF) in torch's int4 layout.
+"""The CPU dtype ``q4``: a model's own Q4_1 weights (from its GGUF), read as 4 bits.
 
 Why: on this CPU a compiled forward of the real model is bound by reading its weights (T(1) within
 1.3-1.8x of the bandwidth floor at packed-fp16), and the real model *is* a 4-bit model: it comes as
 a Q4_1 GGUF, and the bf16 checkpoint holds those 4-bit values dequantized. Read as 4 bits, the
-decoder's linears are a quarter of their fp16 bytes. torch has a CPU kernel for exactly this
-format (``_weight_int4pack_mm_for_cpu``: groups of 32 along the input, one scale and one offset
-per group, bf16 activations), so no kernel is written here.
+decoder's linears are a quarter of their fp16 bytes.
 
-Q4_1 stores ``w = d * q + m`` per block of 32 (``q`` in 0..15, ``d`` and ``m`` fp16); torch's
-kernel computes ``(q - 8) * scale + zero`` with bf16 ``scale``/``zero``: ``scale = d`` and
-``zero = m + 8 d``, both rounded to bf16. So this is a slightly different target from the bf16
-checkpoint (which rounds each dequantized weight to bf16 instead), and every method here, plain
-decoding included, runs the same q4 model and is compared with that model's own greedy decoding.
-The rest of the model (norms, attention, residuals) computes in fp32, as at packed-fp16; the
-kernel's input is rounded to bf16 and its output is bf16, widened to fp32. Linears the Q4_1 file
-does not hold (the tied LM head: Q8_0 in the GGUF) are packed fp16.
+Two kernels (``Int4Linear.kernel``):
 
-Lossless like bf16, not like fp32. Each output row of the kernel is its own dot products
-(``tests/test_q4.py`` checks a row's result does not depend on the other rows of the call, 1 to 64
-rows), but the kernel rounds its input and output to bf16, and the fp32 parts around it (attention,
-norms) are not bit-identical across tree sizes (at float32 a token's logits move by about 5e-5);
-bf16 rounding turns that into logit moves of a few tenths (``experiments/q4_rows.py``). So
-a speculative method's output parts from plain decoding's at near-ties, as in bf16; plain decoding
-itself has no trees and is this model's own greedy decoding.
+- ``fp32`` (the default where the CPU has AVX512): ours, ``runtime/q4_kernel.py``. fp32
+  activations and sums, the exact Q4_1 weights ``d * q + m``, every output computed by the same
+  operations whatever the rows of the call. So a q4 target is **lossless like fp32**: every
+  method equals plain decoding token for token (``tests/test_q4.py``).
+- ``bf16``: torch's ``_weight_int4pack_mm_for_cpu`` (where ours cannot run, or with
+  ``SPECBLOCK_Q4_KERNEL=bf16``). It computes ``(q - 8) * scale + zero`` with bf16 ``scale = d``
+  and ``zero = m + 8 d``, rounds its input to bf16 and returns bf16. Its rows are independent
+  too, but the fp32 parts around it (attention, norms) differ by about 1e-5 between tree sizes and
+  bf16 rounding turns that into logit moves of a few tenths (``experiments/q4_rows.py``): lossless
+  only like bf16, so speculative methods part from plain decoding at near-ties.
+
+Either way every method, plain decoding included, runs the same q4 model and is compared with that
+model's own greedy decoding. The rest of the model (norms, attention, residuals) computes in fp32,
+as at packed-fp16. Linears the Q4_1 file does not hold (the tied LM head: Q8_0 in the GGUF) are
+packed fp16.
 
 Where the weights come from: ``models/convert.py`` writes ``q4_1.safetensors`` (``specblock/q4file.py``)
 beside the converted checkpoint when it builds a named model from its GGUF.
@@ -37,11 +36,19 @@ from torch import nn
 
 from specblock.errors import SpecBlockError
 from specblock.q4file import GROUP, Q4_FILE, unpack_nibbles
+from specblock.runtime import q4_kernel
 
 Q4 = "q4"
+KERNELS = ("fp32", "bf16")
+
+
+def default_kernel() -> str:
+    """Ours (lossless like fp32) where it runs, else torch's (``q4_kernel.load`` warns once why)."""
+    return "fp32" if q4_kernel.load() else "bf16"
 
 
 def available() -> bool:
+    """torch's int4 kernel, the fallback every x86 torch has (ours needs AVX512 besides)."""
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
 
 
@@ -51,13 +58,13 @@ def fits(out_features: int, in_features: int) -> bool:
 
 
 class Int4Linear(nn.Module):
-    """An ``nn.Linear`` whose forward runs torch's int4 kernel on Q4_1 weights.
+    """An ``nn.Linear`` whose forward runs an int4 kernel on Q4_1 weights (``kernel``: see the
+    module docstring).
 
     ``weight`` (the checkpoint's, fp32, frozen) stays for code that reads weights; the forward
-    reads only ``qweight`` and ``scale_zero``, which differ from it by the rounding described in
-    the module docstring."""
+    reads only the kernel's own buffers (``qb``/``dm``, or ``qweight``/``scale_zero``)."""
 
-    def __init__(self, lin: nn.Linear, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+    def __init__(self, lin: nn.Linear, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kernel: str | None = None) -> None:
         super().__init__()
         n, k = lin.out_features, lin.in_features
         if lin.bias is not None:
@@ -65,9 +72,19 @@ class Int4Linear(nn.Module):
         if tuple(qs.shape) != (n, k // 2) or tuple(d.shape) != (n, k // GROUP) or tuple(m.shape) != (n, k // GROUP):
             raise SpecBlockError(f"Q4_1 weights of shape {tuple(qs.shape)} do not fit a {k} -> {n} linear")
         if not fits(n, k):
-            raise SpecBlockError(f"a {k} -> {n} linear does not fit torch's int4 kernel (inputs in groups of 32, rows in 16s)")
+            raise SpecBlockError(f"a {k} -> {n} linear does not fit the int4 kernels (inputs in groups of 32, rows in 16s)")
         self.in_features, self.out_features = k, n
         self.weight = lin.weight
+        self.kernel = kernel or default_kernel()
+        if self.kernel not in KERNELS:
+            raise SpecBlockError(f"unknown q4 kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
+        if self.kernel == "fp32":
+            if not q4_kernel.load():
+                raise SpecBlockError("the fp32 q4 kernel cannot run here (see the warning above); use kernel='bf16'")
+            qb, dm = q4_kernel.layout(qs, d, m)
+            self.register_buffer("qb", qb, persistent=False)
+            self.register_buffer("dm", dm, persistent=False)
+            return
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(qs), 1),
                              persistent=False)
         d32, m32 = d.float(), m.float()
@@ -76,16 +93,20 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.kernel == "fp32":
+            y = q4_kernel.linear(x.reshape(-1, shape[-1]).float(), self.qb, self.dm)
+            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight, GROUP,
                                                        self.scale_zero)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 q4_1"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 q4_1, {self.kernel} kernel"
 
 
-def use_q4_linears(model: nn.Module, path: Path) -> int:
-    """Replace each ``nn.Linear`` of an fp32 CPU model that ``path/q4_1.safetensors`` holds; returns how many."""
+def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None) -> int:
+    """Replace each ``nn.Linear`` of an fp32 CPU model that ``path/q4_1.safetensors`` holds; returns
+    how many. ``kernel`` None: :func:`default_kernel`."""
     from safetensors import safe_open
 
     if not available():
@@ -97,6 +118,7 @@ def use_q4_linears(model: nn.Module, path: Path) -> int:
     p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype != torch.float32:
         raise SpecBlockError(f"--dtype {Q4} runs on an fp32 CPU model (loaded as {p.dtype} on {p.device.type}); use bfloat16 on CUDA")
+    kernel = kernel or default_kernel()
     with safe_open(str(f), framework="pt") as st:
         names = {k.rsplit(".", 1)[0] for k in st.keys()}
         mods = dict(model.named_modules())
@@ -110,5 +132,5 @@ def use_q4_linears(model: nn.Module, path: Path) -> int:
             lin = getattr(owner, attr)
             lin.weight.requires_grad_(False)
             setattr(owner, attr, Int4Linear(lin, st.get_tensor(f"{name}.qs"), st.get_tensor(f"{name}.d"),
-                                            st.get_tensor(f"{name}.m")))
+                                            st.get_tensor(f"{name}.m"), kernel))
     return len(names)

@@ -1,0 +1,204 @@
+"""``--dtype q4``'s own kernel: Q4_1 weights times fp32 activations, in AVX512, row-independent.
+
+Why: torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) rounds its input and output to
+bf16, so a q4 target was lossless only like bf16 (speculative methods parted from plain decoding
+at near-ties, ``experiments/results/q4_rows.md``). This kernel keeps fp32 activations and fp32
+sums, and multiplies by the exact Q4_1 weights ``d * q + m`` (``d * q`` is exact in fp32 since
+``d`` is fp16 and ``q`` < 16, so one fused multiply-add gives ``dequantize_q4_1`` bit for bit).
+Every output is the same sequence of fused multiply-adds (16 lanes per group half, groups in
+order, then one horizontal sum) whatever the number of rows in the call or which rows share a
+pass, so a token's result does not depend on the tree it sits in. With that, a q4 target is
+lossless like fp32: every method equals plain decoding token for token (``tests/test_q4.py``).
+
+Speed (``python experiments/q4_kernel.py``): the weights are read as 4 bits and decoded once per
+pass in registers, so one row costs about what reading 53 MB costs; from about 8 rows on it is
+bound by fp32 multiply-adds, as fbgemm's fp16 GEMM is.
+
+Layout (``layout``): per block of 4 output features and group of 32 inputs, 64 bytes of nibbles
+(byte ``i`` of a feature: input ``i`` low, input ``i + 16`` high, ggml's own order) and
+``(d, m)`` per feature as fp32; a pass reads one block's bytes in order. Up to 4 rows go through
+a block in one pass (4 x 4 accumulators); more rows go 8 at a time over half a block.
+
+Built on first use with the C++ compiler torch's extensions use (once per machine and torch
+version, under ``$SPECBLOCK_HOME/extensions``, about 8 s); the instructions are chosen per
+function (``target`` attributes) and the CPU is checked before use, so a build never runs where
+AVX512 is missing. Where it cannot run, q4 falls back to torch's kernel and says so once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from specblock.q4file import GROUP, unpack_nibbles
+
+NB = 4  # output features per stored block
+SOURCE = r"""
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+constexpr int NB = 4;
+#define SPECBLOCK_AVX512 __attribute__((target("avx512f,avx512bw,fma")))
+
+// Rows [0, R) of x against NJ consecutive features of a block (qb, dm already offset to the
+// first). Each output: acc = fma(w_lo, x_lo, acc); acc = fma(w_hi, x_hi, acc) per group in
+// order, then one horizontal sum: the same operations whatever R, NJ or the call's row count.
+template <int R, int NJ>
+SPECBLOCK_AVX512 void block_rows(const float* x, int64_t K, const uint8_t* qb, const float* dm, float* y, int64_t N) {
+  const int64_t G = K / 32;
+  __m512 acc[R][NJ];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi32(15);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 wl[NJ], wh[NJ];
+    const uint8_t* q = qb + g * 16 * NB;
+    const float* s = dm + g * 2 * NB;
+    for (int j = 0; j < NJ; ++j) {
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j)));
+      const __m512 d = _mm512_set1_ps(s[2 * j]), m = _mm512_set1_ps(s[2 * j + 1]);
+      wl[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, mask)), d, m);
+      wh[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d, m);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xl = _mm512_loadu_ps(x + r * K + g * 32), xh = _mm512_loadu_ps(x + r * K + g * 32 + 16);
+      for (int j = 0; j < NJ; ++j) {
+        acc[r][j] = _mm512_fmadd_ps(wl[j], xl, acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(wh[j], xh, acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NJ; ++j) y[r * N + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+using BlockFn = void (*)(const float*, int64_t, const uint8_t*, const float*, float*, int64_t);
+// Up to 4 rows: the block's 4 features per pass. More: 8 rows x 2 features per pass.
+const BlockFn WIDE[5] = {nullptr, block_rows<1, 4>, block_rows<2, 4>, block_rows<3, 4>, block_rows<4, 4>};
+const BlockFn TALL[9] = {nullptr, block_rows<1, 2>, block_rows<2, 2>, block_rows<3, 2>, block_rows<4, 2>,
+                         block_rows<5, 2>, block_rows<6, 2>, block_rows<7, 2>, block_rows<8, 2>};
+
+bool cpu_ok() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("fma");
+  return ok;
+}
+
+// x [M, K] fp32; qb uint8 [N/4, K/32, 4, 16]; dm fp32 [N/4, K/32, 4, 2] -> [M, N] fp32.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& qb, const at::Tensor& dm) {
+  TORCH_CHECK(cpu_ok(), "specblock_q4::linear needs AVX512F, AVX512BW and FMA");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "specblock_q4::linear: x must be 2-D float32");
+  TORCH_CHECK(qb.dim() == 4 && qb.scalar_type() == at::kByte && qb.size(2) == NB && qb.size(3) == 16 && qb.is_contiguous(),
+              "specblock_q4::linear: qb must be contiguous uint8 [N/4, K/32, 4, 16]");
+  TORCH_CHECK(dm.dim() == 4 && dm.scalar_type() == at::kFloat && dm.size(0) == qb.size(0) && dm.size(1) == qb.size(1) &&
+              dm.size(2) == NB && dm.size(3) == 2 && dm.is_contiguous(), "specblock_q4::linear: dm must be contiguous float32 [N/4, K/32, 4, 2]");
+  const int64_t M = x.size(0), K = x.size(1), N = qb.size(0) * NB, G = K / 32;
+  TORCH_CHECK(K == qb.size(1) * 32, "specblock_q4::linear: x has ", K, " inputs, the weights ", qb.size(1) * 32);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const uint8_t* qp = qb.data_ptr<uint8_t>();
+  const float* dp = dm.data_ptr<float>();
+  at::parallel_for(0, N / NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* q = qp + b * G * 16 * NB;
+      const float* s = dp + b * G * 2 * NB;
+      if (M <= 4) {
+        WIDE[M](xp, K, q, s, yp + b * NB, N);
+        continue;
+      }
+      for (int64_t r = 0; r < M; r += 8)
+        for (int j0 = 0; j0 < NB; j0 += 2)
+          TALL[std::min<int64_t>(8, M - r)](xp + r * K, K, q + 16 * j0, s + 2 * j0, yp + r * N + b * NB + j0, N);
+    }
+  });
+  return y;
+}
+}  // namespace
+
+TORCH_LIBRARY(specblock_q4, m) { m.def("linear(Tensor x, Tensor qb, Tensor dm) -> Tensor"); }
+TORCH_LIBRARY_IMPL(specblock_q4, CPU, m) { m.impl("linear", linear); }
+"""
+
+_STATE: dict[str, object] = {}
+
+
+def cpu_supports() -> bool:
+    """AVX512F, AVX512BW and FMA (the extension checks again before running)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return {"avx512f", "avx512bw", "fma"} <= flags
+
+
+def build_name() -> str:
+    digest = hashlib.sha256((SOURCE + torch.__version__).encode()).hexdigest()[:12]
+    return f"specblock_q4_{digest}"
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load_inline
+
+    from specblock.models.registry import specblock_home
+
+    where = specblock_home() / "extensions" / build_name()
+    where.mkdir(parents=True, exist_ok=True)
+    # -fopenmp: at::parallel_for is an OpenMP region compiled into this library (without it, one thread)
+    load_inline(build_name(), cpp_sources=[SOURCE], is_python_module=False, build_directory=str(where),
+                extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False, no_implicit_headers=True)
+    torch.library.register_fake("specblock_q4::linear", _fake)
+
+
+def _fake(x: torch.Tensor, qb: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], qb.shape[0] * NB))
+
+
+def load() -> bool:
+    """Build (or load) the extension once per process; False, with one warning, where it cannot run."""
+    if "ok" not in _STATE:
+        why = None
+        if os.environ.get("SPECBLOCK_Q4_KERNEL", "fp32") == "bf16":
+            why = "SPECBLOCK_Q4_KERNEL=bf16 asks for torch's kernel"
+        elif not cpu_supports():
+            why = "this CPU has no AVX512F/AVX512BW"
+        else:
+            try:
+                _build()
+            except Exception as exc:  # a missing compiler or headers: torch's kernel, lossless only like bf16
+                lines = str(exc).strip().splitlines()
+                why = f"the extension could not be built ({type(exc).__name__}: {lines[-1] if lines else exc!r})"
+        _STATE["ok"] = why is None
+        if why is not None and "SPECBLOCK_Q4_KERNEL" not in why:
+            warnings.warn(f"specblock: q4 runs torch's int4 kernel, lossless only like bf16 ({why})", stacklevel=2)
+    return bool(_STATE["ok"])
+
+
+def layout(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_1 triple as ``q4file`` stores it (``[N, K/2]`` nibbles, element ``2j`` low; fp16 ``d``,
+    ``m`` ``[N, K/32]``) -> the kernel's ``qb`` uint8 ``[N/4, K/32, 4, 16]`` and ``dm`` fp32 ``[N/4, K/32, 4, 2]``."""
+    n, k = qs.shape[0], qs.shape[1] * 2
+    if n % NB or k % GROUP:
+        raise ValueError(f"a {k} -> {n} linear does not fit the q4 kernel (inputs in groups of {GROUP}, outputs in {NB}s)")
+    q = unpack_nibbles(qs).to(torch.uint8).reshape(n, k // GROUP, 2, 16)
+    nib = q[:, :, 0] | (q[:, :, 1] << 4)  # [N, G, 16]: input i low, input i + 16 high
+    qb = nib.reshape(n // NB, NB, k // GROUP, 16).transpose(1, 2).contiguous()
+    dm = torch.stack([d.float(), m.float()], -1).reshape(n // NB, NB, k // GROUP, 2).transpose(1, 2).contiguous()
+    return qb, dm
+
+
+def linear(x: torch.Tensor, qb: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` fp32 times the Q4_1 weights: ``[M, N]`` fp32."""
+    return torch.ops.specblock_q4.linear(x, qb, dm)
