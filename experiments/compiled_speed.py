@@ -74,7 +74,7 @@ def bandwidth_gbs(device: str, mb: int = 512, reps: int = 7) -> float:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes one forward reads. Packed-fp16 linears read their fp16 copy (2 bytes a weight), q4
-    linears their 4-bit values and bf16 scales and offsets, not the fp32 ``weight`` either keeps; an
+    linears their 4-bit values and their kernel's scales and offsets, not the fp32 ``weight`` either keeps; an
     embedding whose head is packed is read one row at a time."""
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
@@ -83,7 +83,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     skip = {id(m.weight) for m in packed + int4} | {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding)
                                                     for p in m.parameters()}
     read = sum(2 * m.weight.numel() for m in packed)
-    read += sum(b.numel() * b.element_size() for m in int4 for b in (m.qweight, m.scale_zero))
+    read += sum(m.nbytes() for m in int4)
     return read + sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
 
 

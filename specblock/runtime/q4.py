@@ -62,7 +62,8 @@ class Int4Linear(nn.Module):
     module docstring).
 
     ``weight`` (the checkpoint's, fp32, frozen) stays for code that reads weights; the forward
-    reads only the kernel's own buffers (``qb``/``dm``, or ``qweight``/``scale_zero``)."""
+    reads only the kernel's own weights (``_q4``, kept by key for compiled graphs; or the
+    ``qweight``/``scale_zero`` buffers of torch's kernel)."""
 
     def __init__(self, lin: nn.Linear, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kernel: str | None = None) -> None:
         super().__init__()
@@ -81,9 +82,8 @@ class Int4Linear(nn.Module):
         if self.kernel == "fp32":
             if not q4_kernel.load():
                 raise SpecBlockError("the fp32 q4 kernel cannot run here (see the warning above); use kernel='bf16'")
-            qb, dm = q4_kernel.layout(qs, d, m)
-            self.register_buffer("qb", qb, persistent=False)
-            self.register_buffer("dm", dm, persistent=False)
+            self._q4 = q4_kernel.layout(qs, d, m)  # (qb, dm): not buffers, see forward
+            self._register()
             return
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(qs), 1),
                              persistent=False)
@@ -94,11 +94,31 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.kernel == "fp32":
-            y = q4_kernel.linear(x.reshape(-1, shape[-1]).float(), self.qb, self.dm)
+            x2 = x.reshape(-1, shape[-1]).float()
+            if torch.compiler.is_compiling():  # by key: 2 x 210 weight tensors as graph inputs cost 1.4 ms of guards a call
+                y = q4_kernel.linear_key(x2, self._key, self.out_features)
+            else:
+                y = q4_kernel.linear(x2, *self._q4)
             return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight, GROUP,
                                                        self.scale_zero)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def _register(self) -> None:
+        self._key = q4_kernel.register(*self._q4, self)
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (deepcopy, pickle) gets a key of its own, as ``PackedLinear``'s does; one without
+        the weights (dynamo's saved guards leave tensors out) registers nothing."""
+        super().__setstate__(state)
+        if self.kernel == "fp32" and isinstance(getattr(self, "_q4", None), tuple) \
+                and all(isinstance(t, torch.Tensor) for t in self._q4):
+            self._register()
+
+    def nbytes(self) -> int:
+        """Bytes a forward reads: the kernel's own weights (4-bit values, scales and offsets)."""
+        ts = self._q4 if self.kernel == "fp32" else (self.qweight, self.scale_zero)
+        return sum(t.numel() * t.element_size() for t in ts)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 q4_1, {self.kernel} kernel"

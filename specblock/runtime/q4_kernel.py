@@ -28,13 +28,15 @@ AVX512 is missing. Where it cannot run, q4 falls back to torch's kernel and says
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
 
-from specblock.q4file import GROUP, unpack_nibbles
+from specblock.q4file import GROUP
 
 NB = 4  # output features per stored block
 SOURCE = r"""
@@ -45,6 +47,9 @@ SOURCE = r"""
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
+#include <shared_mutex>
+#include <unordered_map>
+#include <utility>
 
 namespace {
 constexpr int NB = 4;
@@ -126,10 +131,45 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qb, const at::Tensor& d
   });
   return y;
 }
+// Weights by key, for compiled graphs: a graph that holds an int instead of two tensors per
+// linear leaves dynamo 420 fewer tensors to guard on every call.
+std::shared_mutex mu;
+std::unordered_map<int64_t, std::pair<at::Tensor, at::Tensor>> table;
+
+void put(int64_t key, const at::Tensor& qb, const at::Tensor& dm) {
+  std::unique_lock<std::shared_mutex> lock(mu);
+  table[key] = {qb, dm};
+}
+
+void drop(int64_t key) {
+  std::unique_lock<std::shared_mutex> lock(mu);
+  table.erase(key);
+}
+
+at::Tensor linear_key(const at::Tensor& x, int64_t key, int64_t out_features) {
+  std::pair<at::Tensor, at::Tensor> w;
+  {
+    std::shared_lock<std::shared_mutex> lock(mu);
+    auto it = table.find(key);
+    TORCH_CHECK(it != table.end(), "specblock_q4::linear_key: no weights under key ", key);
+    w = it->second;
+  }
+  TORCH_CHECK(w.first.size(0) * NB == out_features, "specblock_q4::linear_key: key ", key, " holds ",
+              w.first.size(0) * NB, " outputs, not ", out_features);
+  return linear(x, w.first, w.second);
+}
 }  // namespace
 
-TORCH_LIBRARY(specblock_q4, m) { m.def("linear(Tensor x, Tensor qb, Tensor dm) -> Tensor"); }
-TORCH_LIBRARY_IMPL(specblock_q4, CPU, m) { m.impl("linear", linear); }
+TORCH_LIBRARY(specblock_q4, m) {
+  m.def("linear(Tensor x, Tensor qb, Tensor dm) -> Tensor");
+  m.def("linear_key(Tensor x, int key, int out_features) -> Tensor");
+  m.def("put(int key, Tensor qb, Tensor dm) -> ()", put);
+  m.def("drop(int key) -> ()", drop);
+}
+TORCH_LIBRARY_IMPL(specblock_q4, CPU, m) {
+  m.impl("linear", linear);
+  m.impl("linear_key", linear_key);
+}
 """
 
 _STATE: dict[str, object] = {}
@@ -160,10 +200,15 @@ def _build() -> None:
     load_inline(build_name(), cpp_sources=[SOURCE], is_python_module=False, build_directory=str(where),
                 extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False, no_implicit_headers=True)
     torch.library.register_fake("specblock_q4::linear", _fake)
+    torch.library.register_fake("specblock_q4::linear_key", _fake_key)
 
 
 def _fake(x: torch.Tensor, qb: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], qb.shape[0] * NB))
+
+
+def _fake_key(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
 
 
 def load() -> bool:
@@ -192,7 +237,7 @@ def layout(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Te
     n, k = qs.shape[0], qs.shape[1] * 2
     if n % NB or k % GROUP:
         raise ValueError(f"a {k} -> {n} linear does not fit the q4 kernel (inputs in groups of {GROUP}, outputs in {NB}s)")
-    q = unpack_nibbles(qs).to(torch.uint8).reshape(n, k // GROUP, 2, 16)
+    q = torch.stack([qs & 0xF, qs >> 4], -1).reshape(n, k // GROUP, 2, 16)  # uint8 throughout: loads stay quick
     nib = q[:, :, 0] | (q[:, :, 1] << 4)  # [N, G, 16]: input i low, input i + 16 high
     qb = nib.reshape(n // NB, NB, k // GROUP, 16).transpose(1, 2).contiguous()
     dm = torch.stack([d.float(), m.float()], -1).reshape(n // NB, NB, k // GROUP, 2).transpose(1, 2).contiguous()
@@ -202,3 +247,26 @@ def layout(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Te
 def linear(x: torch.Tensor, qb: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` fp32 times the Q4_1 weights: ``[M, N]`` fp32."""
     return torch.ops.specblock_q4.linear(x, qb, dm)
+
+
+_KEYS = itertools.count()
+
+
+def register(qb: torch.Tensor, dm: torch.Tensor, owner: object) -> int:
+    """Keep ``(qb, dm)`` under a new key until ``owner`` is collected: what a compiled graph calls
+    ``linear_key`` with (ints are cheap to guard, tensors are not)."""
+    key = next(_KEYS)
+    torch.ops.specblock_q4.put(key, qb, dm)
+    weakref.finalize(owner, _drop, key)
+    return key
+
+
+def _drop(key: int) -> None:
+    try:
+        torch.ops.specblock_q4.drop(key)
+    except (AttributeError, RuntimeError):  # interpreter shutdown: the library may be gone first
+        pass
+
+
+def linear_key(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return torch.ops.specblock_q4.linear_key(x, key, out_features)
