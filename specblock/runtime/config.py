@@ -89,9 +89,9 @@ class RunConfig(BaseModel):
             # The fastest method of the target's measured main table (best.json beside its drafters,
             # experiments/best_method.py), else lookup. The lab has no record: lookup measured 1.51x
             # there against SpecBlock's 1.22x (bench_main.md). A record of another dtype does not count.
-            # At q4 only plain decoding is exactly the model's own greedy decoding: speculative methods
-            # part from it at near-ties (runtime/q4.py). Compiled, Medusa measured 1.62x against plain
-            # decoding's 1.58x, and both matched eager plain decoding on 3 and 2 of 5 prompts (bench_smollm2_compiled_q4.md).
+            # At q4 plain decoding measured fastest, eager (Medusa tied at 1.00x) and compiled (ar@c 1.66x
+            # against medusa@c's 1.57x, every method matching it; bench_smollm2_compiled_q4_fp32.md). On torch's
+            # kernel (no AVX512) it is also the one method that is exactly the q4 model's greedy decoding.
             from specblock.runtime.q4 import Q4
             from specblock.runtime.target import resolve_dtype
 

@@ -10,9 +10,9 @@ order, then one horizontal sum) whatever the number of rows in the call or which
 pass, so a token's result does not depend on the tree it sits in. With that, a q4 target is
 lossless like fp32: every method equals plain decoding token for token (``tests/test_q4.py``).
 
-Speed (``python experiments/q4_kernel.py``): the weights are read as 4 bits and decoded once per
-pass in registers, so one row costs about what reading 53 MB costs; from about 8 rows on it is
-bound by fp32 multiply-adds, as fbgemm's fp16 GEMM is.
+Speed (``experiments/q4_rows.py``, its second table): the weights are read as 4 bits and decoded
+once per pass in registers, so the real model's decoder linears cost about half of fbgemm's fp16
+GEMM at one row; from about 8 rows on both are bound by fp32 multiply-adds and cost about the same.
 
 Layout (``layout``): per block of 4 output features and group of 32 inputs, 64 bytes of nibbles
 (byte ``i`` of a feature: input ``i`` low, input ``i + 16`` high, ggml's own order) and
