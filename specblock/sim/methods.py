@@ -25,6 +25,7 @@ from specblock.policies.branching import (
     TreePolicy,
     add_candidates,
     grow_block,
+    rerank_horizon,
 )
 from specblock.policies.seeds import DeepestConfidentSeeds, SeedPolicy, TopScoreSeeds
 from specblock.policies.static_tree import static_tree
@@ -141,7 +142,14 @@ class DepthwiseDrafter(MethodModel):
         if pool is None:
             pos = np.repeat(np.arange(self.depth), f)
             all_rank, all_logp, _ = rm.sample(rng, 0, pos, k, pos.size)  # every position it may need
-        for d in range(self.depth):
+        # The runtime's limits (policies.branching.rerank_horizon): same tree, fewer forwards. The
+        # draws above stay those of the full expansion, so a seed gives the same tree either way.
+        depth = self.depth
+        if (h := rerank_horizon(self.policy, self.seeds, self.budget)) is not None:
+            depth, kw, fw = min(depth, h), min(k, h), min(f, h)
+        else:
+            kw, fw = k, f
+        for d in range(depth):
             p = frontier.size
             if pool is None:
                 rank, logp = all_rank[d * f: d * f + p], all_logp[d * f: d * f + p]
@@ -151,13 +159,13 @@ class DepthwiseDrafter(MethodModel):
             book.set(frontier, rank)
             if self.forward_per_depth:
                 forwards.append(p)
-            w = self.policy.widths(tree.cum_logprob[frontier], logp, None, self.budget - (tree.size - 1))
-            tokens = np.broadcast_to(np.arange(k), (p, k))
-            new = add_candidates(tree, frontier, tokens, logp, w, None, block=0)
+            w = self.policy.widths(tree.cum_logprob[frontier], logp[:, :kw], None, self.budget - (tree.size - 1))
+            tokens = np.broadcast_to(np.arange(kw), (p, kw))
+            new = add_candidates(tree, frontier, tokens, logp[:, :kw], w, None, block=0)
             new = new[new >= 0]
             if new.size == 0:
                 break
-            frontier = self.seeds.select(tree, new, self.max_frontier)
+            frontier = self.seeds.select(tree, new, fw)
         if not self.forward_per_depth:
             forwards.append(1)
         return _finish(tree, book, forwards, self.policy, self.budget)

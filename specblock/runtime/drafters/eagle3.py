@@ -32,7 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from specblock.policies.branching import DynamicBranching, TreePolicy, expand
+from specblock.policies.branching import DynamicBranching, TreePolicy, expand, rerank_horizon
 from specblock.policies.seeds import SeedPolicy, TopScoreSeeds
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
@@ -161,6 +161,10 @@ class Eagle3Drafter(Drafter):
         depth = min(self.depth, req.max_depth)
         if states is None or depth < 1 or req.budget < 1:
             return tree
+        # Nothing past what the final rerank to the budget can keep (policies.branching)
+        width = self.top_k
+        if (h := rerank_horizon(self.policy, self.seed_policy, req.budget)) is not None:
+            depth, width = min(depth, h), min(width, h)
         net, dev = self.net, self.device
         parents = np.zeros(1, dtype=np.int64)
         expanded = np.zeros(0, dtype=np.int64)  # nodes whose keys/values sit in the draft cache, in order
@@ -170,12 +174,12 @@ class Eagle3Drafter(Drafter):
         for d in range(1, depth + 1):
             ids, lps = self._top(states)
             offered.append((parents, ids, lps))
-            new = expand(tree, parents, ids, lps, self.policy, req.budget, block=d - 1)
+            new = expand(tree, parents, ids[:, :width], lps[:, :width], self.policy, req.budget, block=d - 1)
             if d == depth:
                 break
             rows, _ = np.nonzero(new >= 0)
             nodes = new[new >= 0]  # ascending: one extend appends row-major
-            frontier = np.sort(self.seed_policy.select(tree, nodes, self.top_k))
+            frontier = np.sort(self.seed_policy.select(tree, nodes, width))
             if frontier.size == 0:
                 break
             src = torch.as_tensor(rows[np.searchsorted(nodes, frontier)], device=dev)

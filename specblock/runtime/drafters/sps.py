@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specblock.errors import SpecBlockError
-from specblock.policies.branching import DynamicBranching, TreePolicy, expand
+from specblock.policies.branching import DynamicBranching, TreePolicy, expand, rerank_horizon
 from specblock.policies.seeds import SeedPolicy, TopScoreSeeds
 from specblock.policies.tree import DraftTree
 from specblock.runtime.attention import attention_layout
@@ -99,15 +99,19 @@ class SpsDrafter(Drafter):
         depth = min(self.gamma, req.max_depth)
         if depth < 1 or req.budget < 1:
             return tree
+        # Nothing past what the final rerank to the budget can keep (policies.branching)
+        width = self.top_k
+        if (h := rerank_horizon(self.policy, self.seed_policy, req.budget)) is not None:
+            depth, width = min(depth, h), min(width, h)
         logits = out.logits[0, -1:]  # [S=1, V]: the root's children
         parents = np.zeros(1, dtype=np.int64)
         expanded = np.zeros(0, dtype=np.int64)  # drafted nodes in the cache, in cache order
         for d in range(1, depth + 1):
             ids, lps = self._top(logits)
-            new = expand(tree, parents, ids, lps, self.policy, req.budget, block=d - 1)
+            new = expand(tree, parents, ids[:, :width], lps[:, :width], self.policy, req.budget, block=d - 1)
             if d == depth:
                 break
-            frontier = np.sort(self.seed_policy.select(tree, new[new >= 0], self.top_k))
+            frontier = np.sort(self.seed_policy.select(tree, new[new >= 0], width))
             if frontier.size == 0:
                 break
             s = frontier.size
