@@ -137,7 +137,8 @@ case "${1:-}" in
     #            to serving.json, and best.json (--method auto) is chosen from the main table, where every method
     #            runs at its serving.json settings (specblock@m1: the same with M = 1). SKIP_CALIBRATE=1 keeps the
     #            latency file; SWEEP_METHODS= sweeps a subset (the others keep their serving.json); SKIP_SWEEP=1
-    #            runs the main table only; PROMPTS= prompts per domain in the main table (default 3); MAIN_OUT= its file name.
+    #            runs the main table only, SKIP_MAIN=1 the sweep only; PROMPTS= prompts per domain in the main table
+    #            (default 3); MAIN_OUT= its file name.
     [[ ${SKIP_CALIBRATE:-} ]] || $PY -m specblock.runtime calibrate --target $T --dtype packed-fp16 --reps 9 \
         --out specblock/sim/data/latency_cpu_smollm2_packed_fp16.json
     if [[ ! ${SKIP_SWEEP:-} ]]; then
@@ -155,6 +156,7 @@ case "${1:-}" in
           --max-new-tokens 32 --dtype packed-fp16 --threads 2 --out experiments/results/$SWEPT
       $PY experiments/best_budgets.py experiments/results/$SWEPT.json --write-serving specblock/assets/drafters/$T >/dev/null
     fi
+    [[ ${SKIP_MAIN:-} ]] && exit 0
     PIN=(--set specblock:M=2 --set specblock+adapt:M=2 --set specblock@m1:M=1)
     $PY -m specblock.runtime bench --target $T \
         --methods ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt \
@@ -165,8 +167,10 @@ case "${1:-}" in
     #            target and METHOD@c on the compiled one (the same weights, --set METHOD@c:compiled=true), interleaved,
     #            every one at its serving.json settings; Spd divides by eager plain decoding (ar), so ar@c is the
     #            compiled target's own gain. COMPILED_METHODS= picks the methods, PROMPTS= prompts per domain (default 1),
-    #            DTYPE= the target's dtype (default packed-fp16; q4: the GGUF's own 4-bit weights).
+    #            DTYPE= the target's dtype (default packed-fp16; q4: the GGUF's own 4-bit weights). hf-greedy (HF's own
+    #            plain generate on the same model object: issue 16's baseline in the same run) unless HF_GREEDY=0.
     M=""; SETS=()
+    [[ ${HF_GREEDY:-1} == 0 ]] || M="hf-greedy," 
     for m in ${COMPILED_METHODS:-ar lookup medusa parallelspec falcon eagle3 specblock}; do
       M+="$m,$m@c,"; SETS+=(--set "$m@c:compiled=true")
       [[ $m == specblock ]] && SETS+=(--set "specblock:M=2" --set "specblock@c:M=2")

@@ -1,5 +1,5 @@
-"""HF peers in the bench: HF's assisted generation and prompt lookup on the same target equal
-plain greedy decoding, appear as bench rows with tau/T_D% null, and a missing draft model is a note."""
+"""HF peers in the bench: HF's plain greedy loop, assisted generation and prompt lookup on the same
+target equal plain greedy decoding, appear as bench rows with tau/T_D% null, and a missing draft model is a note."""
 
 import json
 
@@ -43,13 +43,13 @@ def test_bench_rows_for_peers(tmp_path, capsys):
     save_tiny(tmp_path / "t", "llama", vocab=96, ctx=2048)
     tiny_model("llama", vocab=96, layers=1, seed=5, ctx=2048).save_pretrained(tmp_path / "drafters" / "sps")
     out = tmp_path / "res" / "bench"
-    code = main(["bench", "--target", str(tmp_path / "t"), "--methods", "hf-lookup,hf-assisted", "--domains", "code",
+    code = main(["bench", "--target", str(tmp_path / "t"), "--methods", "hf-lookup,hf-assisted,hf-greedy", "--domains", "code",
                  "--prompts", "1", "--max-new-tokens", "8", "--runs", "2", "--dtype", "float32",
                  "--drafter-dir", str(tmp_path / "drafters"), "--out", str(out)])
     assert code == 0
     res = json.loads(out.with_suffix(".json").read_text())
     rows = {r["method"]: r for r in res["rows"]}
-    assert set(rows) == {"ar", "hf-lookup", "hf-assisted"} and res["skipped"] == {}
+    assert set(rows) == {"ar", "hf-lookup", "hf-assisted", "hf-greedy"} and res["skipped"] == {}
     for m in peers.PEERS:
         r = rows[m]
         assert r["match_rate"] == 1.0 and r["speedup"] > 0 and r["tokens_per_s"] > 0

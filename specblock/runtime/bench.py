@@ -13,8 +13,8 @@ has already trained on would flatter it). An update still in flight when its que
 waited for, and the wait is charged to that query, so no other method's timing shares the CPU
 with it.
 
-External peers (``runtime/peers.py``): ``hf-assisted`` and ``hf-lookup`` run HuggingFace's own
-``generate`` with an assistant model or prompt lookup on the same target, interleaved and timed
+External peers (``runtime/peers.py``): ``hf-greedy``, ``hf-assisted`` and ``hf-lookup`` run
+HuggingFace's own ``generate`` plain, with an assistant model or with prompt lookup on the same target, interleaved and timed
 like the others; their tau, T_D% and tree sizes are not observable and are reported as null. A
 peer that cannot run (no SpS draft model) is skipped with a note in the output.
 """
@@ -49,7 +49,7 @@ from specblock.runtime.verify import GreedyVerifier
 def build_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="python -m specblock.runtime bench", description=__doc__.splitlines()[0])
     ap.add_argument("--target", help="a model name (see `models`) or an HF model directory (default: the real chat model)")
-    ap.add_argument("--methods", default="ar,lookup,specblock", help="comma-separated; NAME@VARIANT for a second setting; specblock+adapt: serving-time adaptation (restarts from the pretrained drafter every run); hf-assisted, hf-lookup: HF generate peers")
+    ap.add_argument("--methods", default="ar,lookup,specblock", help="comma-separated; NAME@VARIANT for a second setting; specblock+adapt: serving-time adaptation (restarts from the pretrained drafter every run); hf-greedy, hf-assisted, hf-lookup: HF generate peers")
     ap.add_argument("--domains", default="code,math,chat,qa,mtbench")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per domain (the first N of each set)")
     ap.add_argument("--max-new-tokens", type=int, default=96)

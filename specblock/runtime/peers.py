@@ -1,4 +1,4 @@
-"""External peers for the bench: HuggingFace transformers' own speculative decoding.
+"""External peers for the bench: HuggingFace transformers' own decoding, plain and speculative.
 
 What a user would pick instead of this project, on the same target model object, prompts and
 machine, timed like our engine (wall clock of the whole call, prefill included, over new token
@@ -10,6 +10,9 @@ ids):
   constant schedule and the 0.4 confidence threshold (transformers 5.23); ``--set
   hf-assisted:num_assistant_tokens=N`` overrides the count. Without a draft model directory the
   method is skipped with a note (none is shipped today).
+- ``hf-greedy``: ``model.generate(...)`` greedy, nothing drafted: HF's own decode loop on the same
+  model object, weights and kernels as our ``ar`` (issue 16's baseline "HF generate's plain greedy",
+  measured in the same run as the methods it is held against).
 - ``hf-lookup``: ``model.generate(..., prompt_lookup_num_tokens=N, max_matching_ngram_size=M)``:
   HF's prompt-lookup decoding. N and M default to our ``lookup`` method's depth (8) and n-gram
   (3), so the pair compares implementations, not settings; ``--set hf-lookup:lookup_depth=10``
@@ -39,7 +42,7 @@ from specblock.runtime.engine import GenerationResult
 from specblock.runtime.metrics import DecodeStats
 from specblock.runtime.target import DTYPES, TargetModel, load_causal_lm
 
-PEERS = ("hf-assisted", "hf-lookup")
+PEERS = ("hf-assisted", "hf-greedy", "hf-lookup")
 
 
 class PeerUnavailable(SpecBlockError):
@@ -56,8 +59,8 @@ class HFPeer:
 
     def __init__(self, target: TargetModel, eos_ids: frozenset[int], assistant: PreTrainedModel | None = None,
                  lookup_tokens: int | None = None, ngram: int | None = None) -> None:
-        if (assistant is None) == (lookup_tokens is None):
-            raise SpecBlockError("an HF peer needs either an assistant model or prompt-lookup settings")
+        if assistant is not None and lookup_tokens is not None:
+            raise SpecBlockError("an HF peer takes an assistant model or prompt-lookup settings, not both")
         self.target, self.eos_ids = target, eos_ids
         self.assistant, self.lookup_tokens, self.ngram = assistant, lookup_tokens, ngram
         self.trace: TextIO | None = None  # the bench sets these on every engine; HF gives no per-iteration data
@@ -107,6 +110,8 @@ def _assistant_dir(opt: dict, target: TargetModel) -> Path | None:
 def build(method: str, target: TargetModel, opt: dict, eos_ids: frozenset[int]) -> HFPeer:
     """The peer named ``method``; raises :class:`PeerUnavailable` when it cannot run."""
     name = method.split("@")[0]
+    if name == "hf-greedy":
+        return HFPeer(target, eos_ids)
     if name == "hf-lookup":
         return HFPeer(target, eos_ids, lookup_tokens=int(opt.get("lookup_depth") or 8), ngram=int(opt.get("ngram") or 3))
     if name != "hf-assisted":
