@@ -159,7 +159,7 @@ case "${1:-}" in
     [[ ${SKIP_MAIN:-} ]] && exit 0
     PIN=(--set specblock:M=2 --set specblock+adapt:M=2 --set specblock@m1:M=1)
     $PY -m specblock.runtime bench --target $T \
-        --methods ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt \
+        --methods ar,hf-greedy,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt \
         "${PIN[@]}" --dtype packed-fp16 --prompts ${PROMPTS:-3} --runs 3 --max-new-tokens 48 --threads 2 \
         --out "experiments/results/${MAIN_OUT:-bench_smollm2_packed}" --trace-dir runs/traces_smollm2_packed
     $PY experiments/best_method.py "experiments/results/${MAIN_OUT:-bench_smollm2_packed}.json" --write specblock/assets/drafters/$T ;;
