@@ -8,7 +8,8 @@ The highest mean Spd over the bench's domains among the methods the CLI can run 
 
 ``--compiled`` reads a compiled-against-eager bench instead (``real_drafters.sh compiled``: each
 method as ``METHOD@c`` on the compiled target) and records its fastest ``@c`` method under
-``"compiled"`` in the same file, what ``--method auto --compile`` runs; the rest is kept.
+``"compiled"`` in the same file, what ``--method auto --compile`` runs; the rest is kept, as a new eager
+record keeps the ``"compiled"`` one.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def main(argv: list[str]) -> int:
         if base.get("dtype") not in (None, rec["dtype"]):
             raise SystemExit(f"{out} was measured in {base['dtype']}, this bench in {rec['dtype']}: measure both in one dtype")
         rec = {**base, "compiled": rec}
+    elif out.is_file() and "compiled" in (base := json.loads(out.read_text())):
+        rec["compiled"] = base["compiled"]  # a new eager table leaves the compiled record (its own dtype) alone
     write_atomic(out, json.dumps(rec, indent=1) + "\n")
     print(json.dumps(rec))
     return 0

@@ -84,3 +84,6 @@ def test_best_method_script_records_the_compiled_winner_beside_the_eager_one(tmp
     rec = json.loads((tmp_path / "best.json").read_text())
     assert rec["method"] == "parallelspec" and rec["compiled"]["method"] == "ar"
     assert "ar@c 1.90x" in rec["compiled"]["measured"]
+    assert bm.main([str(f), "--write", str(tmp_path)]) == 0  # a new eager table keeps the compiled record
+    rec = json.loads((tmp_path / "best.json").read_text())
+    assert rec["method"] == "medusa" and rec["compiled"]["method"] == "ar"
