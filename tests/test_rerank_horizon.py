@@ -1,4 +1,4 @@
-"""EAGLE-2-style expansion stops at what the final rerank can keep (``rerank_horizon``): the same
+"""EAGLE-2-style expansion stops at what the final rerank can keep (``rerank_limits``): the same
 tree as the full expansion, for fewer drafter forwards; a user's policy expands as configured."""
 
 import numpy as np
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specblock.policies.branching import DynamicBranching, expand, rerank_horizon
+from specblock.policies.branching import DynamicBranching, expand, rerank_limits
 from specblock.policies.seeds import DeepestConfidentSeeds, TopScoreSeeds
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest
@@ -21,7 +21,7 @@ V = 16
 
 
 class FullExpansion(TopScoreSeeds):
-    """The top-score frontier under another name: ``rerank_horizon`` knows no bound for it, so a
+    """The top-score frontier under another name: ``rerank_limits`` knows no bound for it, so a
     drafter given it expands every configured depth and width (the reference)."""
 
     def select(self, tree, candidates, max_seeds):
@@ -46,21 +46,19 @@ def paths(tree: DraftTree) -> set[tuple[int, ...]]:
     return {paths_of(tree, i) for i in range(tree.size)}
 
 
-def test_horizon_only_for_the_default_rerank_and_top_score_frontier():
-    assert rerank_horizon(DynamicBranching(), TopScoreSeeds(), 3) == 3
-    assert rerank_horizon(DynamicBranching(), TopScoreSeeds(), 0) == 1
-    assert rerank_horizon(OwnPrune(), TopScoreSeeds(), 3) is None
-    assert rerank_horizon(DynamicBranching(), FullExpansion(), 3) is None
-    assert rerank_horizon(DynamicBranching(), DeepestConfidentSeeds(), 3) is None
+def test_limits_only_for_the_default_rerank_and_top_score_frontier():
+    assert rerank_limits(DynamicBranching(), TopScoreSeeds(), 3, 6, 8, 2) == (3, 3, 2)
+    assert rerank_limits(DynamicBranching(), TopScoreSeeds(), 0, 6, 8) == (1, 1)
+    assert rerank_limits(OwnPrune(), TopScoreSeeds(), 3, 6, 8) == (6, 8)
+    assert rerank_limits(DynamicBranching(), FullExpansion(), 3, 6, 8) == (6, 8)
+    assert rerank_limits(DynamicBranching(), DeepestConfidentSeeds(), 3, 6, 8) == (6, 8)
 
 
 def _expand(cands, depth: int, top_k: int, budget: int, seeds) -> tuple[DraftTree, int]:
     """The drafters' loop over a synthetic drafter: ``cands(path)`` gives a node's top-k."""
     policy = DynamicBranching(top_k=top_k)
     tree, parents, forwards = DraftTree.root_only(0), np.zeros(1, dtype=np.int64), 0
-    width = top_k
-    if (h := rerank_horizon(policy, seeds, budget)) is not None:
-        depth, width = min(depth, h), min(width, h)
+    depth, width = rerank_limits(policy, seeds, budget, depth, top_k)
     for d in range(1, depth + 1):
         forwards += 1
         c = [cands(paths_of(tree, p)) for p in parents]

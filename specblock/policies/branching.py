@@ -150,23 +150,23 @@ class DynamicBranching(TreePolicy):
         return np.minimum(self.raw_widths(parent_score, cand_logprob, bucket), k)
 
 
-def rerank_horizon(policy: TreePolicy, seeds: SeedPolicy, budget: int) -> int | None:
-    """The deepest depth, the most frontier nodes per depth and the most children per node that
-    an EAGLE-2-style expansion needs when its tree is then reranked to ``budget`` nodes; None
-    where no such bound is known.
+def rerank_limits(policy: TreePolicy, seeds: SeedPolicy, budget: int, *limits: int) -> tuple[int, ...]:
+    """``limits`` (an EAGLE-2-style expansion's depth, frontier nodes per depth, children per
+    node) cut to what it needs when its tree is then reranked to ``budget`` nodes.
 
     Why: the default rerank (:meth:`TreePolicy.prune`) keeps the ``budget`` nodes of highest
     cumulative log-prob, an ancestor-closed set. So no kept node lies deeper than ``budget``, a
     kept node's parent is among the ``budget`` best nodes of its depth, and a kept child is among
-    its parent's ``budget`` best candidates: expanding past the bound yields the same tree (exact
-    score ties aside) for more drafter forwards. At EAGLE-3's served budget of 2 that was 6
-    depths of up to 8 frontier nodes for 2 kept nodes. It holds for the default rerank with the
-    top-score frontier; any other pair (a user's policy) expands as configured.
+    its parent's ``budget`` best candidates: expanding past ``budget`` in any of them yields the
+    same tree (exact score ties aside) for more drafter forwards. At EAGLE-3's served budget of 2
+    that was 6 depths of up to 8 frontier nodes for 2 kept nodes. It holds for the default rerank
+    with the top-score frontier; any other pair (a user's policy) keeps ``limits`` as given.
     """
     if type(policy).prune is not TreePolicy.prune or not isinstance(seeds, TopScoreSeeds) or \
             type(seeds).select is not TopScoreSeeds.select:
-        return None
-    return max(int(budget), 1)
+        return limits
+    b = max(int(budget), 1)
+    return tuple(min(x, b) for x in limits)
 
 
 def add_candidates(

@@ -25,7 +25,7 @@ from specblock.policies.branching import (
     TreePolicy,
     add_candidates,
     grow_block,
-    rerank_horizon,
+    rerank_limits,
 )
 from specblock.policies.seeds import DeepestConfidentSeeds, SeedPolicy, TopScoreSeeds
 from specblock.policies.static_tree import static_tree
@@ -142,13 +142,9 @@ class DepthwiseDrafter(MethodModel):
         if pool is None:
             pos = np.repeat(np.arange(self.depth), f)
             all_rank, all_logp, _ = rm.sample(rng, 0, pos, k, pos.size)  # every position it may need
-        # The runtime's limits (policies.branching.rerank_horizon): same tree, fewer forwards. The
+        # The runtime's limits (policies.branching.rerank_limits): same tree, fewer forwards. The
         # draws above stay those of the full expansion, so a seed gives the same tree either way.
-        depth = self.depth
-        if (h := rerank_horizon(self.policy, self.seeds, self.budget)) is not None:
-            depth, kw, fw = min(depth, h), min(k, h), min(f, h)
-        else:
-            kw, fw = k, f
+        depth, kw, fw = rerank_limits(self.policy, self.seeds, self.budget, self.depth, k, f)
         for d in range(depth):
             p = frontier.size
             if pool is None:

@@ -32,7 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from specblock.policies.branching import DynamicBranching, TreePolicy, expand, rerank_horizon
+from specblock.policies.branching import DynamicBranching, TreePolicy, expand, rerank_limits
 from specblock.policies.seeds import SeedPolicy, TopScoreSeeds
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
@@ -162,9 +162,7 @@ class Eagle3Drafter(Drafter):
         if states is None or depth < 1 or req.budget < 1:
             return tree
         # Nothing past what the final rerank to the budget can keep (policies.branching)
-        width = self.top_k
-        if (h := rerank_horizon(self.policy, self.seed_policy, req.budget)) is not None:
-            depth, width = min(depth, h), min(width, h)
+        depth, width = rerank_limits(self.policy, self.seed_policy, req.budget, depth, self.top_k)
         net, dev = self.net, self.device
         parents = np.zeros(1, dtype=np.int64)
         expanded = np.zeros(0, dtype=np.int64)  # nodes whose keys/values sit in the draft cache, in order

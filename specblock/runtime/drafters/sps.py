@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specblock.errors import SpecBlockError
-from specblock.policies.branching import DynamicBranching, TreePolicy, expand, rerank_horizon
+from specblock.policies.branching import DynamicBranching, TreePolicy, expand, rerank_limits
 from specblock.policies.seeds import SeedPolicy, TopScoreSeeds
 from specblock.policies.tree import DraftTree
 from specblock.runtime.attention import attention_layout
@@ -100,9 +100,7 @@ class SpsDrafter(Drafter):
         if depth < 1 or req.budget < 1:
             return tree
         # Nothing past what the final rerank to the budget can keep (policies.branching)
-        width = self.top_k
-        if (h := rerank_horizon(self.policy, self.seed_policy, req.budget)) is not None:
-            depth, width = min(depth, h), min(width, h)
+        depth, width = rerank_limits(self.policy, self.seed_policy, req.budget, depth, self.top_k)
         logits = out.logits[0, -1:]  # [S=1, V]: the root's children
         parents = np.zeros(1, dtype=np.int64)
         expanded = np.zeros(0, dtype=np.int64)  # drafted nodes in the cache, in cache order
