@@ -25,6 +25,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -324,11 +325,25 @@ def train(args) -> None:
         # Without this barrier, a rank that finished first and exited left rank 0 hanging in
         # gloo's teardown (seen in tests/test_ddp.py under load).
         dist.barrier()
-        # A process that had printed its final figures once hung here or at exit (tests/test_ddp.py
-        # in a loaded full test run; not reproduced in 12 more runs, 9 of them three at a time):
-        # should it happen again, every thread's stack goes to stderr after a minute.
-        faulthandler.dump_traceback_later(60, exit=False)
+        faulthandler.dump_traceback_later(60, exit=True)  # should destroy itself hang
         dist.destroy_process_group()
+        _exit_worker()
+
+
+def _exit_worker() -> None:
+    """A torchrun worker ends here, its work written, without freeing ``train``'s locals.
+
+    In a loaded CI run a worker hung after destroying its process group: every thread's stack,
+    dumped a minute in, showed the main thread in ``main()`` with ``train``'s frame gone, i.e.
+    in a destructor run while its locals (DDP model, autograd graph, gloo buffers) were freed.
+    PyTorch knows this class of teardown race (pytorch/pytorch#75097, #190489). Nothing is left
+    to do that freeing could finish, so the worker leaves at once; only the torchrun path comes
+    here, a caller of ``train`` in one process returns as usual.
+    """
+    faulthandler.cancel_dump_traceback_later()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _start_state(args, ckpt_path: Path) -> dict | None:
