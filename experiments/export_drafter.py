@@ -17,6 +17,7 @@ from specblock.runtime.target import load_causal_lm
 from specblock.training import recipes
 from specblock.training.checkpoint import load_checkpoint
 from specblock.training.drafter import CKPT, lr_at
+from specblock.training.exported import TRAINING, training_record
 from specblock.training.featcache import is_reference
 
 
@@ -80,12 +81,22 @@ def _init_line(run: dict) -> str:
     chain = lineage(run)
     if not chain:
         return ""
-    runs = "; that one from ".join(
-        f"`{Path(i['from']).name}` ({i['step']:,} steps, {i['train_s'] / 60:.1f} minutes on {i['args'].get('threads', '?')} "
-        f"thread(s), batch {i['args'].get('batch')} x {i['args'].get('window')}, lr {i['args'].get('lr')})" for i in chain)
+    runs = "; that one from ".join(_source(i, n == 0) for n, i in enumerate(chain))
+    if any(i.get("exported") and not i.get("record") for i in chain):  # an export from before training.json
+        return (f"\n- Fine-tuned from {runs}. The figures above are this fine-tune's alone (its own optimizer and "
+                "schedule); the source's own training is on its model card in git history.")
     total = run["train_s"] + sum(i["train_s"] for i in chain)
-    return (f"\n- Fine-tuned from the run in {runs}. The figures above are this fine-tune's alone (its own optimizer and "
+    return (f"\n- Fine-tuned from {runs}. The figures above are this fine-tune's alone (its own optimizer and "
             f"schedule); all rounds together: {run['step'] + sum(i['step'] for i in chain):,} steps, {total / 60:.1f} minutes.")
+
+
+def _source(i: dict, first: bool) -> str:
+    what = "the exported drafter in " if i.get("exported") else "the run in " if first else ""
+    if i.get("exported") and not i.get("record"):
+        return f"{what}`{i['from']}` (no training.json beside it)"
+    name = i["from"] if i.get("exported") else Path(i["from"]).name  # a shipped drafter's path says which one
+    return (f"{what}`{name}` ({i['step']:,} steps, {i['train_s'] / 60:.1f} minutes on "
+            f"{i['args'].get('threads', '?')} thread(s), batch {i['args'].get('batch')} x {i['args'].get('window')}, lr {i['args'].get('lr')})")
 
 
 def _stopped_line(run: dict, last: dict) -> str:
@@ -180,6 +191,7 @@ def main() -> None:
     net.save(args.out)  # SpS writes a fresh HF directory in place of the old one
     if kept is not None:
         write_atomic(serving, kept)
+    write_atomic(args.out / TRAINING, json.dumps(training_record(run), indent=1))  # a later --init-from's lineage
     lines = [json.loads(x) for x in (args.run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     gen = json.loads((args.data / "manifest.json").read_text())
     refs = json.loads((args.refs / "manifest.json").read_text()) if args.refs else None

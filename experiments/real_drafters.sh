@@ -69,8 +69,10 @@ case "${1:-}" in
     #            windows from the target's own answers (OWN_SHARE=0.5), into runs/$T/$METHOD-ft. Export it with
     #            METHOD=$METHOD-ft DEST=<dir> ... export, then compare held-out (ablation_table.py --also) before shipping.
     #            A second round: FROM=specblock-ft SUFFIX=-ft2 starts from runs/$T/specblock-ft into runs/$T/specblock-ft2.
-    M=${METHOD:-specblock}
-    train "$M" "$H/runs/$T/$M${SUFFIX:--ft}" --init-from "$H/runs/$T/${FROM:-$M}" --lr "${LR:-5e-4}" --warmup 20 --rank-freeze 0 \
+    #            FROM=shipped starts from the drafter in git (specblock/assets/drafters/$T/$METHOD; its lineage from its training.json).
+    M=${METHOD:-specblock} SRC=${FROM:-${METHOD:-specblock}}
+    [[ $SRC == shipped ]] && SRC=specblock/assets/drafters/$T/$M || SRC=$H/runs/$T/$SRC
+    train "$M" "$H/runs/$T/$M${SUFFIX:--ft}" --init-from "$SRC" --lr "${LR:-5e-4}" --warmup 20 --rank-freeze 0 \
         --own-share "${OWN_SHARE:-0.5}" ;;
   finetune-check) # 3j. The fine-tunes against the shipped drafters they started from: each exported to $H/finetune/METHOD
     #            with the shipped serving.json (same node budget, M and widths), held-out acceptance on the same 64 windows,

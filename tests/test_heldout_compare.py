@@ -94,3 +94,46 @@ def test_a_fine_tune_card_names_its_source_and_mix(tmp_path, monkeypatch):
     assert mod.gen_totals(gen, feat)["answer_tokens"] == sum(v["answer_tokens"] for v in cached.values())
     assert mod.gen_totals(gen, feat)["sequences"] == sum(v["sequences"] for v in cached.values())
     assert mod.gen_totals(gen, feat)["minutes"] == round(10.0 * len(cached) / 60, 2)
+
+
+def test_fine_tuning_a_shipped_drafter(tmp_path, monkeypatch):
+    """--init-from an exported drafter directory (what git ships; its run directory is gone on a fresh
+    machine): its weights and draft vocabulary, its lineage from training.json, refusals in one line."""
+    import pytest
+    import torch
+    from safetensors.torch import load_file
+
+    from specblock.errors import SpecBlockError
+
+    tdir, model, cache = tiny_feature_cache(tmp_path)
+    flags = ["--target", str(tdir), "--features", str(cache), "--draft-vocab", "20", "--window", "17", "--batch", "2",
+             "--eval-every", "2", "--intermediate", "32", "--threads", "1", "--K", "3"]
+    train_main(flags + ["--run-dir", str(tmp_path / "base"), "--max-steps", "3"])
+    mod = experiment("export_drafter")
+    shipped = tmp_path / "shipped"
+    monkeypatch.setattr(sys, "argv", ["export_drafter.py", "--run-dir", str(tmp_path / "base"), "--features", str(cache),
+                                      "--data", str(tmp_path / "gen"), "--out", str(shipped)])
+    mod.main()
+    assert json.loads((shipped / "training.json").read_text())["step"] == 3
+    train_main(flags + ["--run-dir", str(tmp_path / "ft"), "--init-from", str(shipped), "--max-steps", "1"])
+    ft = load_checkpoint(tmp_path / "ft" / "ckpt.safetensors")
+    assert ft["step"] == 1 and ft["init"]["exported"] and ft["init"]["step"] == 3
+    saved = load_file(str(shipped / "model.safetensors"))
+    assert torch.equal(ft["net"]["d2t"], saved["d2t"])
+    assert not torch.equal(ft["net"]["fuse_taps.weight"], saved["fuse_taps.weight"].float())  # it trained on
+    line = mod._init_line(ft)
+    assert f"the exported drafter in `{shipped}` (3 steps" in line and "all rounds together: 4 steps" in line
+    # Started from the shipped weights, not a fresh init: a step at a tiny learning rate stays next to them.
+    train_main(flags + ["--run-dir", str(tmp_path / "ft0"), "--init-from", str(shipped), "--max-steps", "1", "--lr", "1e-7"])
+    ft0 = load_checkpoint(tmp_path / "ft0" / "ckpt.safetensors")
+    assert all(torch.allclose(ft0["net"][k].float(), v.float(), atol=1e-4) for k, v in saved.items())
+    # An export from before training.json: it fine-tunes, and the card says where its history is.
+    (shipped / "training.json").unlink()
+    train_main(flags + ["--run-dir", str(tmp_path / "ft2"), "--init-from", str(shipped), "--max-steps", "1"])
+    assert "no training.json beside it" in mod._init_line(load_checkpoint(tmp_path / "ft2" / "ckpt.safetensors"))
+    with pytest.raises(SpecBlockError, match="holds a specblock drafter; pass --method specblock"):
+        train_main(flags[:-2] + ["--method", "eagle3", "--run-dir", str(tmp_path / "ft3"), "--init-from", str(shipped)])
+    with pytest.raises(SpecBlockError, match="trained with other settings"):
+        train_main(flags[:-2] + ["--K", "4", "--run-dir", str(tmp_path / "ft4"), "--init-from", str(shipped)])
+    with pytest.raises(SpecBlockError, match="nor an exported drafter"):
+        train_main(flags + ["--run-dir", str(tmp_path / "ft5"), "--init-from", str(tmp_path / "gen")])

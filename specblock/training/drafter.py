@@ -41,6 +41,7 @@ from specblock.flags import OneLineParser, check
 from specblock.runtime.target import load_causal_lm, native_bf16
 from specblock.training import recipes
 from specblock.training.checkpoint import load_checkpoint, refuse_pickles, save_checkpoint
+from specblock.training.exported import exported_start, fill_frozen, is_exported
 from specblock.training.windows import WindowSource
 
 CKPT = "ckpt.safetensors"  # tensors + JSON header, never a pickle (training/checkpoint.py)
@@ -147,8 +148,9 @@ def check_args(args) -> None:
         raise SpecBlockError(f"--run-dir {args.run_dir} is a file; give a directory (created if missing)")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise SpecBlockError(f"--out {args.out} is a file; give a directory for the exported drafter")
-    if args.init_from is not None and not (args.init_from / CKPT).is_file():
-        raise SpecBlockError(f"--init-from {args.init_from}: no {CKPT} there; give the --run-dir of a finished training run")
+    if args.init_from is not None and not (args.init_from / CKPT).is_file() and not is_exported(args.init_from):
+        raise SpecBlockError(f"--init-from {args.init_from}: no {CKPT} there, nor an exported drafter (config.json and "
+                             "model.safetensors); give the --run-dir of a finished training run or a drafter directory")
     if args.init_from is not None and args.init_from.resolve() == args.run_dir.resolve():
         raise SpecBlockError("--init-from is the --run-dir itself; a run resumes from its own checkpoint without it")
     if args.data != "lab" and not Path(args.data).is_file():
@@ -229,11 +231,12 @@ def train(args) -> None:
     step, train_s, init = 0, 0.0, None
     if start is not None:
         resumed = ckpt_path.is_file()
-        src = ckpt_path if resumed else args.init_from / CKPT
+        src = ckpt_path if resumed else args.init_from / (CKPT if not start.get("exported") else "model.safetensors")
         if start.get("method", "specblock") != args.method:
             raise SpecBlockError(f"{src.parent} holds a {start.get('method', 'specblock')} run; use another directory")
         try:
-            net.load_state_dict(start["net"])
+            net.load_state_dict(fill_frozen(net, start["net"], args.init_from) if start.get("exported") and not resumed
+                                else start["net"])
             if resumed:
                 opt.load_state_dict(start["opt"])
         except (KeyError, RuntimeError, ValueError) as e:
@@ -245,7 +248,8 @@ def train(args) -> None:
         else:  # what the fine-tune started from, for its model card
             init = {"from": str(args.init_from), "step": start["step"], "train_s": start["train_s"],
                     "args": {k: v for k, v in start["args"].items() if k != "d2t"},
-                    **({"init": start["init"]} if start.get("init") else {})}  # the source's own lineage
+                    **({"init": start["init"]} if start.get("init") else {}),  # the source's own lineage
+                    **({"exported": True, "record": start["record"]} if start.get("exported") else {})}
         if main_proc:
             print(f"resumed from step {step}" if resumed else f"fine-tuning from {src} (step {start['step']})", flush=True)
     source.rng = np.random.default_rng(args.seed + 1000 * rank + step)  # a resumed run draws new windows
@@ -351,7 +355,9 @@ def _start_state(args, ckpt_path: Path) -> dict | None:
     if ckpt_path.is_file():
         return load_checkpoint(ckpt_path)
     if args.init_from is not None:
-        return load_checkpoint(args.init_from / CKPT)
+        if (args.init_from / CKPT).is_file():
+            return load_checkpoint(args.init_from / CKPT)
+        return exported_start(args.init_from, args.method)
     return None
 
 
