@@ -36,8 +36,10 @@ train() {  # METHOD [RUN_DIR] [more flags]: one drafter from the feature cache, 
       --eval-every 50 --ckpt-every 10 --threads 1 "$@"
 }
 case "${1:-}" in
-  data)      # 1. self-generated data: 186 shards of 64 instructions, up to 256 new tokens each
-    $PY -m specblock.training chatgen --target $T --out $DATA --shard-size 64 --batch 64 --max-new-tokens 256 \
+  data)      # 1. self-generated data: 186 shards of 64 instructions, up to 256 new tokens each, in batches of 16 prompts
+    #            of similar length (a shard's prompts are sorted): one batch of 64 padded the prefill to 3.5x its
+    #            tokens (1.5x in batches of 16), and the padded prefill was most of a shard's time
+    $PY -m specblock.training chatgen --target $T --out $DATA --shard-size 64 --batch 16 --max-new-tokens 256 \
         --dtype float32 --threads 1 ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
   refs)      # 1b. reference answers (AlpacaEval responses, GSM8K solutions, stdlib functions): ~10x the
     #            tokens per CPU minute of generation, since only features are computed for them
