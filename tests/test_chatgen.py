@@ -75,3 +75,27 @@ def test_answers_are_the_targets_greedy_and_runs_resume(chat_target, tmp_path):
         assert r["stopped"] == (1 in ref) and (not r["stopped"] or r["answer_ids"][-1] == 1)
     with pytest.raises(SpecBlockError, match="settings"):
         chatgen.main(base[:-6] + ["--max-new-tokens", "20", "--dtype", "float32", "--threads", "1"])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_rows_that_stop_leave_the_batch_and_the_rest_stay_greedy(family):
+    """generate_batch drops a stopped row from the batch and its KV cache; every row still gets
+    its own unpadded greedy answer, cut after its first stop token, and stops at different steps."""
+    from tests.tiny import hf_greedy, tiny_model
+
+    model = tiny_model(family, seed=3, vocab=64).eval()
+    with torch.no_grad():  # sharp attention: a wrong position (left padding ignored) changes the answers
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6.0)
+            layer.self_attn.k_proj.weight.mul_(6.0)
+    prompts = [[5, 9, 11], [7] * 9, [3, 4, 5, 6, 7, 8], [12, 40], list(range(20, 60)), [33, 2, 50, 17] * 5]
+    full = [hf_greedy(model, p, 16) for p in prompts]
+    counts = Counter(t for f in full for t in f[:8])
+    stops = frozenset(t for t, _ in counts.most_common(2))  # frequent early tokens: rows end at different steps
+    got = chatgen.generate_batch(model, prompts, 16, stops, pad=0)
+    cuts = []
+    for (ans, stopped), ref in zip(got, full):
+        cut = next((i + 1 for i, t in enumerate(ref) if t in stops), len(ref))
+        assert ans == ref[:cut] and stopped == (cut < len(ref) or ref[-1] in stops)
+        cuts.append(cut)
+    assert len(set(cuts)) > 1 and min(cuts) < 16  # some rows left early, others went on

@@ -174,20 +174,42 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def generate_batch(model, prompts: list[list[int]], max_new: int, stops: frozenset[int], pad: int) -> list[tuple[list[int], bool]]:
-    """Greedy answers for a batch of prompts (left-padded), each cut after its first stop token."""
+    """Greedy answers for a batch of prompts (left-padded), each cut after its first stop token.
+
+    A plain loop rather than HF ``generate``: a row that has stopped leaves the batch and its KV
+    cache (``generate`` kept computing it until the longest answer ended: 1.41x the answer tokens
+    over the first 16 shards), and the prefill computes the LM head for the last position only."""
     import torch
+    from transformers import DynamicCache
 
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    answers: list[list[int]] = [[] for _ in prompts]
+    alive = list(range(len(prompts)))  # batch row -> prompt index
+    cache = DynamicCache(config=model.config)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                             eos_token_id=sorted(stops), pad_token_id=pad)
-    res = []
-    for row in out[:, width:].tolist():
-        cut = next((i for i, t in enumerate(row) if t in stops), None)
-        res.append((row[:cut + 1], True) if cut is not None else (row, False))
-    return res
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits[:, -1]
+        for step in range(max_new):
+            nxt = logits.argmax(-1)
+            keep = []
+            for row, tok in enumerate(nxt.tolist()):
+                answers[alive[row]].append(tok)
+                if tok not in stops:
+                    keep.append(row)
+            if not keep or step == max_new - 1:
+                break
+            if len(keep) < len(alive):
+                idx = torch.tensor(keep)
+                cache.batch_select_indices(idx)
+                mask, nxt = mask[idx], nxt[idx]
+                alive = [alive[r] for r in keep]
+            mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
+            logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
+                           past_key_values=cache, use_cache=True).logits[:, -1]
+    return [(a, a[-1] in stops) for a in answers]
 
 
 def run_shard(model, tok, items: list[Instruction], args, stops: frozenset[int], pad: int) -> list[dict]:
