@@ -40,9 +40,10 @@ def exported_start(path: Path, method: str) -> dict:
         kind = json.loads((path / "config.json").read_text()).get("kind")
     except (ValueError, UnicodeDecodeError, AttributeError) as e:
         raise SpecBlockError(f"--init-from {path}: config.json is not a drafter config ({e})") from None
+    if not kind:
+        raise SpecBlockError(f"--init-from {path}: no drafter kind in its config.json (an SpS draft model is a plain HF model: fine-tune it from its run directory)")
     if kind != method:
-        raise SpecBlockError(f"--init-from {path} holds a {kind or 'non-drafter'} drafter; pass --method {kind} "
-                             "or another directory" if kind else f"--init-from {path}: no drafter kind in its config.json")
+        raise SpecBlockError(f"--init-from {path} holds a {kind} drafter; pass --method {kind} or another directory")
     state = {k: (v.float() if v.is_floating_point() else v) for k, v in load_file(str(path / "model.safetensors")).items()}
     rec = json.loads((path / TRAINING).read_text()) if (path / TRAINING).is_file() else {}
     return {"net": state, "method": method, "step": rec.get("step", 0), "train_s": rec.get("train_s", 0.0),
