@@ -41,7 +41,8 @@ def exported_start(path: Path, method: str) -> dict:
     except (ValueError, UnicodeDecodeError, AttributeError) as e:
         raise SpecBlockError(f"--init-from {path}: config.json is not a drafter config ({e})") from None
     if not kind:
-        raise SpecBlockError(f"--init-from {path}: no drafter kind in its config.json (an SpS draft model is a plain HF model: fine-tune it from its run directory)")
+        raise SpecBlockError(f"--init-from {path}: no drafter kind in its config.json (an SpS draft model is a "
+                             "plain HF model: fine-tune it from its run directory)")
     if kind != method:
         raise SpecBlockError(f"--init-from {path} holds a {kind} drafter; pass --method {kind} or another directory")
     state = {k: (v.float() if v.is_floating_point() else v) for k, v in load_file(str(path / "model.safetensors")).items()}
