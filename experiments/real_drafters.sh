@@ -72,7 +72,8 @@ case "${1:-}" in
     #            METHOD=$METHOD-ft DEST=<dir> ... export, then compare held-out (ablation_table.py --also) before shipping.
     #            A second round: FROM=specblock-ft SUFFIX=-ft2 starts from runs/$T/specblock-ft into runs/$T/specblock-ft2.
     #            FROM=shipped starts from the drafter in git (specblock/assets/drafters/$T/$METHOD; its lineage from its training.json).
-    M=${METHOD:-specblock} SRC=${FROM:-${METHOD:-specblock}}
+    M=${METHOD:-specblock}
+    SRC=${FROM:-$M}
     [[ $SRC == shipped ]] && SRC=specblock/assets/drafters/$T/$M || SRC=$H/runs/$T/$SRC
     train "$M" "$H/runs/$T/$M${SUFFIX:--ft}" --init-from "$SRC" --lr "${LR:-5e-4}" --warmup 20 --rank-freeze 0 \
         --own-share "${OWN_SHARE:-0.5}" ;;

@@ -135,5 +135,10 @@ def test_fine_tuning_a_shipped_drafter(tmp_path, monkeypatch):
         train_main(flags[:-2] + ["--method", "eagle3", "--run-dir", str(tmp_path / "ft3"), "--init-from", str(shipped)])
     with pytest.raises(SpecBlockError, match="trained with other settings"):
         train_main(flags[:-2] + ["--K", "4", "--run-dir", str(tmp_path / "ft4"), "--init-from", str(shipped)])
+    from safetensors.torch import save_file
+
+    save_file({k: v for k, v in saved.items() if k != "fuse_taps.weight"}, str(shipped / "model.safetensors"))
+    with pytest.raises(SpecBlockError, match="trained with other settings"):  # never a fresh init
+        train_main(flags + ["--run-dir", str(tmp_path / "ft6"), "--init-from", str(shipped)])
     with pytest.raises(SpecBlockError, match="nor an exported drafter"):
         train_main(flags + ["--run-dir", str(tmp_path / "ft5"), "--init-from", str(tmp_path / "gen")])

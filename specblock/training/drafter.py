@@ -235,7 +235,7 @@ def train(args) -> None:
         if start.get("method", "specblock") != args.method:
             raise SpecBlockError(f"{src.parent} holds a {start.get('method', 'specblock')} run; use another directory")
         try:
-            net.load_state_dict(fill_frozen(net, start["net"], args.init_from) if start.get("exported") and not resumed
+            net.load_state_dict(fill_frozen(net, start["net"]) if start.get("exported") and not resumed
                                 else start["net"])
             if resumed:
                 opt.load_state_dict(start["opt"])

@@ -52,13 +52,9 @@ def exported_start(path: Path, method: str) -> dict:
             "exported": True, "record": bool(rec)}
 
 
-def fill_frozen(net: torch.nn.Module, saved: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
-    """``saved`` plus the network's own frozen tensors (the target's, copied at build time); a
-    missing trainable tensor is an error, not a silent fresh init."""
+def fill_frozen(net: torch.nn.Module, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``saved`` plus the network's frozen tensors it leaves out (the target's, copied at build
+    time). Anything else missing stays missing: the caller's strict ``load_state_dict`` refuses it."""
     own = net.state_dict()
-    trainable = {n for n, p in net.named_parameters() if p.requires_grad}
-    missing = sorted(trainable - saved.keys())
-    if missing:
-        raise SpecBlockError(f"--init-from {where} lacks {len(missing)} trained tensor(s) ({', '.join(missing[:3])}); "
-                             "it was exported for another architecture: use the same flags as its training")
-    return {**{k: v for k, v in own.items() if k not in saved}, **saved}
+    frozen = (n for n, p in net.named_parameters() if not p.requires_grad and n not in saved)
+    return {**{n: own[n] for n in frozen}, **saved}
