@@ -72,11 +72,12 @@ case "${1:-}" in
     #            METHOD=$METHOD-ft DEST=<dir> ... export, then compare held-out (ablation_table.py --also) before shipping.
     #            A second round: FROM=specblock-ft SUFFIX=-ft2 starts from runs/$T/specblock-ft into runs/$T/specblock-ft2.
     #            FROM=shipped starts from the drafter in git (specblock/assets/drafters/$T/$METHOD; its lineage from its training.json).
+    #            FT_FLAGS= adds trainer flags after the method's own (a loss flag such as --per-k-norm; not architecture).
     M=${METHOD:-specblock}
     SRC=${FROM:-$M}
     [[ $SRC == shipped ]] && SRC=specblock/assets/drafters/$T/$M || SRC=$H/runs/$T/$SRC
     train "$M" "$H/runs/$T/$M${SUFFIX:--ft}" --init-from "$SRC" --lr "${LR:-5e-4}" --warmup 20 --rank-freeze 0 \
-        --own-share "${OWN_SHARE:-0.5}" ;;
+        --own-share "${OWN_SHARE:-0.5}" ${FT_FLAGS:-} ;;  # FT_FLAGS: more trainer flags (e.g. --per-k-norm)
   finetune-check) # 3j. The fine-tunes against the shipped drafters they started from: each exported to $H/finetune/METHOD
     #            with the shipped serving.json (same node budget, M and widths), held-out acceptance on the same 64 windows,
     #            then a packed-fp16 bench of both side by side (FT_METHODS= picks the methods, PROMPTS= prompts per domain,

@@ -211,3 +211,16 @@ def test_shared_norm_weighs_every_valid_position_alike():
     shared = block_loss(logits, rank, normed, lse, e_target, y, valid, per_k_norm=False)
     torch.testing.assert_close(per_k.draft, ce[:, 0].mean() + ce[0, 1])
     torch.testing.assert_close(shared.draft, ce[:, 0].mean() + ce[0, 1] / 4)
+
+
+def test_per_k_norm_flag_undoes_shared_norm():
+    """A fine-tune adds its flags after a script's own: ``--per-k-norm`` after ``--shared-norm``
+    brings back the paper's 1/N_k; either alone does what it says; the default is the paper's."""
+    from specblock.training.drafter import build_parser
+
+    base = ["--target", "t", "--run-dir", "r"]
+    parse = lambda *f: build_parser().parse_args([*base, *f]).per_k_norm
+    assert parse() is True
+    assert parse("--shared-norm") is False
+    assert parse("--shared-norm", "--per-k-norm") is True
+    assert parse("--per-k-norm", "--shared-norm") is False

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-valid-prefix", dest="valid_prefix", action="store_false")
     ap.add_argument("--shared-norm", dest="per_k_norm", action="store_false",
                     help="specblock: divide every in-block position's loss by N_1, not the paper's N_k")
+    ap.add_argument("--per-k-norm", dest="per_k_norm", action="store_true", default=True,
+                    help="specblock: the paper's N_k (the default); after --shared-norm it wins, so a fine-tune can "
+                         "switch back on top of a script's flags")
     ap.add_argument("--no-cross-block", dest="cross_block", action="store_false")
     # Off by default: on a 150-step target, 26-29 steps each, it changed block-1 acceptance by
     # nothing measurable and halved block 2's (runs/shake_a vs shake_b, see the issue note).
