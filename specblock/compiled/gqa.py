@@ -12,7 +12,8 @@ the compiled path run through it.
 
 Scope: registered under its own name and switched on by the compiled CPU target only, and only
 while dynamo traces: eager forwards of the same model (prefill, the eager target that shares its
-weights in a bench) keep HF's own SDPA path unchanged. On CUDA a masked ``enable_gqa`` falls back
+weights in a bench) take the eager target's path (``runtime/grouped_rows.py``, HF's own function
+for everything but multi-row masked forwards). On CUDA a masked ``enable_gqa`` falls back
 to the math kernel, so CUDA graphs keep ``repeat_kv``.
 """
 
@@ -21,8 +22,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from specblock.runtime import grouped_rows
+from specblock.runtime.grouped_rows import sdpa_rows_forward
 
 NAME = "specblock_sdpa_gqa"
 #: Query rows (the tree bucket) up to which the graph reads grouped heads in place. Measured on the
@@ -47,8 +50,8 @@ def sdpa_gqa_forward(
     hands the grouped heads to SDPA."""
     plain = not torch.compiler.is_compiling() or any(kwargs.get(k) is not None for k in ("softcap", "position_bias"))
     if plain or query.shape[1] == key.shape[1] or query.shape[2] > MAX_ROWS:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_rows_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                 is_causal=is_causal, **kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     causal = query.shape[2] > 1 and attention_mask is None and causal  # HF's rule, as in sdpa_attention_forward
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
@@ -63,7 +66,7 @@ def use_gqa_attention(model: PreTrainedModel) -> bool:
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     device = next(model.parameters()).device
-    if device.type != "cpu" or kv_heads == heads or cfg._attn_implementation not in ("sdpa", NAME):
+    if device.type != "cpu" or kv_heads == heads or cfg._attn_implementation not in ("sdpa", grouped_rows.NAME, NAME):
         return False
     AttentionInterface.register(NAME, sdpa_gqa_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # masks built the SDPA way

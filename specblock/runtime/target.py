@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrai
 from specblock.errors import SpecBlockError
 from specblock.policies.tree import DraftTree
 from specblock.runtime.attention import attention_layout, tree_masks
+from specblock.runtime.grouped_rows import use_grouped_rows
 from specblock.runtime.packed import PACKED_FP16, PackedLinear, pack_linears
 from specblock.runtime.packed import available as packed_available
 from specblock.runtime.q4 import Q4, use_q4_linears
@@ -104,6 +105,9 @@ class TargetModel:
                 f"attention '{impl}' ignores tree masks; load the target with attn_implementation='sdpa' or 'eager'"
             )
         self.layout = attention_layout(model)  # full and/or sliding-window layers (runtime/attention.py)
+        # CPU SDPA with grouped key/value heads: a tree's rows fold onto the key/value heads instead
+        # of copying the keys per query head (runtime/grouped_rows.py; the same logits)
+        self.grouped_rows = use_grouped_rows(model)
         self.model = model.eval()
         self.config = model.config
         self.device = next(model.parameters()).device

@@ -1,0 +1,77 @@
+"""Tree rows attend on the key/value heads in place: no ``repeat_kv`` copy per tree forward.
+
+Why: with one query token HF's SDPA attention folds the query heads that share a key/value head
+into rows of that head (``pack_gqa``) and reads the cache in place. A tree forward carries a mask,
+and there HF calls ``repeat_kv`` instead: every layer copies its keys and values over the whole
+attention span once per query head (SmolLM2: 9 query heads on 3 key/value heads, 60 copies a
+forward). The same fold works for n rows under a mask shared by all heads: query ``[B, H, n, d]``
+becomes ``[B, H_kv, g * n, d]`` (head-major: rows of one query head stay together) and the mask is
+tiled g times over its rows, so each folded row sees exactly its own row's mask.
+
+Scope: eager CPU forwards of an SDPA model with grouped heads, up to ``MAX_ROWS`` query rows
+(measured: ``experiments/tree_attention.py``); anything else (one row, a per-head mask, softcap,
+position bias, tracing) goes through HF's own function unchanged. ``tests/test_grouped_rows.py``
+holds the outputs to HF's path at fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+NAME = "specblock_sdpa_rows"
+#: Query rows up to which trees are folded onto the key/value heads.
+MAX_ROWS = 64
+
+
+def sdpa_rows_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, n, d]
+    key: torch.Tensor,  # [B, H_kv, kv, d]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """HF's SDPA attention, except that a masked forward of 2..``MAX_ROWS`` rows folds the
+    query heads of each key/value head into its rows."""
+    b, h, n, d = query.shape
+    g = h // key.shape[1]
+    fold = (
+        g > 1 and 1 < n <= MAX_ROWS and attention_mask is not None and attention_mask.dim() == 4
+        and attention_mask.shape[1] == 1 and not torch.compiler.is_compiling()
+        and all(kwargs.get(k) is None for k in ("softcap", "position_bias", "cache"))
+    )
+    if not fold:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    q = query.reshape(b, h // g, g * n, d)
+    mask = attention_mask.repeat(1, 1, g, 1)  # row r of query head j sits at j * n + r
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(out.shape[0], h, n, d).transpose(1, 2).contiguous(), None
+
+
+def use_grouped_rows(model: PreTrainedModel) -> bool:
+    """Switch an eager SDPA model on CPU with grouped key/value heads to :func:`sdpa_rows_forward`.
+    Returns whether it did (other attention, devices or head layouts are left as they are)."""
+    cfg = model.config
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    device = next(model.parameters()).device
+    if device.type != "cpu" or kv_heads == heads or cfg._attn_implementation not in ("sdpa", NAME):
+        return False
+    AttentionInterface.register(NAME, sdpa_rows_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # masks built the SDPA way
+    model.set_attn_implementation(NAME)
+    return True
+
+
+def use_hf_sdpa(model: PreTrainedModel) -> None:
+    """Back to HF's own SDPA function (the baseline of ``experiments/tree_attention.py``)."""
+    if model.config._attn_implementation == NAME:
+        model.set_attn_implementation("sdpa")
