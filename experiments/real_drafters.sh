@@ -213,8 +213,9 @@ case "${1:-}" in
     $PY experiments/target_speed.py --dtypes bfloat16,float32,packed-fp16 --attn sdpa --ctx 128 --reps 7 --threads 2 \
         --out experiments/results/target_speed_smollm2 ;;
   eval)      # 7. SpecBlock per domain: acceptance by in-block position, rank head, physical limit tau*T(1)/T(n)
+    #            BENCH= a main table's JSON, LATENCY= a calibrate JSON of the machine it ran on
     $PY experiments/specblock_eval.py --target $T --drafter specblock/assets/drafters/$T/specblock --windows 4 \
-        --dtype packed-fp16 --bench experiments/results/bench_smollm2_packed.json \
-        --latency specblock/sim/data/latency_cpu_smollm2_packed_fp16.json --out experiments/results/specblock_eval_smollm2.json ;;
+        --dtype packed-fp16 --bench "${BENCH:-experiments/results/bench_smollm2_packed.json}" \
+        --latency "${LATENCY:-specblock/sim/data/latency_cpu_smollm2_packed_fp16.json}" --out experiments/results/specblock_eval_smollm2.json ;;
   *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|compiled|compiled-budgets|lossless|widths|eval" >&2; exit 2 ;;
 esac
