@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers import PreTrainedModel
 
 from specblock.runtime import grouped_rows
-from specblock.runtime.grouped_rows import sdpa_rows_forward
+from specblock.runtime.grouped_rows import sdpa_rows_forward, use_sdpa_variant
 
 NAME = "specblock_sdpa_gqa"
 #: Query rows (the tree bucket) up to which the graph reads grouped heads in place. Measured on the
@@ -60,15 +59,6 @@ def sdpa_gqa_forward(
 
 
 def use_gqa_attention(model: PreTrainedModel) -> bool:
-    """Switch an SDPA model on CPU with grouped key/value heads to :func:`sdpa_gqa_forward`.
-    Returns whether it did (other attention, devices or head layouts are left as they are)."""
-    cfg = model.config
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    device = next(model.parameters()).device
-    if device.type != "cpu" or kv_heads == heads or cfg._attn_implementation not in ("sdpa", grouped_rows.NAME, NAME):
-        return False
-    AttentionInterface.register(NAME, sdpa_gqa_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # masks built the SDPA way
-    model.set_attn_implementation(NAME)
-    return True
+    """Switch an SDPA model on CPU with grouped key/value heads (HF's or the eager target's
+    grouped rows, which its eager calls keep) to :func:`sdpa_gqa_forward`."""
+    return use_sdpa_variant(model, NAME, sdpa_gqa_forward, (grouped_rows.NAME,))

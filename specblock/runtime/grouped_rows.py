@@ -56,19 +56,25 @@ def sdpa_rows_forward(
     return out.reshape(out.shape[0], h, n, d).transpose(1, 2).contiguous(), None
 
 
-def use_grouped_rows(model: PreTrainedModel) -> bool:
-    """Switch an eager SDPA model on CPU with grouped key/value heads to :func:`sdpa_rows_forward`.
+def use_sdpa_variant(model: PreTrainedModel, name: str, forward, replaces: tuple[str, ...]) -> bool:
+    """Switch an SDPA model on CPU with grouped key/value heads to ``forward``, registered as
+    ``name`` (masks built the SDPA way), if its attention is ``sdpa`` or one of ``replaces``.
     Returns whether it did (other attention, devices or head layouts are left as they are)."""
     cfg = model.config
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     device = next(model.parameters()).device
-    if device.type != "cpu" or kv_heads == heads or cfg._attn_implementation not in ("sdpa", NAME):
+    if device.type != "cpu" or kv_heads == heads or cfg._attn_implementation not in ("sdpa", name, *replaces):
         return False
-    AttentionInterface.register(NAME, sdpa_rows_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # masks built the SDPA way
-    model.set_attn_implementation(NAME)
+    AttentionInterface.register(name, forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    model.set_attn_implementation(name)
     return True
+
+
+def use_grouped_rows(model: PreTrainedModel) -> bool:
+    """Switch an eager SDPA model on CPU with grouped key/value heads to :func:`sdpa_rows_forward`."""
+    return use_sdpa_variant(model, NAME, sdpa_rows_forward, ())
 
 
 def use_hf_sdpa(model: PreTrainedModel) -> None:
