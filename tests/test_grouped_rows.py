@@ -85,3 +85,25 @@ def test_other_models_are_left_alone():
     assert not use_grouped_rows(plain) and plain.config._attn_implementation == "sdpa"
     eager = tiny_model("llama", vocab=32, attn="eager")
     assert not use_grouped_rows(eager) and eager.config._attn_implementation == "eager"
+
+
+def test_the_mask_is_tiled_once_a_forward(monkeypatch):
+    """All layers of a forward share one tiled mask; a new forward, or a mask changed in place,
+    tiles again (a stale tile would give wrong logits, which the hypothesis test above checks)."""
+    import specblock.runtime.grouped_rows as gr
+
+    tiles = []
+    real = gr._tile
+    monkeypatch.setattr(gr, "_tile", lambda m, g: tiles.append(1) or real(m, g))
+    target = TargetModel(MODELS["llama"])
+    assert target.grouped_rows and target.model.config.num_hidden_layers > 1
+    target.prefill(np.arange(5))
+    target.tree_forward(random_tree(np.random.default_rng(0), 6))
+    assert len(tiles) == 1
+    mask = torch.zeros(1, 1, 3, 7)
+    first = gr.tiled_mask(mask, 3)
+    assert gr.tiled_mask(mask, 3) is first and len(tiles) == 2
+    mask[..., 0] = -1.0  # in place: the version counter moves
+    again = gr.tiled_mask(mask, 3)
+    assert again is not first and len(tiles) == 3 and torch.equal(again[0, 0, :3], mask[0, 0])
+    assert torch.equal(gr.tiled_mask(mask, 2), mask.repeat(1, 1, 2, 1))

@@ -26,6 +26,25 @@ NAME = "specblock_sdpa_rows"
 #: Query rows up to which trees are folded onto the key/value heads.
 MAX_ROWS = 64
 
+# The last tiled mask: every layer of one forward gets the same mask object, so it is tiled once a
+# forward, not once a layer. Keyed on the mask itself (held here, so its id cannot be reused), its
+# version counter (an in-place change makes it stale) and the fold factor.
+_tiled: tuple[torch.Tensor, int, int, torch.Tensor] | None = None
+
+
+def tiled_mask(mask: torch.Tensor, g: int) -> torch.Tensor:
+    """``mask`` ``[B, 1, n, kv]`` tiled g times over its rows, reused across the layers of a forward."""
+    global _tiled
+    if _tiled is not None and _tiled[0] is mask and _tiled[1] == mask._version and _tiled[2] == g:
+        return _tiled[3]
+    out = _tile(mask, g)
+    _tiled = (mask, mask._version, g, out)
+    return out
+
+
+def _tile(mask: torch.Tensor, g: int) -> torch.Tensor:
+    return mask.repeat(1, 1, g, 1)  # row r of query head j sits at j * n + r
+
 
 def sdpa_rows_forward(
     module: torch.nn.Module,
@@ -51,8 +70,7 @@ def sdpa_rows_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     q = query.reshape(b, h // g, g * n, d)
-    mask = attention_mask.repeat(1, 1, g, 1)  # row r of query head j sits at j * n + r
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=tiled_mask(attention_mask, g), dropout_p=dropout, scale=scaling)
     return out.reshape(out.shape[0], h, n, d).transpose(1, 2).contiguous(), None
 
 
