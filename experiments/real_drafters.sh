@@ -142,7 +142,8 @@ case "${1:-}" in
     #            SpecBlock with the rank head's widths, fixed top-4, and fixed top-4 at M = 1), the winners written
     #            to serving.json, and best.json (--method auto) is chosen from the main table, where every method
     #            runs at its serving.json settings (specblock@m1: the same with M = 1). SKIP_CALIBRATE=1 keeps the
-    #            latency file; SWEEP_METHODS= sweeps a subset (the others keep their serving.json); SKIP_SWEEP=1
+    #            latency file; SWEEP_METHODS= sweeps a subset (the others keep their serving.json), BUDGETS= other
+    #            budgets, SWEEP_PROMPTS= / SWEEP_RUNS= more prompts per domain / runs (default 1 / 1); SKIP_SWEEP=1
     #            runs the main table only, SKIP_MAIN=1 the sweep only; PROMPTS= prompts per domain in the main table
     #            (default 3); MAIN_OUT= its file name.
     [[ ${SKIP_CALIBRATE:-} ]] || $PY -m specblock.runtime calibrate --target $T --dtype packed-fp16 --reps 9 \
@@ -150,16 +151,16 @@ case "${1:-}" in
     if [[ ! ${SKIP_SWEEP:-} ]]; then
       SWEEP=""; SETS=()
       for m in ${SWEEP_METHODS:-specblock specblock@topk4 specblock@m1 eagle3 medusa parallelspec falcon sps}; do
-        for b in 2 3 4 8; do SWEEP+="$m@b$b,"; SETS+=(--set "$m@b$b:budget=$b"); done
+        for b in ${BUDGETS:-2 3 4 8}; do SWEEP+="$m@b$b,"; SETS+=(--set "$m@b$b:budget=$b"); done
       done
-      for b in 2 3 4 8; do  # explicit widths everywhere: a serving.json written by an earlier sweep must not leak in
+      for b in ${BUDGETS:-2 3 4 8}; do  # explicit widths everywhere: a serving.json written by an earlier sweep must not leak in
         [[ ,$SWEEP, == *,specblock@b$b,* ]] && SETS+=(--set "specblock@b$b:widths=2,4,10,0")
         [[ ,$SWEEP, == *,specblock@topk4@b$b,* ]] && SETS+=(--set "specblock@topk4@b$b:widths=4,4,4,4")
         [[ ,$SWEEP, == *,specblock@m1@b$b,* ]] && SETS+=(--set "specblock@m1@b$b:M=1" --set "specblock@m1@b$b:widths=4,4,4,4")
       done
       SWEPT=${SWEEP_OUT:-bench_smollm2_packed_budgets}
-      $PY -m specblock.runtime bench --target $T --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts 1 --runs 1 \
-          --max-new-tokens 32 --dtype packed-fp16 --threads 2 --out experiments/results/$SWEPT
+      $PY -m specblock.runtime bench --target $T --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts ${SWEEP_PROMPTS:-1} \
+          --runs ${SWEEP_RUNS:-1} --max-new-tokens 32 --dtype packed-fp16 --threads 2 --out experiments/results/$SWEPT
       $PY experiments/best_budgets.py experiments/results/$SWEPT.json --write-serving specblock/assets/drafters/$T >/dev/null
     fi
     [[ ${SKIP_MAIN:-} ]] && exit 0
