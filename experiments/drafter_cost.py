@@ -12,6 +12,10 @@ reaches the dispatcher); milliseconds are medians from separate, uncounted runs 
 machine (``uptime`` load under 0.5).
 
     python experiments/drafter_cost.py [--methods ar,lookup,specblock,eagle3,...] [--prompts 2]
+        [--target lab|smollm2-135m-instruct|DIR] [--dtype bfloat16|packed-fp16|...] [--budget N|serving]
+
+``--budget serving`` runs each drafter at its ``serving.json`` settings (budget, M, widths), as the
+CLI and the bench do when no flag is given.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from specblock.prompts import load_prompts  # noqa: E402
 from specblock.runtime import drafters  # noqa: E402
 from specblock.runtime.cli import load_tokenizer  # noqa: E402
 from specblock.runtime.engine import Engine  # noqa: E402
-from specblock.runtime.config import DEFAULT_TARGET  # noqa: E402
+from specblock.models import resolve_target  # noqa: E402
 from specblock.runtime.target import TargetModel  # noqa: E402
 from specblock.runtime.verify import GreedyVerifier  # noqa: E402
 
@@ -65,8 +69,10 @@ def _charge(counter: OpCounter, obj, name: str, phase: str) -> None:
     setattr(obj, name, wrapped)
 
 
-def measure(method: str, target: TargetModel, prompts: list[list[int]], tokens: int, reps: int, budget: int) -> dict:
-    eng = Engine(target, drafters.build(method, target, {}), GreedyVerifier(), budget)
+def measure(method: str, target: TargetModel, prompts: list[list[int]], tokens: int, reps: int, budget: str) -> dict:
+    opts = drafters.serving_settings(method, target, {} if budget == "serving" else {"budget": int(budget)})
+    budget_n = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
+    eng = Engine(target, drafters.build(method, target, opts), GreedyVerifier(), budget_n)
     eng.generate(prompts[0][-16:], 8)  # warm-up
     times = defaultdict(list)
     for _ in range(reps):
@@ -90,7 +96,7 @@ def measure(method: str, target: TargetModel, prompts: list[list[int]], tokens: 
             st = eng.generate(ids, tokens).stats
             iters += st.iterations
             tau.append(st.tau)
-    row = {"method": method, "iterations": iters, "tau": round(statistics.mean(tau), 3)}
+    row = {"method": method, "budget": budget_n, "iterations": iters, "tau": round(statistics.mean(tau), 3)}
     for phase in ("propose", "verify", "accept"):
         ops = counter.ops[phase] / iters
         ms = statistics.median(times[phase])
@@ -102,12 +108,13 @@ def measure(method: str, target: TargetModel, prompts: list[list[int]], tokens: 
 
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Per decode iteration, {meta['prompts']} prompts x {meta['domains']}, {meta['tokens']} new tokens, "
-             f"bf16, {meta['threads']} threads; ms: median of {meta['reps']} runs. ops: aten ops dispatched.", "",
-             "| method | tau | propose ops | propose ms | verify ops | verify ms | accept ops | accept ms "
-             "| us/op propose | us/op verify |", "|---" * 10 + "|"]
+             f"{meta.get('dtype', 'bfloat16')}, {meta['threads']} threads; ms: median of {meta['reps']} runs. "
+             "ops: aten ops dispatched.", "",
+             "| method | budget | tau | propose ops | propose ms | verify ops | verify ms | accept ops | accept ms "
+             "| us/op propose | us/op verify |", "|---" * 11 + "|"]
     f = lambda x: "-" if x is None else f"{x:.1f}"
     for r in rows:
-        lines.append(f"| {r['method']} | {r['tau']:.2f} | {r['propose_ops']:.0f} | {r['propose_ms']:.2f} | "
+        lines.append(f"| {r['method']} | {r.get('budget', meta['budget'])} | {r['tau']:.2f} | {r['propose_ops']:.0f} | {r['propose_ms']:.2f} | "
                      f"{r['verify_ops']:.0f} | {r['verify_ms']:.2f} | {r['accept_ops']:.0f} | {r['accept_ms']:.2f} | "
                      f"{f(r['propose_us_per_op'])} | {f(r['verify_us_per_op'])} |")
     return "\n".join(lines) + "\n"
@@ -115,20 +122,24 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", type=Path, default=DEFAULT_TARGET)
+    ap.add_argument("--target", default="lab", help="a model name or directory")
+    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--methods", default="ar,lookup,specblock,eagle3")
     ap.add_argument("--domains", default="code,chat")
     ap.add_argument("--prompts", type=int, default=2, help="per domain")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--budget", type=int, default=24)
+    ap.add_argument("--budget", default="24", help="node budget, or 'serving': each drafter's serving.json")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "drafter_cost")
     args = ap.parse_args(argv)
     try:
         torch.set_num_threads(args.threads)
-        target = TargetModel.load(args.target, "bfloat16", "cpu")
-        tok = load_tokenizer(args.target, False)
+        if args.budget != "serving" and not args.budget.isdigit():
+            raise ValueError(f"--budget takes a number or 'serving', not {args.budget!r}")
+        path = resolve_target(args.target)
+        target = TargetModel.load(path, args.dtype, "cpu")
+        tok = load_tokenizer(path, False)
         prompts = [tok(p.text)["input_ids"] for d in args.domains.split(",") for p in load_prompts(d, args.prompts)]
         rows = [measure(m.strip(), target, prompts, args.tokens, args.reps, args.budget)
                 for m in args.methods.split(",") if m.strip()]
@@ -136,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     meta = {"prompts": args.prompts, "domains": args.domains, "tokens": args.tokens, "reps": args.reps,
-            "threads": torch.get_num_threads(), "budget": args.budget}
+            "threads": torch.get_num_threads(), "budget": args.budget, "target": args.target, "dtype": args.dtype}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = markdown(rows, meta)

@@ -128,7 +128,13 @@ case "${1:-}" in
         --max-new-tokens 32 --dtype float32 --threads 2 --out experiments/results/bench_smollm2_budgets
     read -r -a BEST <<< "$($PY experiments/best_budgets.py experiments/results/bench_smollm2_budgets.json \
         --alias specblock+adapt=specblock --alias specblock@m1=specblock --write-serving specblock/assets/drafters/$T)"
-    PIN=(--set specblock:M=2 --set specblock+adapt:M=2 --set specblock@m1:M=1)
+    # The paper's SpecBlock (M = 2, rank-head widths; also adapting) and its M = 1 variant (top-4) as swept, each at
+    # its own best budget of the sweep $SWEPT (SWEEP_OUT=), whichever of them won serving.json
+    PIN=(--set specblock:M=2 --set specblock+adapt:M=2 --set specblock:widths=2,4,10,0 --set specblock+adapt:widths=2,4,10,0
+         --set specblock@m1:M=1 --set specblock@m1:widths=4,4,4,4)
+    B=$($PY experiments/best_budgets.py experiments/results/$SWEPT.json --alias specblock+adapt=specblock \
+        --alias specblock@m1=specblock@m1 2>/dev/null) || echo "note: no SpecBlock budgets in $SWEPT.json; serving.json's hold" >&2
+    for s in $B; do [[ $s == specblock* ]] && PIN+=(--set "$s"); done
     $PY -m specblock.runtime bench --target $T --methods ar,lookup,hf-lookup,medusa,eagle3,specblock,specblock@m1,specblock+adapt \
         "${BEST[@]}" "${PIN[@]}" --dtype float32 --prompts 1 --runs 3 --max-new-tokens 48 --threads 2 \
         --out experiments/results/bench_smollm2_main --trace-dir runs/traces_smollm2_main
@@ -148,6 +154,7 @@ case "${1:-}" in
     #            (default 3); MAIN_OUT= its file name.
     [[ ${SKIP_CALIBRATE:-} ]] || $PY -m specblock.runtime calibrate --target $T --dtype packed-fp16 --reps 9 \
         --out specblock/sim/data/latency_cpu_smollm2_packed_fp16.json
+    SWEPT=${SWEEP_OUT:-bench_smollm2_packed_budgets}
     if [[ ! ${SKIP_SWEEP:-} ]]; then
       SWEEP=""; SETS=()
       for m in ${SWEEP_METHODS:-specblock specblock@topk4 specblock@m1 eagle3 medusa parallelspec falcon sps}; do
@@ -158,13 +165,18 @@ case "${1:-}" in
         [[ ,$SWEEP, == *,specblock@topk4@b$b,* ]] && SETS+=(--set "specblock@topk4@b$b:widths=4,4,4,4")
         [[ ,$SWEEP, == *,specblock@m1@b$b,* ]] && SETS+=(--set "specblock@m1@b$b:M=1" --set "specblock@m1@b$b:widths=4,4,4,4")
       done
-      SWEPT=${SWEEP_OUT:-bench_smollm2_packed_budgets}
       $PY -m specblock.runtime bench --target $T --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts ${SWEEP_PROMPTS:-1} \
           --runs ${SWEEP_RUNS:-1} --max-new-tokens 32 --dtype packed-fp16 --threads 2 --out experiments/results/$SWEPT
       $PY experiments/best_budgets.py experiments/results/$SWEPT.json --write-serving specblock/assets/drafters/$T >/dev/null
     fi
     [[ ${SKIP_MAIN:-} ]] && exit 0
-    PIN=(--set specblock:M=2 --set specblock+adapt:M=2 --set specblock@m1:M=1)
+    # The paper's SpecBlock (M = 2, rank-head widths; also adapting) and its M = 1 variant (top-4) as swept, each at
+    # its own best budget of the sweep $SWEPT (SWEEP_OUT=), whichever of them won serving.json
+    PIN=(--set specblock:M=2 --set specblock+adapt:M=2 --set specblock:widths=2,4,10,0 --set specblock+adapt:widths=2,4,10,0
+         --set specblock@m1:M=1 --set specblock@m1:widths=4,4,4,4)
+    B=$($PY experiments/best_budgets.py experiments/results/$SWEPT.json --alias specblock+adapt=specblock \
+        --alias specblock@m1=specblock@m1 2>/dev/null) || echo "note: no SpecBlock budgets in $SWEPT.json; serving.json's hold" >&2
+    for s in $B; do [[ $s == specblock* ]] && PIN+=(--set "$s"); done
     $PY -m specblock.runtime bench --target $T \
         --methods ar,hf-greedy,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt \
         "${PIN[@]}" --dtype packed-fp16 --prompts ${PROMPTS:-3} --runs 3 --max-new-tokens 48 --threads 2 \
