@@ -13,9 +13,11 @@ machine (``uptime`` load under 0.5).
 
     python experiments/drafter_cost.py [--methods ar,lookup,specblock,eagle3,...] [--prompts 2]
         [--target lab|smollm2-135m-instruct|DIR] [--dtype bfloat16|packed-fp16|...] [--budget N|serving]
+        [--set METHOD:KEY=VALUE ...]
 
 ``--budget serving`` runs each drafter at its ``serving.json`` settings (budget, M, widths), as the
-CLI and the bench do when no flag is given.
+CLI and the bench do when no flag is given; ``--set`` overrides them per method as in the bench
+(``--methods specblock,specblock@m2 --set specblock@m2:M=2``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from specblock.errors import SpecBlockError  # noqa: E402
 from specblock.prompts import load_prompts  # noqa: E402
 from specblock.runtime import drafters  # noqa: E402
+from specblock.runtime.bench_config import method_options  # noqa: E402
 from specblock.runtime.cli import load_tokenizer  # noqa: E402
 from specblock.runtime.engine import Engine  # noqa: E402
 from specblock.models import resolve_target  # noqa: E402
@@ -69,10 +72,13 @@ def _charge(counter: OpCounter, obj, name: str, phase: str) -> None:
     setattr(obj, name, wrapped)
 
 
-def measure(method: str, target: TargetModel, prompts: list[list[int]], tokens: int, reps: int, budget: str) -> dict:
-    opts = drafters.serving_settings(method, target, {} if budget == "serving" else {"budget": int(budget)})
+def measure(method: str, target: TargetModel, prompts: list[list[int]], tokens: int, reps: int, budget: str,
+            options: dict | None = None) -> dict:
+    base = method.split("@")[0]
+    given = dict(options or {}) if budget == "serving" else {"budget": int(budget), **(options or {})}
+    opts = drafters.serving_settings(base, target, given)
     budget_n = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
-    eng = Engine(target, drafters.build(method, target, opts), GreedyVerifier(), budget_n)
+    eng = Engine(target, drafters.build(base, target, opts), GreedyVerifier(), budget_n)
     eng.generate(prompts[0][-16:], 8)  # warm-up
     times = defaultdict(list)
     for _ in range(reps):
@@ -131,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget", default="24", help="node budget, or 'serving': each drafter's serving.json")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE")
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "drafter_cost")
     args = ap.parse_args(argv)
     try:
@@ -141,13 +148,15 @@ def main(argv: list[str] | None = None) -> int:
         target = TargetModel.load(path, args.dtype, "cpu")
         tok = load_tokenizer(path, False)
         prompts = [tok(p.text)["input_ids"] for d in args.domains.split(",") for p in load_prompts(d, args.prompts)]
-        rows = [measure(m.strip(), target, prompts, args.tokens, args.reps, args.budget)
-                for m in args.methods.split(",") if m.strip()]
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        options = method_options(args.set, methods)
+        rows = [measure(m, target, prompts, args.tokens, args.reps, args.budget, options.get(m)) for m in methods]
     except (SpecBlockError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     meta = {"prompts": args.prompts, "domains": args.domains, "tokens": args.tokens, "reps": args.reps,
-            "threads": torch.get_num_threads(), "budget": args.budget, "target": args.target, "dtype": args.dtype}
+            "threads": torch.get_num_threads(), "budget": args.budget, "target": args.target, "dtype": args.dtype,
+            "set": args.set}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = markdown(rows, meta)
