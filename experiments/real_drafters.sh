@@ -212,6 +212,7 @@ case "${1:-}" in
     #            speed), 3 prompts per domain, 48 new tokens, each at its serving.json settings. METHODS= and NAME= pick a subset and its file.
     M=${METHODS:-ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt}
     PIN=(); [[ ,$M, == *,specblock@m1,* ]] && PIN=(--set specblock@m1:M=1)
+    [[ ,$M, == *,specblock,* ]] && PIN+=(--set specblock:M=2 --set specblock:widths=2,4,10,0)  # the paper's, as in the main table
     $PY -m specblock.runtime bench --target $T --methods "$M" "${PIN[@]}" --dtype float32 --prompts 3 --runs 1 --max-new-tokens 48 --threads ${THREADS:-2} \
         --out experiments/results/${NAME:-bench_smollm2_fp32_lossless} ;;
   widths)    # 6b. Serving-time branching (no retraining): the rank head's widths (2,4,10,0: bucket b3 ends a branch)
