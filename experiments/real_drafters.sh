@@ -128,13 +128,7 @@ case "${1:-}" in
         --max-new-tokens 32 --dtype float32 --threads 2 --out experiments/results/bench_smollm2_budgets
     read -r -a BEST <<< "$($PY experiments/best_budgets.py experiments/results/bench_smollm2_budgets.json \
         --alias specblock+adapt=specblock --alias specblock@m1=specblock --write-serving specblock/assets/drafters/$T)"
-    # The paper's SpecBlock (M = 2, rank-head widths; also adapting) and its M = 1 variant (top-4) as swept, each at
-    # its own best budget of the sweep $SWEPT (SWEEP_OUT=), whichever of them won serving.json
-    PIN=(--set specblock:M=2 --set specblock+adapt:M=2 --set specblock:widths=2,4,10,0 --set specblock+adapt:widths=2,4,10,0
-         --set specblock@m1:M=1 --set specblock@m1:widths=4,4,4,4)
-    B=$($PY experiments/best_budgets.py experiments/results/$SWEPT.json --alias specblock+adapt=specblock \
-        --alias specblock@m1=specblock@m1 2>/dev/null) || echo "note: no SpecBlock budgets in $SWEPT.json; serving.json's hold" >&2
-    for s in $B; do [[ $s == specblock* ]] && PIN+=(--set "$s"); done
+    PIN=(--set specblock:M=2 --set specblock+adapt:M=2 --set specblock@m1:M=1)
     $PY -m specblock.runtime bench --target $T --methods ar,lookup,hf-lookup,medusa,eagle3,specblock,specblock@m1,specblock+adapt \
         "${BEST[@]}" "${PIN[@]}" --dtype float32 --prompts 1 --runs 3 --max-new-tokens 48 --threads 2 \
         --out experiments/results/bench_smollm2_main --trace-dir runs/traces_smollm2_main
