@@ -89,6 +89,20 @@ def test_serving_blocks_equal_training_blocks():
             torch.testing.assert_close(hq2_serve[0, 0], hq2_train[0, p], atol=2e-4, rtol=2e-4)
 
 
+def test_serving_heads_equal_the_training_heads():
+    """Serving's one shared top-k gives the candidates and rank logits that ``heads`` followed by a
+    log-softmax top-k gives (the training path), so the rank head reads the same statistics."""
+    _, _, net = make("llama", seed=3)
+    hq = torch.randn(2, 3, net.cfg.K, 32)
+    with torch.no_grad():
+        logits, rank = net.heads(hq)
+        want = torch.log_softmax(logits, -1).topk(4, dim=-1)
+        logp, rows, rank_s = net.serving_heads(hq, 4)
+    torch.testing.assert_close(logp, want.values, atol=1e-5, rtol=1e-5)
+    assert torch.equal(rows, want.indices)
+    torch.testing.assert_close(rank_s, rank, atol=1e-5, rtol=1e-5)
+
+
 def test_valid_prefix_mask_follows_the_paper():
     correct = torch.tensor([[True, False, True, True], [True, True, True, False]])
     valid = torch.ones_like(correct)

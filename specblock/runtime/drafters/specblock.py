@@ -106,13 +106,12 @@ class SpecBlockDrafter(Drafter):
 
     def _candidates(self, hq: torch.Tensor):
         """Top-k ids and log-probs [S, K, k] and predicted buckets [S, K], moved to host once."""
-        logits, rank = self.net.heads(hq[0])
-        top = torch.log_softmax(logits.float(), -1).topk(self.net.cfg.top_k, dim=-1)
-        # Head rows to target ids (a reduced draft vocabulary): nothing outside it is ever drafted.
-        ids = self.net.token_ids(top.indices)
-        # One device->host copy for all three: pack ids and buckets beside the log-probs.
-        packed = torch.cat([top.values, ids.float(), rank.argmax(-1, keepdim=True).float()], -1).cpu().numpy()
         k = self.net.cfg.top_k
+        logp, rows, rank = self.net.serving_heads(hq[0], k)
+        # Head rows to target ids (a reduced draft vocabulary): nothing outside it is ever drafted.
+        ids = self.net.token_ids(rows)
+        # One device->host copy for all three: pack ids and buckets beside the log-probs.
+        packed = torch.cat([logp, ids.float(), rank.argmax(-1, keepdim=True).float()], -1).cpu().numpy()
         return packed[..., k : 2 * k].astype(np.int64), packed[..., :k], packed[..., 2 * k].astype(np.int64)
 
     @torch.no_grad()

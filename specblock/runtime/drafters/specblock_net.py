@@ -67,10 +67,14 @@ def rank_stats(logits: torch.Tensor, lse: torch.Tensor | None = None) -> torch.T
     """
     lf = logits.detach().float()
     lse = torch.logsumexp(lf, dim=-1) if lse is None else lse.detach()
-    top = lf.topk(10, dim=-1).values - lse[..., None]  # top-10 log-probs
+    return _stats(lf.topk(10, dim=-1).values - lse[..., None], lf, lse)
+
+
+def _stats(top: torch.Tensor, lf: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """From the top-10 log-probs, the float logits and the log-normaliser: top-10, 3 gaps, p1, entropy."""
     gaps = torch.stack([top[..., 0] - top[..., 1], top[..., 1] - top[..., 2], top[..., 0] - top[..., 9]], -1)
     entropy = lse - (torch.exp(lf - lse[..., None]) * lf).sum(-1)
-    return torch.cat([top, gaps, top[..., :1].exp(), entropy[..., None]], dim=-1)
+    return torch.cat([top[..., :10], gaps, top[..., :1].exp(), entropy[..., None]], dim=-1)
 
 
 class SpecBlockNet(DraftVocab, nn.Module):
@@ -178,6 +182,20 @@ class SpecBlockNet(DraftVocab, nn.Module):
         if with_lse:
             return logits, rank, normed, lse
         return logits, rank
+
+    def serving_heads(self, hq: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Serving: the top-k head rows with their log-probs, and the rank head's bucket logits.
+
+        One top-k and one log-normaliser serve both the rank statistics and the candidates (as
+        separate calls they each took their own over the head's rows): ops are what a block
+        costs on a CPU. Same values as ``heads`` followed by a log-softmax top-k.
+        """
+        lf = self.lm_head(self.norm(hq)).float()
+        lse = torch.logsumexp(lf, dim=-1)
+        top = lf.topk(max(k, 10), dim=-1)
+        logp = top.values - lse[..., None]
+        rank = self.rank_head(torch.cat([hq, _stats(logp, lf, lse).to(hq.dtype)], dim=-1))
+        return logp[..., :k], top.indices[..., :k], rank
 
     # ----------------------------------------------------------------- files
     def save(self, path: str | Path) -> None:
