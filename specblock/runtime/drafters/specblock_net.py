@@ -74,7 +74,8 @@ def _stats(top: torch.Tensor, lf: torch.Tensor, lse: torch.Tensor) -> torch.Tens
     """From the top-10 log-probs, the float logits and the log-normaliser: top-10, 3 gaps, p1, entropy."""
     gaps = torch.stack([top[..., 0] - top[..., 1], top[..., 1] - top[..., 2], top[..., 0] - top[..., 9]], -1)
     entropy = lse - (torch.exp(lf - lse[..., None]) * lf).sum(-1)
-    return torch.cat([top[..., :10], gaps, top[..., :1].exp(), entropy[..., None]], dim=-1)
+    top10 = top if top.shape[-1] == 10 else top[..., :10]  # a slice is an op too
+    return torch.cat([top10, gaps, top[..., :1].exp(), entropy[..., None]], dim=-1)
 
 
 class SpecBlockNet(DraftVocab, nn.Module):
@@ -195,6 +196,8 @@ class SpecBlockNet(DraftVocab, nn.Module):
         top = lf.topk(max(k, 10), dim=-1)
         logp = top.values - lse[..., None]
         rank = self.rank_head(torch.cat([hq, _stats(logp, lf, lse).to(hq.dtype)], dim=-1))
+        if k == logp.shape[-1]:
+            return logp, top.indices, rank
         return logp[..., :k], top.indices[..., :k], rank
 
     # ----------------------------------------------------------------- files
