@@ -96,7 +96,8 @@ def _source(i: dict, first: bool) -> str:
         return f"{what}`{i['from']}` (no training.json beside it)"
     name = i["from"] if i.get("exported") else Path(i["from"]).name  # a shipped drafter's path says which one
     return (f"{what}`{name}` ({i['step']:,} steps, {i['train_s'] / 60:.1f} minutes on "
-            f"{i['args'].get('threads', '?')} thread(s), batch {i['args'].get('batch')} x {i['args'].get('window')}, lr {i['args'].get('lr')})")
+            f"{i['args'].get('threads', '?')} thread(s), batch {i['args'].get('batch')} x {i['args'].get('window')}, lr {i['args'].get('lr')}"
+            f"{', without cross-block training' if i['args'].get('cross_block') is False else ''})")
 
 
 def _stopped_line(run: dict, last: dict) -> str:

@@ -81,6 +81,9 @@ def test_a_fine_tune_card_names_its_source_and_mix(tmp_path, monkeypatch):
     assert run["init"]["init"]["step"] == 3  # recorded by the trainer, not read back from disk
     line = mod._init_line(run)
     assert "`base-ft` (2 steps" in line and "that one from `base` (3 steps" in line and "all rounds together: 6 steps" in line
+    assert "without cross-block" not in line  # a round trained without it says so (the paper's recipe has it)
+    no_cross = {**run, "init": {**run["init"], "args": {**run["init"]["args"], "cross_block": False}}}
+    assert "`base-ft` (2 steps, " in mod._init_line(no_cross) and "without cross-block training)" in mod._init_line(no_cross)
     stopped = {**run, "step": 5, "train_s": 30.0, "args": {**run["args"], "max_steps": 10, "max_minutes": 100.0}}
     assert "Stopped by hand at 50% of its schedule" in mod._stopped_line(stopped, {"final": True})
     assert (out / "serving.json").read_text() == '{"budget": 3}'
