@@ -38,9 +38,10 @@ DRAFTERS = ROOT / "specblock" / "assets" / "drafters" / "smollm2-135m-instruct"
 ROUNDS = {
     "specblock": [("heldout_finetune_smollm2", "specblock"), ("heldout_finetune_smollm2", "specblock-ft"),
                   ("heldout_finetune2_smollm2", "specblock-ft"), ("heldout_finetune3_smollm2", "specblock-ft"),
-                  ("heldout_finetune4_smollm2", "shared-norm"), ("heldout_finetune5_smollm2", "block1-only")],
+                  ("heldout_finetune4_smollm2", "shared-norm"), ("heldout_finetune5_smollm2", "block1-only"),
+                  ("heldout_finetune6_smollm2", "specblock-ft6")],
     "eagle3": [("heldout_finetune_smollm2", "eagle3"), ("heldout_finetune_smollm2", "eagle3-ft"),
-               ("heldout_finetune3_smollm2", "eagle3-ft")],
+               ("heldout_finetune3_smollm2", "eagle3-ft"), ("heldout_finetune6_smollm2", "eagle3-ft6")],
 }
 POSITIONS = 4
 
