@@ -97,7 +97,12 @@ def _source(i: dict, first: bool) -> str:
     name = i["from"] if i.get("exported") else Path(i["from"]).name  # a shipped drafter's path says which one
     return (f"{what}`{name}` ({i['step']:,} steps, {i['train_s'] / 60:.1f} minutes on "
             f"{i['args'].get('threads', '?')} thread(s), batch {i['args'].get('batch')} x {i['args'].get('window')}, lr {i['args'].get('lr')}"
-            f"{', without cross-block training' if i['args'].get('cross_block') is False else ''})")
+            f"{_no_cross_block(i['args'])})")
+
+
+def _no_cross_block(args: dict) -> str:
+    """SpecBlock rounds trained without the paper's cross-block training say so (the flag means nothing elsewhere)."""
+    return ", without cross-block training" if args.get("method", "specblock") == "specblock" and args.get("cross_block") is False else ""
 
 
 def _stopped_line(run: dict, last: dict) -> str:
