@@ -10,9 +10,9 @@ shard 0, never trained on). Minutes come from the lineage in each shipped drafte
     python experiments/learning_curve.py [--out experiments/results/learning_curve_smollm2]
 
 Acceptance is compared over the first 4 chain positions (SpecBlock's block 1 is K = 4; EAGLE-3's chain
-is 6 deep): the expected accepted tokens of a 4-token chain. SpecBlock's sixth round trained block 1 only
-(``--no-cross-block``: 2.2x the steps a minute); block 2 is not in this measure. The fit ``a + b ln(minutes)`` is over at most
-six points, rounds that also differ in data (the cache grew between them) and learning-rate restarts; its
+is 6 deep): the expected accepted tokens of a 4-token chain. SpecBlock's sixth and seventh rounds trained block 1
+only (``--no-cross-block``: 2.2x the steps a minute); block 2 is not in this measure. The fit ``a + b ln(minutes)`` is over a
+few points, rounds that also differ in data (the cache grew between them) and learning-rate restarts; its
 extrapolation is an order of magnitude, not a forecast.
 """
 

@@ -89,15 +89,16 @@ def test_serving_blocks_equal_training_blocks():
             torch.testing.assert_close(hq2_serve[0, 0], hq2_train[0, p], atol=2e-4, rtol=2e-4)
 
 
-def test_serving_heads_equal_the_training_heads():
+@pytest.mark.parametrize("k", [4, 10])  # fewer candidates than the rank statistics' 10, and as many (serving's default)
+def test_serving_heads_equal_the_training_heads(k):
     """Serving's one shared top-k gives the candidates and rank logits that ``heads`` followed by a
     log-softmax top-k gives (the training path), so the rank head reads the same statistics."""
     _, _, net = make("llama", seed=3)
     hq = torch.randn(2, 3, net.cfg.K, 32)
     with torch.no_grad():
         logits, rank = net.heads(hq)
-        want = torch.log_softmax(logits, -1).topk(4, dim=-1)
-        logp, rows, rank_s = net.serving_heads(hq, 4)
+        want = torch.log_softmax(logits, -1).topk(k, dim=-1)
+        logp, rows, rank_s = net.serving_heads(hq, k)
     torch.testing.assert_close(logp, want.values, atol=1e-5, rtol=1e-5)
     assert torch.equal(rows, want.indices)
     torch.testing.assert_close(rank_s, rank, atol=1e-5, rtol=1e-5)
