@@ -70,9 +70,10 @@ def branching(net: SpecBlockNet, held: TargetPass, rank_widths: tuple[int, ...] 
             hit = ((rank < wk) & valid).float()
             chain = hit.cumprod(-1)  # position k is accepted if every position up to k was a hit
             reached = torch.cat([torch.ones_like(chain[..., :1]), chain[..., :-1]], -1)  # positions the rule drafts
-            rows = valid[..., 0]  # blocks whose first position can be scored, as the chain acceptance counts them
-            acc[name].append(chain.sum(-1)[rows])
-            width[name].append(((wk.float() * reached).sum(-1) / reached.sum(-1))[rows])
+            # every block counts, as the held-out chain acceptance counts them: one whose first target has
+            # no draft-vocabulary row is a miss (valid is off there), as it is when serving
+            acc[name].append(chain.sum(-1).flatten())
+            width[name].append(((wk.float() * reached).sum(-1) / reached.sum(-1)).flatten())
     return {name: {"accepted": round(float(torch.cat(acc[name]).mean()), 4),
                    "mean_width": round(float(torch.cat(width[name]).mean()), 3)} for name in rules}
 

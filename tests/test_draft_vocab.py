@@ -168,3 +168,23 @@ def test_adapting_a_reduced_head_stays_lossless_and_updates():
     adapter.close()
     assert adapter.swaps >= 1 and adapter.failures == 0
     assert not torch.equal(adapter.theta_inf.lm_head.weight.float(), adapter.theta_0.lm_head.weight)
+
+
+def test_heldout_block1_counts_tokens_outside_the_draft_vocab_as_misses():
+    """Held-out block-1 acceptance divides by every position, as serving sees them: a target token
+    without a draft-vocabulary row can never be drafted, so it is a miss, not a position left out."""
+    import argparse
+
+    from specblock.training import recipes
+
+    model, target, net = make(5)
+    tokens = torch.as_tensor(np.random.default_rng(1).integers(2, V, (4, 17)))
+    tp = target_pass(model, tokens, target.tap_layers, net)
+    assert not bool(tp.y_ok.all())  # some argmax tokens have no head row
+    ev = recipes.get("specblock").evaluate(net, None, tp, argparse.Namespace())
+    with torch.no_grad():
+        from specblock.training.specblock_step import first_block
+
+        pred = net.heads(first_block(net, tp.taps, tp.tokens)[0])[0].argmax(-1)[..., 0]  # [B, R]: depth 1
+    right = (pred == tp.y_star[:, 1:]) & tp.y_ok[:, 1:]
+    assert ev["block1_acc"][0] == pytest.approx(float(right.float().mean()), abs=1e-4)

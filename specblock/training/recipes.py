@@ -115,7 +115,12 @@ def _specblock_evaluate(net, target, windows, args) -> dict:
         for i, bl in enumerate(res.blocks):
             # Acceptance at k = block reaches k and is right there: m_{k+1} in the paper's notation.
             acc = bl.mask * bl.top1.float()
-            masks[i].append(acc.flatten(0, -2).sum(0) / bl.mask[..., 0].sum().clamp_min(1))
+            # Block 1 over every position: one whose target token has no draft-vocabulary row is a
+            # miss, as when serving and in EAGLE-3's chain_acceptance (its mask[..., 0] is off there,
+            # so dividing by it left such positions out and overstated block 1 by the coverage gap).
+            # Block 2 stays conditional on being reached (its mask[..., 0]: block 1 right to the seed).
+            reach = bl.mask[..., 0].numel() if i == 0 else bl.mask[..., 0].sum().clamp_min(1)
+            masks[i].append(acc.flatten(0, -2).sum(0) / reach)
             ranks[i].append((bl.rank_correct.float() * bl.mask).sum() / bl.mask.sum().clamp_min(1))
     net.train()
     out = {}
