@@ -155,3 +155,46 @@ def test_own_share_fixes_the_mix_of_own_and_reference_windows():
     src.rng = np.random.default_rng(0)
     picks = src.rng.choice(len(src.train), size=4000, p=src.p)
     assert abs((picks == 0).mean() - 0.5) < 0.04
+
+
+def test_repeats_marks_the_closing_token_of_each_repeated_ngram():
+    from specblock.training.cachewindows import repeats
+
+    row = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7, 9]
+    got = repeats(np.array([row, row[::-1]]), 3)
+    assert np.flatnonzero(got[0]).tolist() == [6, 10, 11]  # "5 6 7" twice more, then "6 7 9" again
+
+    def brute(r):
+        return [i for i in range(2, len(r)) if tuple(r[i - 2:i + 1]) in {tuple(r[j - 2:j + 1]) for j in range(2, i)}]
+
+    assert np.flatnonzero(got[1]).tolist() == brute(row[::-1]) != []
+    rng = np.random.default_rng(0)
+    many = rng.integers(0, 3, (5, 40))
+    assert [np.flatnonzero(g).tolist() for g in repeats(many, 3)] == [brute(r.tolist()) for r in many]
+    assert not repeats(np.array([[1, 2]]), 3).any()  # a row shorter than n closes no n-gram
+
+
+def test_skip_loops_masks_training_positions_only(setup, tmp_path):
+    """--skip-loops: a training window's position is off where its next token closes a repeated
+    n-gram; held-out windows keep every position."""
+    from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
+    from specblock.training.cachewindows import CacheWindows, repeats
+
+    target, data, model = setup
+    rows = [json.loads(x) for x in (data / "shard_00001.jsonl").read_text().splitlines()]
+    for r in rows:  # answers that loop
+        r["answer_ids"] = [9, 10, 11, 12] * 5
+    (data / "shard_00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "cache"
+    build_cache(data, out, target, model, k=2, log=lambda s: None)
+    net = SpecBlockNet(SpecBlockConfig(vocab_size=64, hidden_size=32, num_heads=4, intermediate_size=64,
+                                       tap_layers=default_taps(9), top_k=4))
+    plain = CacheWindows(FeatureCache(out, target), window=17, seed=3).batch(4, net)
+    src = CacheWindows(FeatureCache(out, target), window=17, seed=3, skip_loops=4)
+    tp = src.batch(4, net)
+    assert torch.equal(tp.tokens, plain.tokens) and plain.y_ok is None
+    loop = repeats(tp.tokens.numpy(), 4)
+    assert loop.any() and torch.equal(tp.y_ok[:, :-1], torch.from_numpy(~loop[:, 1:])) and bool(tp.y_ok[:, -1].all())
+    assert src.heldout(2, net).y_ok is None
+    with pytest.raises(SpecBlockError, match="skip-loops"):
+        CacheWindows(FeatureCache(out, target), window=17, feature="tokens", skip_loops=4)

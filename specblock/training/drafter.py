@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--own-share", type=float, default=None,
                     help="with --features: share of training windows from the target's own answers (chatgen "
                          "shards) against reference answers (ref_* shards); default: by token count")
+    ap.add_argument("--skip-loops", type=int, default=0, metavar="N",
+                    help="with --features: leave out of the loss every position whose next token closes an N-gram "
+                         "already seen in its window (greedy answers' repetition loops; 0: off). Held-out figures "
+                         "keep every position")
     ap.add_argument("--window", type=int, default=257)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -121,6 +125,7 @@ class TrainFlags(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     own_share: float | None = Field(None, ge=0, le=1)
+    skip_loops: int = Field(0, ge=0)
     window: int = Field(ge=2)
     batch: int = Field(ge=1)
     lr: float = Field(gt=0, allow_inf_nan=False)
@@ -213,7 +218,7 @@ def train(args) -> None:
         from specblock.training.featcache import FeatureCache
 
         source = CacheWindows(FeatureCache(args.features, args.target), args.window, seed=args.seed + 1000 * rank,
-                              feature=recipe.cached, own_share=args.own_share)
+                              feature=recipe.cached, own_share=args.own_share, skip_loops=args.skip_loops)
     else:
         source = WindowSource(args.data, args.target, args.window, seed=args.seed + 1000 * rank)
     args.run_dir.mkdir(parents=True, exist_ok=True)
