@@ -198,3 +198,23 @@ def test_skip_loops_masks_training_positions_only(setup, tmp_path):
     assert src.heldout(2, net).y_ok is None
     with pytest.raises(SpecBlockError, match="skip-loops"):
         CacheWindows(FeatureCache(out, target), window=17, feature="tokens", skip_loops=4)
+
+
+def test_loop_share_counts_repeated_ngrams_by_answer_prefix(tmp_path, capsys):
+    from tests.tiny import experiment
+
+    mod = experiment("loop_share")
+    d = tmp_path / "gen"
+    d.mkdir()
+    rows = [{"domain": "chat", "answer_ids": list(range(50)) + [0, 1, 2, 3] * 20, "stopped": False},
+            {"domain": "code", "answer_ids": [7] * 10, "stopped": True}]
+    (d / "shard_00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert mod.main(["--chatgen", str(d), "--n", "4", "--out", str(tmp_path / "s")]) == 0
+    res = json.loads((tmp_path / "s.json").read_text())
+    # answer 1: "0 1 2 3" closes again at token 53; "1 2 3 0" .. "3 0 1 2" are new at 54-56, every token from 57
+    # closes a repeat (1 + 73); answer 2: "7 7 7 7" again at tokens 4-9 (6)
+    assert res["share"]["48"] == pytest.approx(6 / 58, abs=1e-4) and res["share"]["96"] == pytest.approx(46 / 106, abs=1e-4)
+    assert res["share"]["all"] == pytest.approx((1 + 73 + 6) / 140, abs=1e-4)
+    assert res["stopped"] == 0.5
+    assert mod.main(["--chatgen", str(tmp_path / "none"), "--out", str(tmp_path / "x")]) == 2
+    assert "no chatgen shards" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
