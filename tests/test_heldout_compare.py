@@ -7,6 +7,8 @@ import json
 import math
 import sys
 
+import pytest
+
 from specblock.training.checkpoint import load_checkpoint
 from specblock.training.drafter import main as train_main
 from tests.test_featcache import tiny_feature_cache
@@ -145,3 +147,52 @@ def test_fine_tuning_a_shipped_drafter(tmp_path, monkeypatch):
         train_main(flags + ["--run-dir", str(tmp_path / "ft6"), "--init-from", str(shipped)])
     with pytest.raises(SpecBlockError, match="nor an exported drafter"):
         train_main(flags + ["--run-dir", str(tmp_path / "ft5"), "--init-from", str(tmp_path / "gen")])
+
+
+def test_served_gap_chains_match_the_heldout_evaluations(tmp_path):
+    """experiments/served_gap.py counts chains by their root: over the same windows its per-depth
+    means equal the training recipes' held-out figures (SpecBlock's block 1, EAGLE-3's chains),
+    so its bench-text figures read on the held-out scale; and it runs end to end on bench prompts."""
+    import argparse
+
+    import torch
+
+    from specblock.training import recipes
+    from specblock.training.cachewindows import CacheWindows
+    from specblock.training.featcache import FeatureCache
+
+    mod = experiment("served_gap")
+    sweep = experiment("vocab_sweep")
+    tdir, model, cache = tiny_feature_cache(tmp_path)
+    flags = ["--target", str(tdir), "--features", str(cache), "--draft-vocab", "20", "--window", "17", "--batch", "2",
+             "--eval-every", "20", "--intermediate", "32", "--threads", "1", "--max-steps", "40", "--lr", "1e-2"]
+    specs = []
+    for method in ("specblock", "eagle3"):
+        d = tmp_path / method / "d"
+        train_main(flags + ["--method", method, "--run-dir", str(tmp_path / method), "--out", str(d)])
+        net = sweep.load(method, d, model).eval()
+        held = CacheWindows(FeatureCache(cache, tdir), 17, feature="taps").heldout(4, net)
+        ev = recipes.get(method).evaluate(net, None, held, argparse.Namespace(ttt_steps=4))
+        want = ev["block1_acc"] if method == "specblock" else ev["chain_acc"]
+        # SpecBlock's block 1 counts every root of the window (a depth past its end: a miss), EAGLE-3's
+        # chains the roots with every depth inside (R = 1..W-depths)
+        roots = 16 if method == "specblock" else 16 - 4 + 1
+        with torch.no_grad():
+            hits = torch.stack([mod.chain_hits(method, net, tp)[:roots] for tp in held.split(1)])
+        got = hits.float().mean((0, 1)).tolist()
+        assert got == [pytest.approx(w, abs=1e-3) for w in want[: mod.DEPTH]], method
+        assert 0 < got[0] <= 1  # something to compare: a random tiny drafter still hits sometimes
+        specs += ["--drafter", f"{method}={method}:{d}"]
+    out = tmp_path / "gap"
+    assert mod.main(["--target", str(tdir), "--domains", "code,chat", "--prompts", "1", "--max-new-tokens", "6",
+                     "--threads", "1", "--out", str(out)] + specs) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert [r["name"] for r in res["rows"]] == ["specblock", "eagle3"] and res["roots"]["code"] > 0
+    # a chatgen shard's stored answers instead: roots are its answer positions (a 1-token answer has none)
+    shard = tmp_path / "gen" / "shard_00000.jsonl"
+    assert mod.main(["--target", str(tdir), "--domains", "chat", "--prompts", "5", "--max-new-tokens", "6", "--chatgen",
+                     str(shard), "--threads", "1", "--out", str(out)] + specs) == 0
+    ans = [json.loads(x)["answer_ids"][:6] for x in shard.read_text().splitlines()]
+    assert json.loads(out.with_suffix(".json").read_text())["roots"] == {"chat": sum(len(a) - 1 for a in ans)}
+    assert mod.main(["--target", str(tdir), "--out", str(tmp_path / "bad"), "--drafter", "x=medusa:" + str(tmp_path)]) == 2
+    assert not (tmp_path / "bad.json").exists()
