@@ -52,13 +52,16 @@ def _acc(xs) -> str:
 
 
 def _sessions_line(lines: list[dict]) -> str:
-    """A run resumed with a longer ``--max-minutes`` restarts its cosine from a higher point; say where."""
+    """Where a run was stopped and resumed. The log does not say whether the resume raised
+    ``--max-minutes`` (which restarts the cosine from a higher point) or kept it (a stop and resume
+    on the same schedule), so the card says what each would mean."""
     ends = [r for r in lines[:-1] if r.get("final")]
     if not ends:
         return ""
     where = ", ".join(f"step {r['step']} ({r['train_s'] / 60:.1f} min)" for r in ends)
     return (f"\n- Trained in {len(ends) + 1} sessions: each earlier one ended at {where}; the next resumed from its "
-            "checkpoint with a longer --max-minutes, so the learning rate rose again and decayed over the new length.")
+            "checkpoint. The learning rate follows wall time to --max-minutes: a resume with the same value went on "
+            "along the same schedule, one with a longer value rose again and decayed over the new length.")
 
 
 def lineage(run: dict) -> list[dict]:
