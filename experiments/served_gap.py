@@ -42,6 +42,7 @@ from specblock.runtime.target import load_causal_lm, read_generation_eos  # noqa
 from specblock.training.specblock_step import target_pass  # noqa: E402
 
 DEPTH = 4  # positions per chain reported (SpecBlock's K; EAGLE-3 runs as many TTT depths)
+CHAINS = ("specblock", "eagle3")  # the drafters whose top-1 chain is measured here
 
 
 @torch.no_grad()
@@ -113,6 +114,9 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(a.threads)
     try:
         specs = [parse(s) for s in a.drafter]
+        for name, method, _ in specs:
+            if method not in CHAINS:
+                raise SpecBlockError(f"--drafter {name}: {method!r} has no chain here; use {' or '.join(CHAINS)}")
         target_dir = resolve_target(a.target)
         model = load_causal_lm(target_dir, "float32", "cpu", "sdpa", False).eval()
         tok = load_tokenizer(target_dir, False)
