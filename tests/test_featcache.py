@@ -218,3 +218,13 @@ def test_loop_share_counts_repeated_ngrams_by_answer_prefix(tmp_path, capsys):
     assert res["stopped"] == 0.5
     assert mod.main(["--chatgen", str(tmp_path / "none"), "--out", str(tmp_path / "x")]) == 2
     assert "no chatgen shards" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+def test_skip_loops_without_a_feature_cache_is_refused(tmp_path):
+    from specblock.training.drafter import build_parser, check_args
+
+    args = build_parser().parse_args(["--target", "t", "--run-dir", str(tmp_path / "r"), "--skip-loops", "8"])
+    with pytest.raises(SpecBlockError, match="skip-loops .*--features"):
+        check_args(args)
+    check_args(build_parser().parse_args(["--target", "t", "--run-dir", str(tmp_path / "r"), "--skip-loops", "8", "--features",
+                                          str(tmp_path / "cache")]))

@@ -161,6 +161,8 @@ def check_args(args) -> None:
                              "model.safetensors); give the --run-dir of a finished training run or a drafter directory")
     if args.init_from is not None and args.init_from.resolve() == args.run_dir.resolve():
         raise SpecBlockError("--init-from is the --run-dir itself; a run resumes from its own checkpoint without it")
+    if args.skip_loops and args.features is None:
+        raise SpecBlockError("--skip-loops masks windows of a feature cache; add --features DIR or drop the flag")
     if args.data != "lab" and not Path(args.data).is_file():
         raise SpecBlockError(f"--data {args.data}: no such file; pass lab or a JSONL file with a 'text' field")
 
