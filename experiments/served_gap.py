@@ -74,15 +74,12 @@ def chain_hits(method: str, net, tp) -> torch.Tensor:
     the draft vocabulary is never right (``y_ok``), as when serving."""
     w = tp.tokens.shape[1]
     if method == "specblock":
-        from specblock.training.specblock_step import first_block
+        from specblock.training.specblock_step import specblock_step
 
-        hq, _ = first_block(net, tp.taps, tp.tokens)  # row p: last known token x_{p+1}, predicts x_{p+1+k}
-        pred = net.heads(hq)[0].argmax(-1)[0]  # [R, K]
-        idx = (torch.arange(w - 1)[:, None] + torch.arange(1, DEPTH + 1)).clamp(max=w - 1)
-        ok = (pred[:, :DEPTH] == tp.y_star[0][idx])
-        if tp.y_ok is not None:
-            ok &= tp.y_ok[0][idx]
-        ok &= (torch.arange(w - 1)[:, None] + torch.arange(1, DEPTH + 1)) <= w - 1
+        # block 1 as training scores it: row p (last known token x_{p+1}) reaches depth k and is right
+        # there; a depth past the window or a target without a head row is off in its mask
+        b1 = specblock_step(net, tp, torch.Generator().manual_seed(0), 1.0, cross_block=False).blocks[0]
+        ok = (b1.mask * b1.top1)[0, :, :DEPTH].bool()
     elif method == "eagle3":
         from specblock.training.eagle3_step import eagle3_step
 
@@ -94,7 +91,7 @@ def chain_hits(method: str, net, tp) -> torch.Tensor:
             inside = (rows >= 0) & (rows < w - 1)
             ok[inside, d - 1] = res.top1[d - 1][0, rows[inside]]
     else:
-        raise SpecBlockError(f"--drafter: {method!r} has no chain here; use specblock or eagle3")
+        raise SpecBlockError(f"{method!r} has no chain here; use {' or '.join(CHAINS)}")
     return ok.cumprod(-1).bool()  # right at every depth up to d
 
 
