@@ -82,6 +82,9 @@ def compile_saved(fn: Callable, **kw: Any) -> Callable:
         _skip_loaded_names(fn.__globals__)
         return compiled
     except Exception as exc:  # an entry from another torch build, a changed source, a torch bug
+        # A load can fail after installing the entry's globals (a guard on a registry that is
+        # shorter in this process raised IndexError); the compile below must not reuse their names.
+        _skip_loaded_names(fn.__globals__)
         shutil.rmtree(entry_path(fn), ignore_errors=True)
         warnings.warn(f"specblock: a saved compiled graph did not load ({type(exc).__name__}); compiling "
                       "again (slower start, same graphs)", stacklevel=2)
