@@ -180,6 +180,42 @@ def test_bandit_skips_updates_that_cost_more_than_they_gain(monkeypatch):
     assert judged and all(w["cost"] > 5 for w in judged)  # the update outlasted several windows
 
 
+def test_serving_leaves_the_worker_its_core_while_an_update_runs(monkeypatch):
+    """With as many serving threads as cores, an update in flight oversubscribed the CPU (the real
+    model's T(1) about 3x). Serving drops to the cores the worker leaves and gets them back when
+    the update lands; outputs stay greedy."""
+    from specblock.runtime import adapt
+
+    monkeypatch.setattr(adapt, "available_cores", lambda: 2, raising=False)  # a 2-core machine
+    release = threading.Event()
+
+    def held(self, arm):
+        release.wait(10)  # in flight until serving has looked at its threads
+        return {}
+
+    monkeypatch.setattr(Adapter, "train_step", held)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model, target, adapter, engine = setup(arms=("heads",))
+        seen = []
+
+        def look(_):
+            seen.append((adapter.busy, torch.get_num_threads()))
+            if adapter.busy:
+                release.set()
+
+        for p in prompts(3, seed=5):
+            assert engine.generate(p, 30, on_tokens=look).token_ids == hf_greedy(model, p, 30)
+        adapter.wait(10)
+        adapter.close()
+        assert any(busy for busy, _ in seen) and any(not busy for busy, _ in seen)
+        assert {n for busy, n in seen if busy} == {1} and {n for busy, n in seen if not busy} == {2}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------------------------- CLI
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):

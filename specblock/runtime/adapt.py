@@ -26,6 +26,14 @@ too, and the update's price enters as its cost) from the mean of the three windo
 choice to the first whole window after the update landed; its cost is the update's wall time
 over that window's wall time. :class:`ThreeWindowRollback` judges every landed update on window
 tau and restores the last good weights when it says so.
+
+Cores (our choice; the paper trains on a GPU beside serving): on a CPU the worker's threads and
+serving's share the cores. With more threads than cores, the OpenMP teams of both spin at their
+barriers and serving's forwards take about three times as long (real model, 2 cores, packed-fp16: T(1) 19.7 ms
+alone at two threads, 56.6 ms beside a one-thread training loop at two, 29.4 ms at one;
+``experiments/adapt_cores.py``, ``experiments/results/adapt_cores.md``).
+So while an update is in flight serving drops to the cores the worker leaves it, and gets its
+threads back when the update lands.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import queue
 import threading
 import time
@@ -92,6 +101,11 @@ class AdaptSettings:
     def __post_init__(self) -> None:
         if not self.arms or set(self.arms) - set(ARMS) or self.gain not in ("tau", "tps") or self.window < 1:
             raise ValueError(f"bad adaptation settings: arms {self.arms} (of {ARMS}), gain {self.gain!r}, window {self.window}")
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def adaptation_policies(c: AdaptSettings) -> tuple[CostAwareBandit, ThreeWindowRollback]:
@@ -161,6 +175,7 @@ class Adapter(Drafter):
         self._rng = np.random.default_rng(c.seed)
         self._cache: dict = {}
         self.generation = 0  # bumped by every rollback: updates trained before it are stale
+        self._serve_threads: int | None = None  # serving's threads while an update holds a core
         self.backbone_version = 0  # bumped whenever the serving backbone changes
         self.clear()
 
@@ -237,6 +252,7 @@ class Adapter(Drafter):
             self._jobs.put(None)
             self._worker.join(timeout=60)
             self._worker = None
+        self._give_back_cores()
 
     # ------------------------------------------------------------------ serving side
     def _rebuild_cache(self) -> None:
@@ -261,6 +277,7 @@ class Adapter(Drafter):
         except queue.Empty:
             return False
         self.busy = False
+        self._give_back_cores()
         self.update_s[res.arm].append(res.seconds)
         p = self.pending
         if res.error is not None:
@@ -322,6 +339,7 @@ class Adapter(Drafter):
             else:
                 self.pending = _Pending(arm, ref)
                 self.busy = True
+                self._share_cores()
                 if self._worker is None:
                     self._worker = threading.Thread(target=self._work, name="specblock-adapt", daemon=True)
                     self._worker.start()
@@ -332,6 +350,21 @@ class Adapter(Drafter):
         self._t_win = now
         if self.on_window is not None:
             self.on_window(rec)
+
+    def _share_cores(self) -> None:
+        """Serving's threads down to the cores the worker leaves, for the update about to start
+        (CPU only: a CUDA update runs on its own stream)."""
+        if next(self.theta_train.parameters()).device.type != "cpu":
+            return
+        n, cores = torch.get_num_threads(), available_cores()
+        if n + self.cfg.threads > cores and n > 1:
+            self._serve_threads = n
+            torch.set_num_threads(max(1, cores - self.cfg.threads))
+
+    def _give_back_cores(self) -> None:
+        if self._serve_threads is not None:
+            torch.set_num_threads(self._serve_threads)
+            self._serve_threads = None
 
     # ------------------------------------------------------------------ training side
     def _work(self) -> None:
