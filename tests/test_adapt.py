@@ -17,6 +17,7 @@ from specblock.runtime.adapt import Adapter, AdaptSettings, block1_rows
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
 from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
 from specblock.runtime.engine import Engine
+from specblock.runtime import packed
 from specblock.runtime.target import TargetModel, default_taps
 from specblock.training.specblock_step import first_block, target_pass
 from tiny import hf_greedy, save_tiny, tiny_model
@@ -37,10 +38,13 @@ def make_net(target_model, taps, seed=0) -> SpecBlockNet:
     return net.eval()
 
 
-def setup(seed=0, clock=time.perf_counter, **kw):
+def setup(seed=0, clock=time.perf_counter, pack=False, **kw):
     model = tiny_model("llama", vocab=V, seed=seed, layers=3)
     target = TargetModel(model)
-    drafter = SpecBlockDrafter(make_net(model, target.tap_layers, seed), policy=RankBucketBranching((2, 4, 10, 0)))
+    net = make_net(model, target.tap_layers, seed)
+    if pack:  # as drafters.build packs it beside a packed-fp16 target
+        packed.pack_linears(net)
+    drafter = SpecBlockDrafter(net, policy=RankBucketBranching((2, 4, 10, 0)))
     settings = AdaptSettings(**{"window": 3, "steps": 1, "batch": 2, "buffer": 8, "max_ctx": 64, "top_k": 8, **kw})
     adapter = Adapter(drafter, settings, clock=clock)
     return model, target, adapter, Engine(target, adapter, budget=16)
@@ -111,6 +115,25 @@ def test_greedy_output_unchanged_while_updates_land_mid_query(arms):
         served, base = adapter.theta_inf, adapter.theta_0
         assert not torch.equal(served.lm_head.weight.float(), base.lm_head.weight)
         assert torch.equal(served.layers[0].qkv.weight.float(), base.layers[0].qkv.weight)
+
+
+@pytest.mark.skipif(not packed.available(), reason="torch has no fbgemm on this machine")
+def test_a_packed_drafter_trains_plain_copies_and_serves_each_update_repacked():
+    """Beside a packed-fp16 target the adapting drafter serves packed (it used to serve unpacked fp32
+    weights, a fifth slower per step on the real model); its training copies are plain linears (a
+    packed forward has no gradient), and an update that lands is packed again before it serves."""
+    model, target, adapter, engine = setup(arms=("heads",), pack=True)
+    assert isinstance(adapter.theta_inf.lm_head, packed.PackedLinear)
+    for net in (adapter.theta_0, adapter.theta_train):
+        assert not any(isinstance(m, packed.PackedLinear) for m in net.modules())
+    for p in prompts(4):
+        assert engine.generate(p, 30, on_tokens=lambda _: adapter.wait(10)).token_ids == hf_greedy(model, p, 30)
+    adapter.close()
+    assert adapter.swaps >= 1 and adapter.failures == 0
+    head = adapter.theta_inf.lm_head
+    assert not torch.equal(head.weight.float(), adapter.theta_0.lm_head.weight)  # the update moved it
+    x = torch.randn(5, head.in_features)
+    torch.testing.assert_close(head(x), torch.nn.functional.linear(x, head.weight, head.bias), atol=2e-3, rtol=2e-3)
 
 
 def test_crashed_update_is_reported_once_and_serving_goes_on(monkeypatch, caplog):

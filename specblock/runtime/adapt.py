@@ -58,6 +58,7 @@ from specblock.policies.bandit import ARMS, CostAwareBandit, FixedArm
 from specblock.policies.rollback import ThreeWindowRollback
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
+from specblock.runtime.packed import PackedLinear, unpack_linears
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
 from specblock.runtime.adapt_signal import QueryRecord, Sample, block1_rows
 from specblock.runtime.drafters.specblock_net import SpecBlockNet
@@ -159,8 +160,10 @@ class Adapter(Drafter):
         self.clock = clock
         self.name = f"{drafter.name}+adapt"
         self.tap_layers = drafter.tap_layers
-        self.theta_inf = drafter.net
-        self.theta_0 = copy.deepcopy(self.theta_inf).float().eval().requires_grad_(False)
+        self.theta_inf = drafter.net  # packed beside a packed-fp16 target; repacked when an update lands
+        base = copy.deepcopy(self.theta_inf)
+        unpack_linears(base)  # training needs gradients, which a packed forward has not
+        self.theta_0 = base.float().eval().requires_grad_(False)
         self.theta_train = copy.deepcopy(self.theta_0)
         self.names = [n for n, _ in self.theta_0.named_parameters() if n != "embed.weight"]
         self.master = {n: p.detach().clone() for n, p in self.theta_0.named_parameters() if n in self.names}
@@ -268,6 +271,9 @@ class Adapter(Drafter):
         with torch.no_grad():
             for n, t in state.items():
                 params[n].copy_(t)
+        for name, mod in self.theta_inf.named_modules():
+            if isinstance(mod, PackedLinear) and (f"{name}.weight" in state or f"{name}.bias" in state):
+                mod.repack()
         self._rebuild = True
 
     def _poll(self) -> bool:

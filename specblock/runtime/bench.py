@@ -134,7 +134,7 @@ def _engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
         opts.setdefault("budget", args.budget)
     opts = drafters.serving_settings(_base(m), target, opts)
     budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
-    drafter = drafters.build(_base(m), target, opts, adapting=ADAPT in m)
+    drafter = drafters.build(_base(m), target, opts)
     if ADAPT in m:
         from specblock.runtime.adapt import AdaptSettings, Adapter
 

@@ -155,7 +155,7 @@ class Session:
 
         opts = drafters.serving_settings(cfg.method, target, cfg.drafter_options())
         budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
-        drafter, adapter = drafters.build(cfg.method, target, opts, adapting=cfg.adapt), None
+        drafter, adapter = drafters.build(cfg.method, target, opts), None
         if cfg.adapt:
             from specblock.runtime.adapt import AdaptSettings, Adapter
 

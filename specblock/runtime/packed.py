@@ -71,6 +71,12 @@ class PackedLinear(nn.Module):
             return self.compiled_op(x, self._key, self.out_features)
         return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
 
+    def repack(self) -> None:
+        """Pack ``weight`` and ``bias`` again after they changed (an adapting drafter's update),
+        under the same key, so compiled graphs that name it read the new weights too."""
+        self._packed = prepack(self)
+        _put(self._key, self._packed)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed fp16"
 
@@ -144,6 +150,18 @@ def prepack(lin: nn.Linear) -> torch.ScriptObject:
     """fbgemm's packed fp16 copy of ``lin``'s weight and bias."""
     bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
     return torch.ops.quantized.linear_prepack_fp16(lin.weight.detach().float().contiguous(), bias)
+
+
+def unpack_linears(model: nn.Module) -> int:
+    """Each ``PackedLinear`` of ``model`` back to an ``nn.Linear`` on the same fp32 weight and bias,
+    in place (a copy to train: the packed forward has no gradient); returns how many."""
+    found = [(mod, name, child) for mod in list(model.modules()) for name, child in mod.named_children()
+             if isinstance(child, PackedLinear)]
+    for mod, name, child in found:
+        lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+        lin.weight, lin.bias = child.weight, child.bias
+        setattr(mod, name, lin)
+    return len(found)
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -90,17 +90,17 @@ def register(name: str, factory: Callable) -> None:
     METHODS[name] = factory
 
 
-def build(name: str, target, options: dict | None = None, adapting: bool = False) -> Drafter:
+def build(name: str, target, options: dict | None = None) -> Drafter:
     """The drafter ``name`` for ``target``. Beside a packed-fp16 target its linears are packed too
-    (half the bytes of its fp32 weights per forward), unless it is to adapt while serving:
-    adaptation trains its weights, and a packed copy would not follow them."""
+    (half the bytes of its fp32 weights per forward); an adapting drafter trains unpacked copies
+    and repacks the served net when an update lands (``runtime/adapt.py``)."""
     if name not in METHODS:
         raise SpecBlockError(f"unknown method {name!r}; choose one of {', '.join(sorted(METHODS))}")
     options = {k: v for k, v in (options or {}).items() if v is not None}  # None: not set, the default holds
     if name not in TAKES_POLICY:
         user_policies(name, options)  # a policy named for a method without one: refused
     drafter = METHODS[name](target, options)
-    if getattr(target, "packed", False) and not adapting:
+    if getattr(target, "packed", False):
         pack_drafter(drafter)
     return drafter
 
