@@ -16,6 +16,11 @@ loses nothing and the gap is the text; if they sit clearly above, serving does.
     python experiments/served_gap.py --drafter specblock=specblock:specblock/assets/drafters/smollm2-135m-instruct/specblock \
         --drafter eagle3=eagle3:specblock/assets/drafters/smollm2-135m-instruct/eagle3 --prompts 3 \
         --out experiments/results/served_gap_smollm2
+
+``--lookup`` adds prompt lookup's chain (its first match, as ``lookup`` serves it) and, for each
+drafter, the two chains side by side (``NAME+lookup``: a tree of two branches accepts the longer
+of the two; up to twice the nodes). How much a lookup branch could add to a drafter's tree on the
+bench's text, before anyone builds one.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: heldout_compare is a sibling
@@ -38,6 +44,8 @@ from specblock.models import resolve_target  # noqa: E402
 from specblock.prompts import DOMAINS, load_prompts  # noqa: E402
 from specblock.runtime import chat  # noqa: E402
 from specblock.runtime.cli import load_tokenizer  # noqa: E402
+from specblock.runtime.drafters.base import DraftRequest  # noqa: E402
+from specblock.runtime.drafters.lookup import LookupDrafter  # noqa: E402
 from specblock.runtime.target import load_causal_lm, read_generation_eos  # noqa: E402
 from specblock.training.specblock_step import target_pass  # noqa: E402
 
@@ -95,6 +103,21 @@ def chain_hits(method: str, net, tp) -> torch.Tensor:
     return ok.cumprod(-1).bool()  # right at every depth up to d
 
 
+def lookup_hits(seq: np.ndarray, lookup: LookupDrafter | None = None) -> torch.Tensor:
+    """``[W-1, DEPTH]`` bool, rows as in ``chain_hits`` (row R-1: root R): prompt lookup's chain
+    proposed from ``seq[:R+1]`` is right at every depth up to d (a depth past the sequence: a miss)."""
+    lookup = lookup or LookupDrafter(branches=1)
+    seq = np.asarray(seq, dtype=np.int64)
+    w = len(seq)
+    ok = torch.zeros(w - 1, DEPTH, dtype=torch.bool)
+    for r in range(1, w - 1):
+        tree = lookup.propose(DraftRequest(seq[: r + 1], budget=DEPTH, max_depth=DEPTH))
+        guess = tree.tokens[1:]  # one branch: a chain, in depth order
+        n = min(len(guess), w - 1 - r)
+        ok[r - 1, :n] = torch.from_numpy(guess[:n] == seq[r + 1 : r + 1 + n])
+    return ok.cumprod(-1).bool()
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -107,6 +130,8 @@ def main(argv: list[str]) -> int:
                          "their stored answers (the held-out shard 0: training's kind of instruction, never trained on)")
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lookup", action="store_true",
+                    help="also prompt lookup's chain, and each drafter's chain beside it (NAME+lookup: the longer of the two)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     try:
@@ -119,23 +144,31 @@ def main(argv: list[str]) -> int:
         tok = load_tokenizer(target_dir, False)
         eos = sorted(chat.stop_ids(tok, read_generation_eos(target_dir)))
         nets = {name: (method, load(method, path, model).eval()) for name, method, path in specs}
-        sums = {(n, d): torch.zeros(DEPTH) for n in nets for d in a.domains.split(",")}
+        names = list(nets) + (["lookup"] + [f"{n}+lookup" for n in nets] if a.lookup else [])
+        sums = {(n, d): torch.zeros(DEPTH) for n in names for d in a.domains.split(",")}
         roots = {d: 0 for d in a.domains.split(",")}  # a chatgen shard's domains: code, math, chat, prose
         for d in a.domains.split(","):
             for ids, ans in texts(a, d, model, tok, eos):
                 seq = torch.tensor([ids + ans])
                 first, last = len(ids), len(ids) + len(ans) - 1  # roots serving drafts from: x_R known, R in [first, last)
                 roots[d] += last - first
+                near = lookup_hits(seq[0].numpy())[first - 1 : last - 1] if a.lookup else None
+                if near is not None:
+                    sums["lookup", d] += near.float().sum(0)
                 for name, (method, net) in nets.items():
                     tp = target_pass(model, seq, tuple(net.cfg.tap_layers), net)
-                    hits = chain_hits(method, net, tp)  # row R-1 <-> root R
-                    sums[name, d] += hits[first - 1 : last - 1].float().sum(0)
-            print(d, {n: [round(float(x) / max(roots[d], 1), 3) for x in sums[n, d]] for n in nets}, flush=True)
+                    hits = chain_hits(method, net, tp)[first - 1 : last - 1]  # row R-1 <-> root R
+                    sums[name, d] += hits.float().sum(0)
+                    if near is not None:  # two branches: the longer chain is accepted
+                        sums[f"{name}+lookup", d] += (hits | near).float().sum(0)
+            print(d, {n: [round(float(x) / max(roots[d], 1), 3) for x in sums[n, d]] for n in names}, flush=True)
     except SpecBlockError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = []
-    for name, (method, _) in nets.items():
+    methods = {n: m for n, (m, _) in nets.items()} | ({"lookup": "lookup"} | {f"{n}+lookup": f"{m}+lookup" for n, (m, _) in nets.items()}
+                                                       if a.lookup else {})
+    for name, method in methods.items():
         per = {d: [round(float(x) / max(roots[d], 1), 4) for x in sums[name, d]] for d in roots}
         tot = sum((sums[name, d] for d in roots), torch.zeros(DEPTH)) / max(sum(roots.values()), 1)
         rows.append({"name": name, "method": method, "by_depth": [round(float(x), 4) for x in tot], "by_domain": per})

@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+import numpy as np
 import pytest
 
 from specblock.training.checkpoint import load_checkpoint
@@ -149,6 +150,19 @@ def test_fine_tuning_a_shipped_drafter(tmp_path, monkeypatch):
         train_main(flags + ["--run-dir", str(tmp_path / "ft5"), "--init-from", str(tmp_path / "gen")])
 
 
+def test_served_gap_lookup_chain_is_what_prompt_lookup_proposes_at_each_root():
+    mod = experiment("served_gap")
+    seq = np.array([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 9])
+    hits = mod.lookup_hits(seq)
+    assert hits.shape == (len(seq) - 1, mod.DEPTH)
+    # root 5 (context ...4 1 2): the bigram 1 2 was followed by 3 4 1 2, and the text goes on 3 4 1 2
+    assert hits[4].tolist() == [True] * 4
+    # root 7 (context ...1 2 3 4): the trigram 2 3 4 was followed by 1 2 3 4, the text has 1 2 9: right twice
+    assert hits[6].tolist() == [True, True, False, False]
+    assert not hits[0].any()  # root 1 (context 1 2): nothing earlier to match
+    assert not hits[-1].any()  # the last root has nothing after it
+
+
 def test_served_gap_chains_match_the_heldout_evaluations(tmp_path, capsys):
     """experiments/served_gap.py counts chains by their root: over the same windows its per-depth
     means equal the training recipes' held-out figures (SpecBlock's block 1, EAGLE-3's chains),
@@ -188,6 +202,15 @@ def test_served_gap_chains_match_the_heldout_evaluations(tmp_path, capsys):
                      "--threads", "1", "--out", str(out)] + specs) == 0
     res = json.loads(out.with_suffix(".json").read_text())
     assert [r["name"] for r in res["rows"]] == ["specblock", "eagle3"] and res["roots"]["code"] > 0
+    # with prompt lookup's chain: the two-branch rows accept at least what either branch does, at most both
+    assert mod.main(["--target", str(tdir), "--domains", "code,chat", "--prompts", "1", "--max-new-tokens", "6",
+                     "--threads", "1", "--lookup", "--out", str(out)] + specs) == 0
+    rows = {r["name"]: r["by_depth"] for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert list(rows) == ["specblock", "eagle3", "lookup", "specblock+lookup", "eagle3+lookup"]
+    for name in ("specblock", "eagle3"):
+        assert rows[name] == [r["by_depth"] for r in res["rows"] if r["name"] == name][0]  # unchanged by --lookup
+        both = rows[f"{name}+lookup"]
+        assert all(max(x, y) - 1e-9 <= u <= x + y + 1e-9 for x, y, u in zip(rows[name], rows["lookup"], both))
     # a chatgen shard's stored answers instead: roots are its answer positions (a 1-token answer has none)
     shard = tmp_path / "gen" / "shard_00000.jsonl"
     assert mod.main(["--target", str(tdir), "--domains", "chat", "--prompts", "5", "--max-new-tokens", "6", "--chatgen",
