@@ -32,6 +32,11 @@ def test_per_method_engine_budget(tmp_path):
                  "--set", "random@b2:budget=2", "--out", str(out)]) == 0
     rows = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
     assert rows["random@b2"]["mean_tree_size"] <= 3 < rows["random"]["mean_tree_size"]  # root + at most 2 nodes
+    # --budget holds for every method without its own (it was dropped: the options carried budget=None)
+    assert main(["bench", "--target", str(tmp_path / "t"), "--methods", "random", "--domains", "code", "--prompts", "1",
+                 "--max-new-tokens", "6", "--runs", "1", "--dtype", "float32", "--budget", "4", "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert 1 < rows["random"]["mean_tree_size"] <= 5
 
 
 def test_best_budgets_picks_the_fastest_budget_per_method(tmp_path, capsys):

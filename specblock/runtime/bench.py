@@ -40,6 +40,7 @@ from specblock.flags import OneLineParser
 from specblock.runtime import chat, drafters, peers
 from specblock.runtime.bench_config import check_bench_flags, method_options
 from specblock.runtime.config import RunConfig, validate
+from specblock.runtime.drafters import lookup_branch
 from specblock.runtime.engine import Engine
 from specblock.runtime.metrics import DecodeStats
 from specblock.runtime.target import DTYPE_CHOICES, DTYPE_HELP, TargetModel, read_generation_eos, resolve_dtype
@@ -80,10 +81,12 @@ class Cell:
 
 
 ADAPT = "+adapt"  # "specblock+adapt": the SpecBlock drafter wrapped in runtime/adapt.py's Adapter
+# "eagle3+lookup": prompt lookup's chain grafted onto the drafter's tree (drafters/lookup_branch.py)
+LOOKUP = lookup_branch.SUFFIX
 
 
 def _base(method: str) -> str:
-    return method.split("@")[0].removesuffix(ADAPT)
+    return method.split("@")[0].removesuffix(LOOKUP).removesuffix(ADAPT)
 
 
 def _options(method: str, args) -> dict:
@@ -130,11 +133,17 @@ def _engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
     target = targets.compiled() if opts.pop("compiled", None) or args.compile else targets.eager
     # "budget" is the engine's node budget: --set METHOD:budget, then --budget, then the drafter's
     # serving.json (its measured best), then the default
-    if args.budget is not None:
-        opts.setdefault("budget", args.budget)
+    if args.budget is not None and opts.get("budget") is None:  # RunConfig's options carry budget=None
+        opts["budget"] = args.budget
+    given = "budget" in opts  # the whole tree's, lookup's branch included
+    nodes = opts.pop("lookup_nodes", None)  # check_bench_flags refused it on other methods
     opts = drafters.serving_settings(_base(m), target, opts)
     budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
     drafter = drafters.build(_base(m), target, opts)
+    if lookup_branch.has_lookup(m):
+        drafter = lookup_branch.LookupBranch(drafter, nodes or lookup_branch.DEFAULT_NODES)
+        if not given:  # the drafter keeps its measured budget; lookup's branch comes on top
+            budget += drafter.nodes
     if ADAPT in m:
         from specblock.runtime.adapt import AdaptSettings, Adapter
 

@@ -15,6 +15,8 @@ from specblock.errors import SpecBlockError
 from specblock.flags import check, one_line
 from specblock.prompts import DOMAINS
 from specblock.runtime.config import RunConfig
+from specblock.runtime.drafters.lookup_branch import SUFFIX as LOOKUP
+from specblock.runtime.drafters.lookup_branch import has_lookup
 from specblock.runtime.peers import is_peer
 
 _SHARED = ("ngram", "lookup_depth", "branches", "seed", "drafter", "M", "max_seeds", "widths", "budget",
@@ -31,6 +33,7 @@ MethodOptions = create_model(
     **{k: (RunConfig.model_fields[k].annotation, RunConfig.model_fields[k]) for k in _SHARED if k in RunConfig.model_fields},
     depth=_POSITIVE, top_k=_POSITIVE, gamma=_POSITIVE, forwards=_POSITIVE, falcon_seeds=_POSITIVE,
     num_assistant_tokens=_POSITIVE,
+    lookup_nodes=_POSITIVE,  # METHOD+lookup: the most nodes prompt lookup's branch may take
     # this method on the compiled target (specblock/compiled, one model shared with the eager one):
     # compiled against eager in one run, e.g. --methods ar,ar@c --set ar@c:compiled=true
     compiled=(bool | None, None),
@@ -111,8 +114,13 @@ def check_bench_flags(args) -> dict[str, dict]:
     per-method options."""
     check(BenchFlags, vars(args))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if has_lookup(m) and "+adapt" in m:
+            raise SpecBlockError(f"{m}: adapting and a lookup branch do not combine yet; use specblock+adapt or specblock{LOOKUP}")
     opts = method_options(args.set, methods)
     for m, o in opts.items():
+        if o.get("lookup_nodes") is not None and not has_lookup(m):
+            raise SpecBlockError(f"--set {m}:lookup_nodes is for a METHOD{LOOKUP} method, e.g. eagle3{LOOKUP}")
         if o.get("compiled") and is_peer(m):
             raise SpecBlockError(f"--set {m}:compiled: HF generate peers run HF's own loop; "
                                  "compiled=true is for this project's methods")

@@ -1,0 +1,84 @@
+"""Prompt lookup's guess as one more branch of any drafter's tree (``METHOD+lookup``; our
+addition, the paper drafts from the network alone).
+
+Why: on the bench's own text, the drafters and prompt lookup are right at different positions.
+Teacher-forced 3-token chains on the real model accept 0.588 drafts for SpecBlock, 0.784 for
+EAGLE-3 and 0.571 for lookup. With lookup's chain beside them, counting the longer of the two,
+they accept 1.046 and 1.164 (``python experiments/served_gap.py ... --lookup``,
+``experiments/results/served_gap_lookup_smollm2.md``). One verification checks both guesses.
+
+The node budget is shared: lookup's chain (its most recent match, up to ``nodes`` tokens) takes
+what it needs and the drafter gets the rest. Where the chain starts like one of the drafter's
+branches, it follows that branch and adds only the tokens that differ. The drafters learn only
+from the committed tokens and the target's features at them (``accept``), so a path the lookup
+branch won teaches them as well as their own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specblock.policies.tree import DraftTree
+from specblock.runtime.drafters.base import DraftRequest, Drafter
+from specblock.runtime.drafters.lookup import LookupDrafter
+from specblock.runtime.target import TargetOutput
+from specblock.runtime.verify import Verdict
+
+SUFFIX = "+lookup"
+#: Lookup's share of the budget unless set (``--set METHOD+lookup:lookup_nodes=N``): the chain
+#: length measured above.
+DEFAULT_NODES = 3
+
+
+def has_lookup(method: str) -> bool:
+    """Whether a bench method name asks for the branch (``eagle3+lookup``, ``eagle3+lookup@b4``;
+    after ``@`` comes a free label)."""
+    return method.split("@")[0].endswith(SUFFIX)
+
+
+def graft(tree: DraftTree, chain: np.ndarray) -> int:
+    """Add ``chain`` (tokens below the root, in depth order) as a branch of ``tree``, in place:
+    it follows the tree while a child carries its next token, and the rest goes below the last
+    node it shares. Returns how many nodes were added (at most ``len(chain)``: a loop of that
+    many steps, not one per tree node)."""
+    node = 0
+    for i, tok in enumerate(chain.tolist()):
+        kids = tree.children(node)
+        same = kids[tree.tokens[kids] == tok]
+        if same.size == 0:
+            rest = np.asarray(chain[i:], dtype=np.int64)
+            parents = np.concatenate([[node], tree.size + np.arange(rest.size - 1)])
+            tree.extend(parents=parents, tokens=rest)
+            return int(rest.size)
+        node = int(same[0])
+    return 0
+
+
+class LookupBranch(Drafter):
+    """``inner``'s tree with prompt lookup's chain grafted on. Lossless like any drafter: only the
+    tree changes, never the verification."""
+
+    def __init__(self, inner: Drafter, nodes: int = DEFAULT_NODES, max_ngram: int = 3) -> None:
+        if nodes < 1:
+            raise ValueError(f"lookup_nodes must be at least 1 (got {nodes})")
+        self.inner, self.nodes = inner, nodes
+        self.lookup = LookupDrafter(max_ngram=max_ngram, depth=nodes, branches=1)
+        self.name = f"{inner.name}{SUFFIX}"
+        self.needs_features = inner.needs_features
+        self.tap_layers = getattr(inner, "tap_layers", None)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def prefill(self, prompt: np.ndarray, features: TargetOutput | None) -> None:
+        self.inner.prefill(prompt, features)
+
+    def propose(self, req: DraftRequest) -> DraftTree:
+        guess = self.lookup.propose(DraftRequest(req.tokens, min(self.nodes, req.budget), req.max_depth)).tokens[1:]
+        tree = self.inner.propose(DraftRequest(req.tokens, req.budget - guess.size, req.max_depth))
+        if guess.size:
+            graft(tree, guess)
+        return tree
+
+    def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
+        self.inner.accept(tree, verdict, features)

@@ -1,0 +1,95 @@
+"""Prompt lookup's chain grafted onto a drafter's tree (``METHOD+lookup``,
+``runtime/drafters/lookup_branch.py``): the graft shares what the tree already has, the node
+budget holds, and the output stays the target's greedy decoding."""
+
+import json
+
+import numpy as np
+import pytest
+
+from specblock.errors import SpecBlockError
+from specblock.policies.tree import DraftTree
+from specblock.runtime.cli import main
+from specblock.runtime.drafters import RandomDrafter
+from specblock.runtime.drafters.base import DraftRequest, Drafter
+from specblock.runtime.drafters.lookup_branch import LookupBranch, graft, has_lookup
+from specblock.runtime.engine import Engine
+from specblock.runtime.target import TargetModel
+from tiny import hf_greedy, save_tiny, tiny_model
+
+V = 32
+
+
+def test_graft_follows_the_tree_and_adds_only_what_differs():
+    tree = DraftTree.from_parents(np.array([9, 1, 2, 3]), np.array([-1, 0, 1, 0]))  # 9 -> 1 -> 2, 9 -> 3
+    assert graft(tree, np.array([1, 5, 6])) == 2  # shares node 1, then 5 -> 6 below it
+    assert tree.tokens[4:].tolist() == [5, 6] and tree.parent[4:].tolist() == [1, 4]
+    assert tree.depth[4:].tolist() == [2, 3]
+    assert graft(tree, np.array([1, 2])) == 0  # already a path of the tree
+    assert graft(tree, np.array([7])) == 1 and tree.parent[-1] == 0
+    tree.check()
+
+
+class Fixed(Drafter):
+    """A drafter that always proposes the same chain (records the budgets it was given)."""
+
+    name = "fixed"
+
+    def __init__(self, chain):
+        self.chain, self.budgets = np.asarray(chain), []
+
+    def propose(self, req: DraftRequest) -> DraftTree:
+        self.budgets.append(req.budget)
+        n = min(req.budget, len(self.chain))
+        return DraftTree.from_parents(np.concatenate([[req.tokens[-1]], self.chain[:n]]), np.arange(-1, n))
+
+
+def test_the_budget_is_shared_and_never_exceeded():
+    inner = Fixed([4, 4, 4, 4, 4])
+    drafter = LookupBranch(inner, nodes=3)
+    tokens = np.array([1, 2, 3, 1, 2, 3, 1, 2])  # lookup: 1 2 -> 3 1 2
+    tree = drafter.propose(DraftRequest(tokens, budget=6, max_depth=10))
+    assert inner.budgets == [3] and tree.size - 1 == 6
+    assert tree.tokens[tree.path_to(tree.size - 1)].tolist() == [2, 3, 1, 2]  # lookup's branch
+    tree = drafter.propose(DraftRequest(np.array([5, 6]), budget=6, max_depth=10))  # no match: all to the drafter
+    assert inner.budgets[-1] == 6 and tree.size - 1 == 5
+
+
+@pytest.mark.parametrize("inner", ["random", "lookup"])
+def test_decoding_with_a_lookup_branch_is_the_targets_greedy_decoding(inner):
+    model = tiny_model("llama", vocab=V, seed=3, layers=2)
+    target = TargetModel(model)
+    base = RandomDrafter(V, seed=1) if inner == "random" else __import__(
+        "specblock.runtime.drafters", fromlist=["LookupDrafter"]).LookupDrafter(max_ngram=2)
+    rng = np.random.default_rng(4)
+    accepted = {}
+    for name, drafter in (("alone", base), ("branch", LookupBranch(base, nodes=3))):
+        engine = Engine(target, drafter, budget=6)
+        acc = []
+        for _ in range(3):
+            prompt = np.tile(rng.integers(2, V, 5), 3)  # repeats: lookup has something to find
+            res = engine.generate(prompt, 24)
+            assert res.token_ids == hf_greedy(model, prompt, 24)
+            assert max(res.stats.tree_size) <= 7
+            acc += res.stats.accepted
+        accepted[name] = np.mean(acc)
+    if inner == "random":  # a random drafter's trees rarely hit; lookup's branch on a repeating text does
+        assert accepted["branch"] > accepted["alone"]
+
+
+def test_bench_runs_a_lookup_branch_and_refuses_what_does_not_combine(tmp_path, capsys):
+    assert has_lookup("eagle3+lookup") and has_lookup("eagle3+lookup@b4") and not has_lookup("eagle3@x+lookup")
+    save_tiny(tmp_path / "t", "llama", vocab=96, ctx=2048)
+    out = tmp_path / "b"
+    flags = ["bench", "--target", str(tmp_path / "t"), "--domains", "code", "--prompts", "1", "--max-new-tokens", "8",
+             "--runs", "1", "--dtype", "float32", "--budget", "4", "--out", str(out)]
+    assert main(flags + ["--methods", "random,random+lookup", "--set", "random+lookup:lookup_nodes=2"]) == 0
+    rows = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert rows["random+lookup"]["match_rate"] == 1.0 and rows["random+lookup"]["mean_tree_size"] <= 5
+    capsys.readouterr()
+    for bad, needle in ((["--methods", "random", "--set", "random:lookup_nodes=2"], "for a METHOD+lookup method"),
+                        (["--methods", "specblock+adapt+lookup"], "do not combine")):
+        assert main(flags[:-2] + ["--out", str(tmp_path / "bad")] + bad) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and "\n" not in err
+    assert not (tmp_path / "bad.json").exists()
