@@ -93,3 +93,37 @@ def test_bench_runs_a_lookup_branch_and_refuses_what_does_not_combine(tmp_path, 
         err = capsys.readouterr().err.strip()
         assert needle in err and "\n" not in err
     assert not (tmp_path / "bad.json").exists()
+
+
+def test_cli_lookup_branch_is_identical_to_plain_decoding_and_refuses_bad_values(tmp_path, capsys):
+    from tiny import run_cli
+
+    model_dir = save_tiny(tmp_path / "m", "llama", vocab=96, ctx=64)
+    flags = ["--target", model_dir, "--prompt", "abcabcabc", "--max-new-tokens", 12, "--dtype", "float32"]
+    code, out, _ = run_cli(capsys, *flags, "--method", "random", "--lookup-branch", 3, "--json", "--compare", "ar")
+    rec = json.loads(out.strip().splitlines()[0])
+    assert code == 0 and rec["method"] == "random" and rec["lookup_branch"] == 3 and rec["identical_to_ar"] is True
+    for bad, needle in ((["--method", "random", "--lookup-branch", 0], "--lookup-branch"),
+                        (["--method", "specblock", "--adapt", "--lookup-branch", 2], "do not combine")):
+        code, _, err = run_cli(capsys, *flags, *bad)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_budget_of_a_lookup_method_is_the_drafters_plus_the_branch_unless_set():
+    """The drafter keeps its measured budget and lookup's branch comes on top (it was starved once:
+    RunConfig's options carry budget=None, which read as a budget the user had set)."""
+    import argparse
+
+    from specblock.runtime import bench, drafters
+
+    target = TargetModel(tiny_model("llama", vocab=V, seed=3, layers=2))
+    targets = bench.Targets(target, "whole")
+
+    def budget(method, *items, flag=None):
+        args = argparse.Namespace(drafter_dir=None, set=list(items), method_options=None, budget=flag, compile=False)
+        return bench._engine(method, targets, args, frozenset()).budget
+
+    assert budget("random+lookup") == drafters.DEFAULT_BUDGET + 3
+    assert budget("random+lookup", "random+lookup:lookup_nodes=5") == drafters.DEFAULT_BUDGET + 5
+    assert budget("random+lookup", "random+lookup:budget=6") == 6  # the whole tree's, as set
+    assert budget("random+lookup", flag=9) == 9

@@ -135,7 +135,7 @@ def _engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
     # serving.json (its measured best), then the default
     if args.budget is not None and opts.get("budget") is None:  # RunConfig's options carry budget=None
         opts["budget"] = args.budget
-    given = "budget" in opts  # the whole tree's, lookup's branch included
+    given = opts.get("budget") is not None  # the whole tree's, lookup's branch included
     nodes = opts.pop("lookup_nodes", None)  # check_bench_flags refused it on other methods
     opts = drafters.serving_settings(_base(m), target, opts)
     budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--M", type=int, help="specblock: block iterations per step (default: serving.json, else 2)")
     p.add_argument("--max-seeds", type=int, help="specblock: seeds that start each later block (default 2)")
     p.add_argument("--widths", type=_widths, help="specblock: siblings per bucket b0,b1,b2,b3 (default 2,4,10,0)")
+    p.add_argument("--lookup-branch", type=int, metavar="N",
+                   help="graft prompt lookup's chain of up to N tokens onto the drafter's tree; the node budget grows "
+                        "by N unless --budget is given (drafters/lookup_branch.py)")
     p.add_argument("--adapt", action="store_true", help="specblock: adapt the drafter while serving (runtime/adapt.py)")
     p.add_argument("--adapt-window", type=int, default=128, help="adapt: decoding iterations per window")
     p.add_argument("--adapt-lambda", type=float, default=0.1, help="adapt: weight of the KL anchor to the pretrained drafter")
@@ -156,6 +159,12 @@ class Session:
         opts = drafters.serving_settings(cfg.method, target, cfg.drafter_options())
         budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
         drafter, adapter = drafters.build(cfg.method, target, opts), None
+        if cfg.lookup_branch:
+            from specblock.runtime.drafters.lookup_branch import LookupBranch
+
+            drafter = LookupBranch(drafter, cfg.lookup_branch)
+            if cfg.budget is None:  # the drafter keeps its measured budget; lookup's branch comes on top
+                budget += cfg.lookup_branch
         if cfg.adapt:
             from specblock.runtime.adapt import AdaptSettings, Adapter
 
@@ -212,6 +221,7 @@ class Streamer:
 def result_record(s: Session, res: GenerationResult, base: GenerationResult | None) -> dict:
     rec = {
         "method": s.cfg.method,
+        **({"lookup_branch": s.cfg.lookup_branch} if s.cfg.lookup_branch else {}),
         "token_ids": res.token_ids,
         "text": s.tokenizer.decode(res.token_ids, skip_special_tokens=True),
         "stopped": res.stopped,

@@ -54,6 +54,8 @@ class RunConfig(BaseModel):
     max_seeds: int | None = Field(None, ge=1, le=16)
     widths: tuple[int, int, int, int] | None = None
     adapt: bool = False  # serving-time adaptation of the SpecBlock drafter (runtime/adapt.py)
+    # prompt lookup's chain of up to N tokens grafted onto the drafter's tree (drafters/lookup_branch.py)
+    lookup_branch: int | None = Field(None, ge=1, le=64)
     adapt_window: int = Field(128, ge=2)  # decoding iterations per adaptation window
     adapt_lambda: float = Field(0.1, ge=0.0, allow_inf_nan=False)  # weight of the KL anchor to the pretrained drafter
     adapt_arms: tuple[str, ...] = ("skip", "heads", "full")  # one arm: always play it
@@ -111,6 +113,8 @@ class RunConfig(BaseModel):
     def _adapt_needs_specblock(self) -> "RunConfig":
         if self.adapt and self.method != "specblock":
             raise ValueError("--adapt adapts the SpecBlock drafter; use it with --method specblock")
+        if self.adapt and self.lookup_branch:
+            raise ValueError("--lookup-branch and --adapt do not combine yet; give one of them")
         return self
 
     @model_validator(mode="after")
