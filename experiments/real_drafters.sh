@@ -2,7 +2,7 @@
 # Drafters for the real target (SmolLM2-135M-Instruct, issue 14), every command in order. Each
 # step is resumable: rerun the same line after an interruption and it continues where it stopped.
 # Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
-#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|compiled|compiled-budgets|lossless|widths|eval
+#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|compiled|compiled-budgets|lossless|widths|lookup-branch|eval
 # One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
 # generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
 # side by side (featcache --follow picks up new chatgen shards, training new feature shards).
@@ -220,10 +220,36 @@ case "${1:-}" in
     $PY -m specblock.runtime calibrate --target $T --dtype bfloat16 --reps 9 --out specblock/sim/data/latency_cpu_smollm2_avx2_bf16.json
     $PY experiments/target_speed.py --dtypes bfloat16,float32,packed-fp16 --attn sdpa --ctx 128 --reps 7 --threads 2 \
         --out experiments/results/target_speed_smollm2 ;;
+  lookup-branch) # 6g. Prompt lookup's chain grafted onto the drafters' trees (METHOD+lookup, drafters/lookup_branch.py)
+    #            beside the same drafters without it, in one run: SpecBlock at the main table's settings (M = 2 rank-head
+    #            widths at budget 4, M = 1 top-4 at 3; +lookup: those budgets + 3), EAGLE-3 at its serving.json (+lookup:
+    #            its budget + 3, the default). NODES="2 5" runs lookup_nodes variants instead; NAME= the file name.
+    if [[ ${NODES:-} ]]; then
+      M=ar; S=()
+      for n in $NODES 3; do
+        v=$([[ $n == 3 ]] && echo "" || echo "n$n")
+        M+=",eagle3+lookup${v:+@$v},specblock+lookup@m1$v"
+        S+=(--set "specblock+lookup@m1$v:M=1" --set "specblock+lookup@m1$v:widths=4,4,4,4" --set "specblock+lookup@m1$v:budget=$((3 + n))")
+        [[ $n != 3 ]] && S+=(--set "eagle3+lookup@$v:lookup_nodes=$n" --set "specblock+lookup@m1$v:lookup_nodes=$n")
+      done
+      $PY -m specblock.runtime bench --target $T --methods "$M" "${S[@]}" --dtype packed-fp16 --prompts ${PROMPTS:-3} \
+          --runs 3 --max-new-tokens 48 --threads 2 --out "experiments/results/${NAME:-bench_smollm2_lookup_nodes}"
+      exit 0
+    fi
+    S=()
+    for v in "" +lookup; do
+      extra=$([[ $v ]] && echo 3 || echo 0)  # lookup's branch on top of the drafter's budget
+      S+=(--set "specblock$v:M=2" --set "specblock$v:widths=2,4,10,0" --set "specblock$v:budget=$((4 + extra))"
+          --set "specblock$v@m1:M=1" --set "specblock$v@m1:widths=4,4,4,4" --set "specblock$v@m1:budget=$((3 + extra))")
+    done
+    $PY -m specblock.runtime bench --target $T \
+        --methods ar,lookup,eagle3,eagle3+lookup,specblock@m1,specblock+lookup@m1,specblock,specblock+lookup "${S[@]}" \
+        --dtype packed-fp16 --prompts ${PROMPTS:-3} --runs 3 --max-new-tokens 48 --threads 2 \
+        --out "experiments/results/${NAME:-bench_smollm2_lookup_branch}" ;;
   eval)      # 7. SpecBlock per domain: acceptance by in-block position, rank head, physical limit tau*T(1)/T(n)
     #            BENCH= a main table's JSON, LATENCY= a calibrate JSON of the machine it ran on
     $PY experiments/specblock_eval.py --target $T --drafter specblock/assets/drafters/$T/specblock --windows 4 \
         --dtype packed-fp16 --bench "${BENCH:-experiments/results/bench_smollm2_packed.json}" \
         --latency "${LATENCY:-specblock/sim/data/latency_cpu_smollm2_packed_fp16.json}" --out experiments/results/specblock_eval_smollm2.json ;;
-  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|compiled|compiled-budgets|lossless|widths|eval" >&2; exit 2 ;;
+  *) echo "usage: $0 data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|compiled|compiled-budgets|lossless|widths|lookup-branch|eval" >&2; exit 2 ;;
 esac
