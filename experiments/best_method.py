@@ -1,7 +1,8 @@
 """Record a target's fastest method from its main bench table, for ``--method auto``.
 
 The highest mean Spd over the bench's domains among the methods the CLI can run by name (no
-``@`` variants, no HF peers), written as ``best.json`` beside the target's shipped drafters:
+``@`` variants, no HF peers; ``METHOD+lookup`` counts: ``--method auto`` runs it as METHOD with
+``--lookup-branch``), written as ``best.json`` beside the target's shipped drafters:
 
     python experiments/best_method.py experiments/results/bench_smollm2_main.json \
         --write specblock/assets/drafters/smollm2-135m-instruct
@@ -24,6 +25,7 @@ import numpy as np
 
 from specblock.atomic import write_atomic
 from specblock.runtime.drafters import METHODS
+from specblock.runtime.drafters.lookup_branch import SUFFIX as LOOKUP
 
 
 def fastest(bench: dict, compiled: bool = False) -> tuple[str, dict[str, float]]:
@@ -33,7 +35,7 @@ def fastest(bench: dict, compiled: bool = False) -> tuple[str, dict[str, float]]
         name = r["method"]
         if compiled:  # only the compiled rows count, by their method's name
             name = name.removesuffix("@c") if name.endswith("@c") else None
-        if name in METHODS:
+        if name is not None and name.removesuffix(LOOKUP) in METHODS:
             spd[name].append(r["speedup"])
     if not spd:
         raise SystemExit("no runnable method in this bench" + (" with an @c (compiled) row" if compiled else ""))

@@ -171,8 +171,10 @@ case "${1:-}" in
     B=$($PY experiments/best_budgets.py experiments/results/$SWEPT.json --alias specblock+adapt=specblock \
         --alias specblock@m1=specblock@m1 2>/dev/null) || echo "note: no SpecBlock budgets in $SWEPT.json; serving.json's hold" >&2
     for s in $B; do [[ $s == specblock* ]] && PIN+=(--set "$s"); done
+    # eagle3+lookup and specblock+lookup: prompt lookup's branch on each drafter at its serving.json (what --method
+    # METHOD --lookup-branch 3 runs; best.json may name one, and --method auto then runs it so)
     $PY -m specblock.runtime bench --target $T \
-        --methods ar,hf-greedy,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt \
+        --methods ar,hf-greedy,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt,eagle3+lookup,specblock+lookup \
         "${PIN[@]}" --dtype packed-fp16 --prompts ${PROMPTS:-3} --runs 3 --max-new-tokens 48 --threads 2 \
         --out "experiments/results/${MAIN_OUT:-bench_smollm2_packed}" --trace-dir runs/traces_smollm2_packed
     $PY experiments/best_method.py "experiments/results/${MAIN_OUT:-bench_smollm2_packed}.json" --write specblock/assets/drafters/$T ;;
@@ -204,7 +206,7 @@ case "${1:-}" in
         --runs 2 --max-new-tokens 48 --threads 2 --out "experiments/results/${NAME:-bench_smollm2_compiled_budgets}" ;;
   lossless)  # 6d. Every method against plain decoding at fp32 (the lossless run: match rate and divergences, not
     #            speed), 3 prompts per domain, 48 new tokens, each at its serving.json settings. METHODS= and NAME= pick a subset and its file.
-    M=${METHODS:-ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt}
+    M=${METHODS:-ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt,eagle3+lookup,specblock+lookup}
     PIN=(); [[ ,$M, == *,specblock@m1,* ]] && PIN=(--set specblock@m1:M=1)
     [[ ,$M, == *,specblock,* ]] && PIN+=(--set specblock:M=2 --set specblock:widths=2,4,10,0)  # the paper's, as in the main table
     $PY -m specblock.runtime bench --target $T --methods "$M" "${PIN[@]}" --dtype float32 --prompts 3 --runs 1 --max-new-tokens 48 --threads ${THREADS:-2} \

@@ -42,6 +42,12 @@ def test_auto_falls_back_to_lookup_then_follows_the_record(fake_target):
     # q4: plain decoding measured fastest there (and on torch's kernel it is the one exact method)
     assert RunConfig(target="fake", method="auto", dtype="q4").method == "ar"
     assert RunConfig(target="fake", method="lookup", dtype="q4").method == "lookup"  # an explicit choice stays
+    # the table's winner with prompt lookup's branch: its method, with --lookup-branch at the default unless given
+    (fake_target / "best.json").write_text(json.dumps({"method": "eagle3+lookup", "dtype": "packed-fp16"}))
+    auto = RunConfig(target="fake", method="auto", dtype="packed-fp16")
+    assert (auto.method, auto.lookup_branch) == ("eagle3", 3)
+    assert RunConfig(target="fake", method="auto", dtype="packed-fp16", lookup_branch=5).lookup_branch == 5
+    assert RunConfig(target="fake", method="eagle3", dtype="packed-fp16").lookup_branch is None
     (fake_target / "best.json").write_text("{not json")
     with pytest.raises(SpecBlockError, match="best_method.py"):
         registry.best_method("fake")
@@ -58,6 +64,9 @@ def test_best_method_script_picks_the_highest_mean_among_runnable_methods(tmp_pa
                       row("eagle3", "code", 1.5), row("eagle3", "chat", 0.8), row("hf-lookup", "code", 9.0),
                       row("specblock@m1", "code", 9.0)]}
     assert bm.fastest(bench)[0] == "lookup"  # mean 1.2 beats eagle3's 1.15; peers and variants do not count
+    branch = {**bench, "rows": bench["rows"] + [row("eagle3+lookup", "code", 1.4), row("eagle3+lookup", "chat", 1.2),
+                                                row("ar+adapt", "code", 9.0)]}
+    assert bm.fastest(branch)[0] == "eagle3+lookup"  # a drafter with the lookup branch is runnable by name
     f = tmp_path / "b.json"
     f.write_text(json.dumps(bench))
     assert bm.main([str(f), "--write", str(tmp_path)]) == 0

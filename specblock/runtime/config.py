@@ -94,11 +94,17 @@ class RunConfig(BaseModel):
             # At q4 plain decoding measured fastest, eager (Medusa tied at 1.00x) and compiled (ar@c 1.66x
             # against medusa@c's 1.57x, every method matching it; bench_smollm2_compiled_q4_fp32.md). On torch's
             # kernel (no AVX512) it is also the one method that is exactly the q4 model's greedy decoding.
+            # A record "METHOD+lookup" (the table's row with prompt lookup's branch) runs METHOD with
+            # --lookup-branch at its default length, unless the user gave one.
+            from specblock.runtime.drafters.lookup_branch import DEFAULT_NODES, SUFFIX
             from specblock.runtime.q4 import Q4
             from specblock.runtime.target import resolve_dtype
 
             dtype = resolve_dtype(self.dtype, self.device)
-            self.method = "ar" if dtype == Q4 else best_method(self.target, dtype, compiled=self.compile)
+            method = "ar" if dtype == Q4 else best_method(self.target, dtype, compiled=self.compile)
+            self.method = method.removesuffix(SUFFIX)
+            if self.method != method and self.lookup_branch is None:
+                self.lookup_branch = DEFAULT_NODES
         return self
 
     @field_validator("adapt_arms")
