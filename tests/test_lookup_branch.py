@@ -103,6 +103,8 @@ def test_cli_lookup_branch_is_identical_to_plain_decoding_and_refuses_bad_values
     code, out, _ = run_cli(capsys, *flags, "--method", "random", "--lookup-branch", 3, "--json", "--compare", "ar")
     rec = json.loads(out.strip().splitlines()[0])
     assert code == 0 and rec["method"] == "random" and rec["lookup_branch"] == 3 and rec["identical_to_ar"] is True
+    code, _, err = run_cli(capsys, *flags, "--method", "random", "--lookup-branch", 3, "--compare", "ar")
+    assert code == 0 and "[random + lookup branch]" in err + _ and "identical to ar: True" in err + _
     for bad, needle in ((["--method", "random", "--lookup-branch", 0], "--lookup-branch"),
                         (["--method", "specblock", "--adapt", "--lookup-branch", 2], "do not combine")):
         code, _, err = run_cli(capsys, *flags, *bad)

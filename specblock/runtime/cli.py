@@ -270,7 +270,8 @@ def run(cfg: RunConfig) -> int:
             else:
                 print("\n" + summary_line(rec), flush=True)
         if cfg.prompt_file:
-            summary = {"summary": True, "method": cfg.method, "prompts": len(rows), **total.summary()}
+            summary = {"summary": True, "method": cfg.method, "prompts": len(rows), **total.summary(),
+                       **({"lookup_branch": cfg.lookup_branch} if cfg.lookup_branch else {})}
             if s.baseline:
                 summary.update(speedup=round(speedup(total, total_base), 4), identical_to_ar=identical)
             if s.adapter is not None:
@@ -301,7 +302,8 @@ def window_line(w: dict) -> str:
 
 def summary_line(rec: dict) -> str:
     line = (
-        f"[{rec['method']}] {rec['new_tokens']} tokens, {rec['tokens_per_s']:.1f} tokens/s, "
+        f"[{rec['method']}{' + lookup branch' if rec.get('lookup_branch') else ''}] {rec['new_tokens']} tokens, "
+        f"{rec['tokens_per_s']:.1f} tokens/s, "
         f"tau {rec['tau']:.2f}, T_D% {100 * rec['draft_share']:.1f}"
     )
     if "speedup" in rec:
