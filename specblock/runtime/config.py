@@ -95,7 +95,8 @@ class RunConfig(BaseModel):
             # against medusa@c's 1.57x, every method matching it; bench_smollm2_compiled_q4_fp32.md). On torch's
             # kernel (no AVX512) it is also the one method that is exactly the q4 model's greedy decoding.
             # A record "METHOD+lookup" (the table's row with prompt lookup's branch) runs METHOD with
-            # --lookup-branch at its default length, unless the user gave one.
+            # --lookup-branch at its default length, unless the user gave one (or --adapt, which does not
+            # combine with it yet: then METHOD alone).
             from specblock.runtime.drafters.lookup_branch import DEFAULT_NODES, SUFFIX
             from specblock.runtime.q4 import Q4
             from specblock.runtime.target import resolve_dtype
@@ -103,7 +104,7 @@ class RunConfig(BaseModel):
             dtype = resolve_dtype(self.dtype, self.device)
             method = "ar" if dtype == Q4 else best_method(self.target, dtype, compiled=self.compile)
             self.method = method.removesuffix(SUFFIX)
-            if self.method != method and self.lookup_branch is None:
+            if self.method != method and self.lookup_branch is None and not self.adapt:
                 self.lookup_branch = DEFAULT_NODES
         return self
 
