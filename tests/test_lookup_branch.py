@@ -129,3 +129,14 @@ def test_bench_budget_of_a_lookup_method_is_the_drafters_plus_the_branch_unless_
     assert budget("random+lookup", "random+lookup:lookup_nodes=5") == drafters.DEFAULT_BUDGET + 5
     assert budget("random+lookup", "random+lookup:budget=6") == 6  # the whole tree's, as set
     assert budget("random+lookup", flag=9) == 9
+
+
+def test_the_server_takes_lookup_branch_from_the_runtime_flags(tmp_path):
+    """The server's decoding flags are the CLI's (serve/cli.py): --lookup-branch reaches its engine."""
+    from specblock.serve.cli import open_service, parse
+
+    model_dir = save_tiny(tmp_path / "m", "llama", vocab=96, ctx=64)
+    cfg, opts = parse(["--target", str(model_dir), "--dtype", "float32", "--method", "random", "--budget", "5",
+                       "--lookup-branch", "2", "--port", "0"])
+    engine = open_service(cfg, opts).session.engine
+    assert isinstance(engine.drafter, LookupBranch) and engine.drafter.nodes == 2 and engine.budget == 5
