@@ -144,8 +144,10 @@ def main(argv: list[str]) -> int:
         tok = load_tokenizer(target_dir, False)
         eos = sorted(chat.stop_ids(tok, read_generation_eos(target_dir)))
         nets = {name: (method, load(method, path, model).eval()) for name, method, path in specs}
-        names = list(nets) + (["lookup"] + [f"{n}+lookup" for n in nets] if a.lookup else [])
-        sums = {(n, d): torch.zeros(DEPTH) for n in names for d in a.domains.split(",")}
+        methods = {n: m for n, (m, _) in nets.items()}  # every row's name -> its method
+        if a.lookup:
+            methods |= {"lookup": "lookup"} | {f"{n}+lookup": f"{m}+lookup" for n, (m, _) in nets.items()}
+        sums = {(n, d): torch.zeros(DEPTH) for n in methods for d in a.domains.split(",")}
         roots = {d: 0 for d in a.domains.split(",")}  # a chatgen shard's domains: code, math, chat, prose
         for d in a.domains.split(","):
             for ids, ans in texts(a, d, model, tok, eos):
@@ -161,13 +163,11 @@ def main(argv: list[str]) -> int:
                     sums[name, d] += hits.float().sum(0)
                     if near is not None:  # two branches: the longer chain is accepted
                         sums[f"{name}+lookup", d] += (hits | near).float().sum(0)
-            print(d, {n: [round(float(x) / max(roots[d], 1), 3) for x in sums[n, d]] for n in names}, flush=True)
+            print(d, {n: [round(float(x) / max(roots[d], 1), 3) for x in sums[n, d]] for n in methods}, flush=True)
     except SpecBlockError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = []
-    methods = {n: m for n, (m, _) in nets.items()} | ({"lookup": "lookup"} | {f"{n}+lookup": f"{m}+lookup" for n, (m, _) in nets.items()}
-                                                       if a.lookup else {})
     for name, method in methods.items():
         per = {d: [round(float(x) / max(roots[d], 1), 4) for x in sums[name, d]] for d in roots}
         tot = sum((sums[name, d] for d in roots), torch.zeros(DEPTH)) / max(sum(roots.values()), 1)

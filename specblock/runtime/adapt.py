@@ -58,10 +58,10 @@ from specblock.policies.bandit import ARMS, CostAwareBandit, FixedArm
 from specblock.policies.rollback import ThreeWindowRollback
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
-from specblock.runtime.packed import PackedLinear, unpack_linears
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
 from specblock.runtime.adapt_signal import QueryRecord, Sample, block1_rows
 from specblock.runtime.drafters.specblock_net import SpecBlockNet
+from specblock.runtime.packed import PackedLinear, unpack_linears
 from specblock.runtime.target import TargetOutput
 from specblock.runtime.verify import Verdict
 from specblock.training.losses import bucket_of, rank_of

@@ -141,9 +141,7 @@ def _engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
     budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
     drafter = drafters.build(_base(m), target, opts)
     if lookup_branch.has_lookup(m):
-        drafter = lookup_branch.LookupBranch(drafter, nodes or lookup_branch.DEFAULT_NODES)
-        if not given:  # the drafter keeps its measured budget; lookup's branch comes on top
-            budget += drafter.nodes
+        drafter, budget = lookup_branch.with_branch(drafter, budget, nodes or lookup_branch.DEFAULT_NODES, given)
     if ADAPT in m:
         from specblock.runtime.adapt import AdaptSettings, Adapter
 

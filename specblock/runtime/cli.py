@@ -160,11 +160,9 @@ class Session:
         budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
         drafter, adapter = drafters.build(cfg.method, target, opts), None
         if cfg.lookup_branch:
-            from specblock.runtime.drafters.lookup_branch import LookupBranch
+            from specblock.runtime.drafters.lookup_branch import with_branch
 
-            drafter = LookupBranch(drafter, cfg.lookup_branch)
-            if cfg.budget is None:  # the drafter keeps its measured budget; lookup's branch comes on top
-                budget += cfg.lookup_branch
+            drafter, budget = with_branch(drafter, budget, cfg.lookup_branch, cfg.budget is not None)
         if cfg.adapt:
             from specblock.runtime.adapt import AdaptSettings, Adapter
 

@@ -82,3 +82,11 @@ class LookupBranch(Drafter):
 
     def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
         self.inner.accept(tree, verdict, features)
+
+
+def with_branch(drafter: Drafter, budget: int, nodes: int, budget_given: bool) -> tuple[LookupBranch, int]:
+    """``drafter`` with the branch, and the engine's node budget for it (the CLI's and the bench's
+    one rule): a budget the user gave is the whole tree's; otherwise the drafter keeps its measured
+    budget and the branch comes on top."""
+    branched = LookupBranch(drafter, nodes)
+    return branched, budget if budget_given else budget + branched.nodes
