@@ -18,4 +18,16 @@ def compile_target(target: TargetModel, mode: str = "whole") -> StaticTarget:
     return StaticTarget.wrap(target, compile=True, regions=mode == "regions")
 
 
-__all__ = ["BUCKETS", "COMPILE_MODES", "StaticTarget", "bucket_of", "compile_target", "span_of"]
+def compile_drafter(drafter, target: TargetModel):
+    """``--compile`` for the drafter: SpecBlock's block 1 on static buffers, compiled
+    (``compiled/drafter.py``); other drafters are returned as they are (their compiled forms were
+    slower, ``experiments/results/compiled_drafters.md``)."""
+    from specblock.compiled.drafter import ROWS, StaticSpecBlockDrafter
+    from specblock.runtime.drafters.specblock import SpecBlockDrafter
+
+    if type(drafter) is not SpecBlockDrafter:
+        return drafter
+    return StaticSpecBlockDrafter(drafter, capacity=target.max_context + ROWS + drafter.net.cfg.K)
+
+
+__all__ = ["BUCKETS", "COMPILE_MODES", "StaticTarget", "bucket_of", "compile_drafter", "compile_target", "span_of"]

@@ -130,7 +130,9 @@ def _engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
     opts = _options(m, args)
     # --compile: every method on the compiled target; --set METHOD:compiled=true: this one (HF peers
     # never: check_bench_flags refuses it, and they run HF's own loop on the eager target's model)
-    target = targets.compiled() if opts.pop("compiled", None) or args.compile else targets.eager
+    compiled = bool(opts.pop("compiled", None) or args.compile)
+    target = targets.compiled() if compiled else targets.eager
+    drafter_compiled = opts.pop("drafter_compiled", None) is not False
     # "budget" is the engine's node budget: --set METHOD:budget, then --budget, then the drafter's
     # serving.json (its measured best), then the default
     if args.budget is not None and opts.get("budget") is None:  # RunConfig's options carry budget=None
@@ -140,6 +142,10 @@ def _engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
     opts = drafters.serving_settings(_base(m), target, opts)
     budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
     drafter = drafters.build(_base(m), target, opts)
+    if compiled and drafter_compiled and ADAPT not in m:
+        from specblock.runtime.cli import maybe_compile_drafter
+
+        drafter = maybe_compile_drafter(drafter, target)
     if lookup_branch.has_lookup(m):
         drafter, budget = lookup_branch.with_branch(drafter, budget, nodes or lookup_branch.DEFAULT_NODES, given)
     if ADAPT in m:

@@ -159,6 +159,8 @@ class Session:
         opts = drafters.serving_settings(cfg.method, target, cfg.drafter_options())
         budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
         drafter, adapter = drafters.build(cfg.method, target, opts), None
+        if cfg.compile and not cfg.adapt:  # an adapting drafter's weights change while it serves
+            drafter = maybe_compile_drafter(drafter, target)
         if cfg.lookup_branch:
             from specblock.runtime.drafters.lookup_branch import with_branch
 
@@ -183,12 +185,19 @@ class Session:
 
 
 def maybe_compile(target: TargetModel, compile: bool, mode: str = "whole") -> TargetModel:
-    """The one hook into ``specblock.compiled`` (imported only when asked: it sits above runtime)."""
+    """The hook into ``specblock.compiled`` for the target (imported only when asked: it sits above runtime)."""
     if not compile:
         return target
     from specblock.compiled import compile_target
 
     return compile_target(target, mode)
+
+
+def maybe_compile_drafter(drafter, target: TargetModel):
+    """``--compile``'s drafter side (``compiled.compile_drafter``: SpecBlock's block 1 on static shapes)."""
+    from specblock.compiled import compile_drafter
+
+    return compile_drafter(drafter, target)
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool):

@@ -1,0 +1,110 @@
+"""SpecBlock's block 1 on static buffers (``compiled/drafter.py``): the same trees as the eager
+drafter, whatever the padding and the stale slots, and lossless on the compiled target."""
+
+import numpy as np
+import pytest
+import torch
+
+from specblock.compiled import compile_drafter
+from specblock.compiled.drafter import ROWS, StaticSpecBlockDrafter
+from specblock.compiled.target import StaticTarget
+from specblock.policies.branching import RankBucketBranching
+from specblock.runtime.drafters.base import DraftRequest
+from specblock.runtime.drafters.lookup import LookupDrafter
+from specblock.runtime.drafters.specblock import SpecBlockDrafter
+from specblock.runtime.engine import Engine
+from test_specblock import make
+from tiny import hf_greedy
+
+WIDTHS = (2, 4, 6, 4)  # no zero width: an untrained rank head still grows trees
+
+
+class Recorder:
+    """Wraps a drafter; keeps every tree it proposes (tokens and parents)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.trees = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, req: DraftRequest):
+        tree = self.inner.propose(req)
+        self.trees.append((tree.tokens.copy(), tree.parent.copy()))
+        return tree
+
+
+def decode(target, drafter, prompt, n=30, budget=12):
+    rec = Recorder(drafter)
+    res = Engine(target, rec, budget=budget).generate(prompt, n)
+    return res, rec.trees
+
+
+@pytest.mark.parametrize("M", [1, 2])
+def test_static_block_proposes_the_eager_trees(M):
+    """Padded rows, stale slots and the span mask change nothing: tree for tree the same
+    proposals as the eager drafter, across prompts of 1, 5 and 20 tokens (the first block after a
+    long prompt runs unpadded), in one drafter reused across prompts."""
+    model, target, net = make(seed=3)
+    eager = SpecBlockDrafter(net, M=M, policy=RankBucketBranching(WIDTHS))
+    static = StaticSpecBlockDrafter(SpecBlockDrafter(net, M=M, policy=RankBucketBranching(WIDTHS)),
+                                    capacity=target.max_context + ROWS + net.cfg.K, compile=False)
+    rng = np.random.default_rng(M)
+    for length in (20, 1, 5):
+        prompt = rng.integers(2, 16, length)
+        a, trees_a = decode(target, eager, prompt)
+        b, trees_b = decode(target, static, prompt)
+        assert a.token_ids == b.token_ids == hf_greedy(model, prompt, 30)
+        assert len(trees_a) == len(trees_b) and max(len(t[0]) for t in trees_b) > 1
+        for (ta, pa), (tb, pb) in zip(trees_a, trees_b):
+            np.testing.assert_array_equal(ta, tb)
+            np.testing.assert_array_equal(pa, pb)
+
+
+def test_deep_accepts_fall_back_to_an_unpadded_step():
+    """A path longer than ROWS - 1 accepted at once (prompt lookup's chain on a repeated text,
+    grafted on SpecBlock's tree) makes more new positions than a padded step holds: that step runs
+    unpadded, and decoding stays lossless and in step with the eager drafter."""
+    from specblock.runtime.drafters.lookup_branch import LookupBranch
+
+    model, target, net = make(seed=5)
+    prompt = np.tile(np.arange(2, 12), 4)
+    eager = LookupBranch(SpecBlockDrafter(net, M=1, policy=RankBucketBranching(WIDTHS)), nodes=ROWS + 4)
+    static = LookupBranch(StaticSpecBlockDrafter(SpecBlockDrafter(net, M=1, policy=RankBucketBranching(WIDTHS)),
+                                                 capacity=target.max_context + 32, compile=False), nodes=ROWS + 4)
+    calls = []
+    real_step = static.inner._step
+    static.inner._step = lambda taps, *a: calls.append(taps.shape[0]) or real_step(taps, *a)
+    a, trees_a = decode(target, eager, prompt, n=40, budget=20)
+    b, trees_b = decode(target, static, prompt, n=40, budget=20)
+    assert a.token_ids == b.token_ids == hf_greedy(model, prompt, 40)
+    assert [t[0].tolist() for t in trees_a] == [t[0].tolist() for t in trees_b]
+    assert max(calls) > ROWS  # some step had more new positions than a padded step holds
+
+
+def test_compile_drafter_wraps_specblock_only():
+    model, target, net = make()
+    drafter = compile_drafter(SpecBlockDrafter(net, M=1), target)
+    assert isinstance(drafter, StaticSpecBlockDrafter) and drafter.compiled
+    other = LookupDrafter()
+    assert compile_drafter(other, target) is other
+
+
+def test_compiled_block_is_lossless_on_the_compiled_target(monkeypatch, tmp_path):
+    """The real thing: inductor-compiled block 1 beside the compiled target, one graph per span,
+    the same trees as the eager drafter."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model, _, net = make(seed=7)
+    target = StaticTarget(model, compile=True, buckets=(8,))
+    eager = SpecBlockDrafter(net, M=1, policy=RankBucketBranching(WIDTHS))
+    static = compile_drafter(SpecBlockDrafter(net, M=1, policy=RankBucketBranching(WIDTHS)), target)
+    graphs = counters["stats"]["unique_graphs"]
+    prompt = np.random.default_rng(0).integers(2, 16, 12)
+    _, trees_a = decode(StaticTarget(model, compile=False, buckets=(8,)), eager, prompt, n=24, budget=6)
+    b, trees_b = decode(target, static, prompt, n=24, budget=6)
+    assert b.token_ids == hf_greedy(model, prompt, 24)
+    assert [t[0].tolist() for t in trees_a] == [t[0].tolist() for t in trees_b]
+    assert len(static._shapes) == 1  # one span met
+    assert counters["stats"]["unique_graphs"] - graphs == 2  # the target's one bucket, the drafter's one graph
