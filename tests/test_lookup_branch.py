@@ -6,18 +6,40 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from specblock.errors import SpecBlockError
 from specblock.policies.tree import DraftTree
 from specblock.runtime.cli import main
 from specblock.runtime.drafters import RandomDrafter
 from specblock.runtime.drafters.base import DraftRequest, Drafter
+from specblock.runtime.drafters.lookup import LookupDrafter, find_continuations, first_match, trie_from_paths
 from specblock.runtime.drafters.lookup_branch import LookupBranch, graft, has_lookup
 from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel
 from tiny import hf_greedy, save_tiny, tiny_model
 
 V = 32
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 4), min_size=1, max_size=40), depth=st.integers(0, 6),
+       budget=st.integers(0, 6), max_ngram=st.integers(1, 4))
+def test_one_chain_fast_path_equals_the_trie_of_the_first_continuation(tokens, depth, budget, max_ngram):
+    """``first_match`` (the branch's and ``branches=1``'s path) is ``find_continuations``' first
+    row without its padding, and lookup's one-chain tree is the trie built from that row."""
+    seq = np.asarray(tokens, dtype=np.int64)
+    want = np.zeros(0, dtype=np.int64)
+    for n in range(max_ngram, 0, -1):
+        cont = find_continuations(seq, n, depth, 1)
+        if cont.shape[0]:
+            want = cont[0][cont[0] >= 0]
+            break
+    np.testing.assert_array_equal(first_match(seq, max_ngram, 1, depth), want)
+    tree = LookupDrafter(max_ngram=max_ngram, depth=depth).propose(DraftRequest(seq, budget, 8))
+    ref = trie_from_paths(int(seq[-1]), want[None] if want.size else np.zeros((0, 0), np.int64), budget)
+    np.testing.assert_array_equal(tree.tokens, ref.tokens)
+    np.testing.assert_array_equal(tree.parent, ref.parent)
 
 
 def test_graft_follows_the_tree_and_adds_only_what_differs():

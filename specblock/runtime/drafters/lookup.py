@@ -31,6 +31,23 @@ def find_continuations(tokens: np.ndarray, ngram: int, depth: int, limit: int) -
     return cont[np.sort(first)][:limit]
 
 
+def first_match(tokens: np.ndarray, max_ngram: int, min_ngram: int, depth: int) -> np.ndarray:
+    """What followed the most recent earlier occurrence of the context's last n tokens (the
+    longest n from ``max_ngram`` down that has one), up to ``depth`` tokens: the first row of
+    ``find_continuations`` without its padding. Why a second function: lookup's branch and
+    ``branches=1`` want only this row, and the dedup and the trie behind several rows
+    (``np.unique`` over rows) were most of the host time the branch added to a step."""
+    n = len(tokens)
+    for g in range(max_ngram, min_ngram - 1, -1):
+        if n <= g or depth <= 0:
+            continue
+        hits = np.flatnonzero((sliding_window_view(tokens[:-1], g) == tokens[-g:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + g
+            return tokens[start : start + depth]
+    return tokens[:0]
+
+
 def trie_from_paths(root: int, paths: np.ndarray, budget: int) -> DraftTree:
     """Merge token paths (rows, -1 padded) into a tree, one vectorised step per depth."""
     tree = DraftTree.root_only(root)
@@ -70,6 +87,12 @@ class LookupDrafter(Drafter):
     def propose(self, req: DraftRequest) -> DraftTree:
         tokens = req.tokens
         depth = min(self.depth, req.max_depth)
+        if self.branches == 1:  # one chain: no trie to merge
+            chain = first_match(tokens, self.max_ngram, self.min_ngram, min(depth, req.budget))
+            tree = DraftTree.root_only(int(tokens[-1]))
+            if chain.size:
+                tree.extend(parents=np.arange(chain.size), tokens=chain.astype(np.int64), block=0)
+            return tree
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             cont = find_continuations(tokens, n, depth, self.branches)
             if cont.shape[0]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
-from specblock.runtime.drafters.lookup import LookupDrafter
+from specblock.runtime.drafters.lookup import first_match
 from specblock.runtime.target import TargetOutput
 from specblock.runtime.verify import Verdict
 
@@ -61,8 +61,7 @@ class LookupBranch(Drafter):
     def __init__(self, inner: Drafter, nodes: int = DEFAULT_NODES, max_ngram: int = 3) -> None:
         if nodes < 1:
             raise ValueError(f"lookup_nodes must be at least 1 (got {nodes})")
-        self.inner, self.nodes = inner, nodes
-        self.lookup = LookupDrafter(max_ngram=max_ngram, depth=nodes, branches=1)
+        self.inner, self.nodes, self.max_ngram = inner, nodes, max_ngram
         self.name = f"{inner.name}{SUFFIX}"
         self.needs_features = inner.needs_features
         self.tap_layers = getattr(inner, "tap_layers", None)
@@ -74,10 +73,10 @@ class LookupBranch(Drafter):
         self.inner.prefill(prompt, features)
 
     def propose(self, req: DraftRequest) -> DraftTree:
-        guess = self.lookup.propose(DraftRequest(req.tokens, min(self.nodes, req.budget), req.max_depth)).tokens[1:]
+        guess = first_match(req.tokens, self.max_ngram, 1, min(self.nodes, req.budget, req.max_depth))
         tree = self.inner.propose(DraftRequest(req.tokens, req.budget - guess.size, req.max_depth))
         if guess.size:
-            graft(tree, guess)
+            graft(tree, guess.astype(np.int64))
         return tree
 
     def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
