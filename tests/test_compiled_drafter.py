@@ -108,3 +108,50 @@ def test_compiled_block_is_lossless_on_the_compiled_target(monkeypatch, tmp_path
     assert [t[0].tolist() for t in trees_a] == [t[0].tolist() for t in trees_b]
     assert len(static._shapes) == 1  # one span met
     assert counters["stats"]["unique_graphs"] - graphs == 2  # the target's one bucket, the drafter's one graph
+
+
+def test_cli_compile_builds_the_static_drafter_but_not_for_adapt(tmp_path, capsys, monkeypatch):
+    """``--compile`` reaches the drafter through ``cli.maybe_compile_drafter``; ``--adapt`` keeps it
+    eager (the adapting drafter's weights change while it serves). The target and the drafter run
+    their static steps uncompiled here: the wiring is what is tested, the compiled step above."""
+    import json
+
+    from specblock.runtime import cli
+    from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
+    from specblock.runtime.target import TargetModel
+    from tiny import save_tiny
+
+    save_tiny(tmp_path / "t", "llama", vocab=96, ctx=128, layers=3)
+    target = TargetModel.load(tmp_path / "t", "float32", "cpu")
+    cfg = SpecBlockConfig(vocab_size=96, hidden_size=32, num_heads=4, intermediate_size=64, tap_layers=target.tap_layers)
+    net = SpecBlockNet(cfg)
+    net.tie_to_target(target.model)
+    net.save(tmp_path / "d")
+    built = []
+    monkeypatch.setattr(cli, "maybe_compile", lambda t, c, m="whole": StaticTarget.wrap(t, compile=False) if c else t)
+    monkeypatch.setattr(cli, "maybe_compile_drafter", lambda d, t: built.append(
+        StaticSpecBlockDrafter(d, capacity=t.max_context + 16, compile=False)) or built[-1])
+    args = ["--target", str(tmp_path / "t"), "--method", "specblock", "--drafter", str(tmp_path / "d"), "--widths",
+            "2,4,6,4", "--prompt", "abc abc", "--max-new-tokens", "16", "--dtype", "float32", "--json", "--compile"]
+    assert cli.main(args + ["--compare", "ar"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["identical_to_ar"] is True and rec["mean_tree_size"] > 1
+    assert len(built) == 1 and built[0].cached > 0  # it served: its buffers hold the context
+    assert cli.main(args + ["--adapt"]) == 0
+    assert len(built) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (experiments/gpu_check.sh runs it where one is)")
+def test_cuda_graph_block_proposes_the_eager_trees():
+    """CUDA: the buffers on the device, the block compiled with mode='reduce-overhead' (CUDA graphs)."""
+    model, _, net = make(seed=7)
+    prompt = np.random.default_rng(0).integers(2, 16, 12)
+    ref = hf_greedy(model, prompt, 24)  # on the CPU copy, before the move
+    model, net = model.cuda(), net.cuda()
+    target = StaticTarget(model, compile=True, buckets=(8,))
+    eager = SpecBlockDrafter(net, M=1, policy=RankBucketBranching(WIDTHS))
+    static = compile_drafter(SpecBlockDrafter(net, M=1, policy=RankBucketBranching(WIDTHS)), target)
+    _, trees_a = decode(StaticTarget(model, compile=False, buckets=(8,)), eager, prompt, n=24, budget=6)
+    b, trees_b = decode(target, static, prompt, n=24, budget=6)
+    assert b.token_ids == ref
+    assert [t[0].tolist() for t in trees_a] == [t[0].tolist() for t in trees_b]

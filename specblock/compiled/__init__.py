@@ -23,10 +23,14 @@ def compile_drafter(drafter, target: TargetModel):
     (``compiled/drafter.py``); other drafters are returned as they are (their compiled forms were
     slower, ``experiments/results/compiled_drafters.md``)."""
     from specblock.compiled.drafter import ROWS, StaticSpecBlockDrafter
+    from specblock.compiled.native import use_native_kernel
+    from specblock.runtime.packed import PackedLinear
     from specblock.runtime.drafters.specblock import SpecBlockDrafter
 
     if type(drafter) is not SpecBlockDrafter:
         return drafter
+    if any(isinstance(m, PackedLinear) for m in drafter.net.modules()):
+        use_native_kernel()  # packed linears in C++ in the graph, as the compiled target's (compiled/native.py)
     return StaticSpecBlockDrafter(drafter, capacity=target.max_context + ROWS + drafter.net.cfg.K)
 
 

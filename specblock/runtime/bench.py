@@ -132,7 +132,8 @@ def _engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
     # never: check_bench_flags refuses it, and they run HF's own loop on the eager target's model)
     compiled = bool(opts.pop("compiled", None) or args.compile)
     target = targets.compiled() if compiled else targets.eager
-    drafter_compiled = opts.pop("drafter_compiled", None) is not False
+    drafter_compiled = opts.pop("drafter_compiled", None)
+    drafter_compiled = compiled if drafter_compiled is None else drafter_compiled
     # "budget" is the engine's node budget: --set METHOD:budget, then --budget, then the drafter's
     # serving.json (its measured best), then the default
     if args.budget is not None and opts.get("budget") is None:  # RunConfig's options carry budget=None
@@ -142,7 +143,7 @@ def _engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
     opts = drafters.serving_settings(_base(m), target, opts)
     budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
     drafter = drafters.build(_base(m), target, opts)
-    if compiled and drafter_compiled and ADAPT not in m:
+    if drafter_compiled and ADAPT not in m:
         from specblock.runtime.cli import maybe_compile_drafter
 
         drafter = maybe_compile_drafter(drafter, target)

@@ -37,8 +37,8 @@ MethodOptions = create_model(
     # this method on the compiled target (specblock/compiled, one model shared with the eager one):
     # compiled against eager in one run, e.g. --methods ar,ar@c --set ar@c:compiled=true
     compiled=(bool | None, None),
-    # on a compiled target, SpecBlock's drafter compiled too (the default) or eager (false): both in
-    # one run, e.g. --set specblock@ce:compiled=true --set specblock@ce:drafter_compiled=false
+    # SpecBlock's block forward compiled (compiled/drafter.py): by default with the target; true also
+    # beside the eager target, false eager beside the compiled one (A/Bs in one run)
     drafter_compiled=(bool | None, None),
 )
 
@@ -124,9 +124,6 @@ def check_bench_flags(args) -> dict[str, dict]:
     for m, o in opts.items():
         if o.get("lookup_nodes") is not None and not has_lookup(m):
             raise SpecBlockError(f"--set {m}:lookup_nodes is for a METHOD{LOOKUP} method, e.g. eagle3{LOOKUP}")
-        if o.get("drafter_compiled") is not None and not (o.get("compiled") or args.compile):
-            raise SpecBlockError(f"--set {m}:drafter_compiled is for a method on the compiled target "
-                                 f"(--compile or --set {m}:compiled=true)")
         if o.get("compiled") and is_peer(m):
             raise SpecBlockError(f"--set {m}:compiled: HF generate peers run HF's own loop; "
                                  "compiled=true is for this project's methods")

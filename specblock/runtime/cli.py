@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--branches", type=int, default=1, help="lookup: distinct continuations merged into a tree")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up decode")
     p.add_argument("--compile", action="store_true",
-                   help="static-shape target compiled per tree-size bucket (specblock/compiled; first use compiles)")
+                   help="static-shape target compiled per tree-size bucket, and SpecBlock's block forward (specblock/compiled; "
+                   "first use compiles)")
     p.add_argument("--compile-mode", default="whole", choices=["regions", "whole"],
                    help="--compile: the whole forward per bucket (fastest per token), or one layer step shared by all "
                    "layers (regions: several times faster to compile)")
