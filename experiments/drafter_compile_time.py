@@ -37,7 +37,7 @@ torch.set_num_threads(2)
 s = Session.open(RunConfig(target=sys.argv[1], dtype=sys.argv[2], method="specblock", max_new_tokens=8), None)
 if compiled:  # the drafter alone (the target stays eager): its share of a --compile start
     s.engine.drafter = maybe_compile_drafter(s.engine.drafter, s.target)
-ids = chat.encode_prompt(s.tokenizer, "Write a function that adds two numbers.")
+ids = chat.encode(s.tokenizer, chat.ChatRequest(prompt="Write a function that adds two numbers."))
 t1 = time.perf_counter()
 s.engine.generate(ids, 8)  # prefill, the first (unpadded) block, then padded compiled blocks
 t2 = time.perf_counter()
