@@ -17,7 +17,12 @@ machine (``uptime`` load under 0.5).
 
 ``--budget serving`` runs each drafter at its ``serving.json`` settings (budget, M, widths), as the
 CLI and the bench do when no flag is given; ``--set`` overrides them per method as in the bench
-(``--methods specblock,specblock@m2 --set specblock@m2:M=2``).
+(``--methods specblock,specblock@m2 --set specblock@m2:M=2``). Engines are built by the bench's own
+``_engine``, so every bench method name works here: ``METHOD+lookup`` (prompt lookup's branch),
+``--set METHOD:compiled=true`` (the compiled target) and ``--set METHOD:drafter_compiled=...``.
+A method on the compiled target gets no op count (``-``): its graphs dispatch no aten ops one by
+one, and a dispatch mode around them would only make dynamo trace again. Prompts go through the
+chat template, as the bench's do.
 """
 
 from __future__ import annotations
@@ -37,13 +42,12 @@ sys.path.insert(0, str(ROOT))
 
 from specblock.errors import SpecBlockError  # noqa: E402
 from specblock.prompts import load_prompts  # noqa: E402
-from specblock.runtime import drafters  # noqa: E402
+from specblock.runtime import chat  # noqa: E402
+from specblock.runtime.bench import Targets, _engine  # noqa: E402
 from specblock.runtime.bench_config import method_options  # noqa: E402
 from specblock.runtime.cli import load_tokenizer  # noqa: E402
-from specblock.runtime.engine import Engine  # noqa: E402
 from specblock.models import resolve_target  # noqa: E402
 from specblock.runtime.target import TargetModel  # noqa: E402
-from specblock.runtime.verify import GreedyVerifier  # noqa: E402
 
 
 class OpCounter(TorchDispatchMode):
@@ -72,24 +76,30 @@ def _charge(counter: OpCounter, obj, name: str, phase: str) -> None:
     setattr(obj, name, wrapped)
 
 
-def measure(method: str, target: TargetModel, prompts: list[list[int]], tokens: int, reps: int, budget: str,
-            options: dict | None = None) -> dict:
-    base = method.split("@")[0]
-    given = dict(options or {}) if budget == "serving" else {"budget": int(budget), **(options or {})}
-    opts = drafters.serving_settings(base, target, given)
-    budget_n = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
-    eng = Engine(target, drafters.build(base, target, opts), GreedyVerifier(), budget_n)
+def measure(method: str, targets: Targets, prompts: list[list[int]], tokens: int, reps: int, args) -> dict:
+    """``args``: what the bench's ``_engine`` reads (``set``, ``budget``, ``compile``, ``drafter_dir``)."""
+    eng = _engine(method, targets, args, frozenset())
+    budget_n = eng.budget
     eng.generate(prompts[0][-16:], 8)  # warm-up
     times = defaultdict(list)
     for _ in range(reps):
         it = draft = verify = glue = 0.0
+        taus = []
         for ids in prompts:
             st = eng.generate(ids, tokens).stats
             it += st.iterations
+            taus.append(st.tau)
             draft, verify, glue = draft + st.draft_s, verify + st.verify_s, glue + st.commit_s
         times["propose"].append(1e3 * draft / it)
         times["verify"].append(1e3 * verify / it)
         times["accept"].append(1e3 * glue / it)
+    row = {"method": method, "budget": budget_n, "tau": round(statistics.mean(taus), 3)}
+    compiled = eng.target is targets._compiled or getattr(getattr(eng.drafter, "inner", eng.drafter), "compiled", False)
+    if compiled:
+        for phase in ("propose", "verify", "accept"):
+            row |= {f"{phase}_ops": None, f"{phase}_ms": round(statistics.median(times[phase]), 3),
+                    f"{phase}_us_per_op": None}
+        return row
     counter = OpCounter()
     _charge(counter, eng.drafter, "propose", "propose")
     _charge(counter, eng.target, "tree_forward", "verify")
@@ -102,7 +112,7 @@ def measure(method: str, target: TargetModel, prompts: list[list[int]], tokens: 
             st = eng.generate(ids, tokens).stats
             iters += st.iterations
             tau.append(st.tau)
-    row = {"method": method, "budget": budget_n, "iterations": iters, "tau": round(statistics.mean(tau), 3)}
+    row |= {"iterations": iters, "tau": round(statistics.mean(tau), 3)}
     for phase in ("propose", "verify", "accept"):
         ops = counter.ops[phase] / iters
         ms = statistics.median(times[phase])
@@ -119,9 +129,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "| method | budget | tau | propose ops | propose ms | verify ops | verify ms | accept ops | accept ms "
              "| us/op propose | us/op verify |", "|---" * 11 + "|"]
     f = lambda x: "-" if x is None else f"{x:.1f}"
+    n = lambda x: "-" if x is None else f"{x:.0f}"
     for r in rows:
-        lines.append(f"| {r['method']} | {r.get('budget', meta['budget'])} | {r['tau']:.2f} | {r['propose_ops']:.0f} | {r['propose_ms']:.2f} | "
-                     f"{r['verify_ops']:.0f} | {r['verify_ms']:.2f} | {r['accept_ops']:.0f} | {r['accept_ms']:.2f} | "
+        lines.append(f"| {r['method']} | {r.get('budget', meta['budget'])} | {r['tau']:.2f} | {n(r['propose_ops'])} | {r['propose_ms']:.2f} | "
+                     f"{n(r['verify_ops'])} | {r['verify_ms']:.2f} | {n(r['accept_ops'])} | {r['accept_ms']:.2f} | "
                      f"{f(r['propose_us_per_op'])} | {f(r['verify_us_per_op'])} |")
     return "\n".join(lines) + "\n"
 
@@ -138,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", default="24", help="node budget, or 'serving': each drafter's serving.json")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE")
+    ap.add_argument("--compile", action="store_true", help="every method on the compiled target (as the bench's)")
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "drafter_cost")
     args = ap.parse_args(argv)
     try:
@@ -145,18 +157,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.budget != "serving" and not args.budget.isdigit():
             raise ValueError(f"--budget takes a number or 'serving', not {args.budget!r}")
         path = resolve_target(args.target)
-        target = TargetModel.load(path, args.dtype, "cpu")
+        targets = Targets(TargetModel.load(path, args.dtype, "cpu"), "whole")
         tok = load_tokenizer(path, False)
-        prompts = [tok(p.text)["input_ids"] for d in args.domains.split(",") for p in load_prompts(d, args.prompts)]
+        prompts = [chat.encode_prompt(tok, p) for d in args.domains.split(",") for p in load_prompts(d, args.prompts)]
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-        options = method_options(args.set, methods)
-        rows = [measure(m, target, prompts, args.tokens, args.reps, args.budget, options.get(m)) for m in methods]
+        engine_args = argparse.Namespace(set=args.set, method_options=method_options(args.set, methods), drafter_dir=None,
+                                         compile=args.compile, budget=None if args.budget == "serving" else int(args.budget))
+        rows = [measure(m, targets, prompts, args.tokens, args.reps, engine_args) for m in methods]
     except (SpecBlockError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     meta = {"prompts": args.prompts, "domains": args.domains, "tokens": args.tokens, "reps": args.reps,
             "threads": torch.get_num_threads(), "budget": args.budget, "target": args.target, "dtype": args.dtype,
-            "set": args.set}
+            "set": args.set, "compile": args.compile}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = markdown(rows, meta)

@@ -155,3 +155,14 @@ def test_cuda_graph_block_proposes_the_eager_trees():
     b, trees_b = decode(target, static, prompt, n=24, budget=6)
     assert b.token_ids == ref
     assert [t[0].tolist() for t in trees_a] == [t[0].tolist() for t in trees_b]
+
+
+def test_bench_refuses_drafter_compiled_where_there_is_no_compiled_drafter(tmp_path, capsys):
+    from specblock.runtime.cli import main
+
+    flags = ["bench", "--target", "lab", "--domains", "code", "--prompts", "1", "--runs", "1", "--out", str(tmp_path / "b")]
+    for m in ("eagle3", "specblock+adapt", "eagle3+lookup"):
+        assert main(flags + ["--methods", m, "--set", f"{m}:drafter_compiled=true"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "only SpecBlock's drafter has a compiled form" in err and "\n" not in err
+    assert not (tmp_path / "b.json").exists()

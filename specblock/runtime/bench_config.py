@@ -124,6 +124,10 @@ def check_bench_flags(args) -> dict[str, dict]:
     for m, o in opts.items():
         if o.get("lookup_nodes") is not None and not has_lookup(m):
             raise SpecBlockError(f"--set {m}:lookup_nodes is for a METHOD{LOOKUP} method, e.g. eagle3{LOOKUP}")
+        base = m.split("@")[0].removesuffix(LOOKUP)
+        if o.get("drafter_compiled") is not None and base != "specblock":
+            raise SpecBlockError(f"--set {m}:drafter_compiled: only SpecBlock's drafter has a compiled form "
+                                 "(its adapting one neither); use it on specblock or specblock+lookup")
         if o.get("compiled") and is_peer(m):
             raise SpecBlockError(f"--set {m}:compiled: HF generate peers run HF's own loop; "
                                  "compiled=true is for this project's methods")
