@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from specblock.compiled import precompile
+from specblock.compiled.notice import notice_if_slow
 from specblock.compiled.target import CPU_OPTIONS, _allow_recompiles, own_code, span_of, use_disk_cache
 from specblock.runtime.drafters.layers import DecoderLayer, apply_rope
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
@@ -145,7 +146,8 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
         if not compiled:
             hq, packed = self._step(*args)
         elif (span,) not in self._shapes:  # compiles (or loads) this span's graph
-            hq, packed = precompile.first_call(self._step_fn, *args) if self.saved else self._step_fn(*args)
+            with notice_if_slow(f"compiling SpecBlock's block over {span} slots"):
+                hq, packed = precompile.first_call(self._step_fn, *args) if self.saved else self._step_fn(*args)
             self._shapes.add((span,))
         else:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):  # as the target: same shape, same code

@@ -40,6 +40,7 @@ from specblock.compiled import precompile
 from specblock.compiled.fuse import FusePackedLinears
 from specblock.compiled.gqa import use_gqa_attention
 from specblock.compiled.native import pin_python_kernel, use_native_kernel
+from specblock.compiled.notice import notice_if_slow
 from specblock.compiled.regions import RegionFns, check_regional, embed, head, layer_step, regional_forward
 from specblock.compiled.static_cache import TreeStaticCache
 from specblock.errors import SpecBlockError
@@ -233,7 +234,8 @@ class StaticTarget(TargetModel):
                 past, span, self.want_features, last_only)
         shape = (len(ids), span, self.want_features, last_only)
         if compiled and shape not in self._shapes:  # this call compiles (or loads) a graph, with all of dynamo's guards
-            logits, top, taps = precompile.first_call(fn, *args) if self.saved else fn(*args)
+            with notice_if_slow(f"compiling the target's step for {len(ids)}-node trees over {span} slots"):
+                logits, top, taps = precompile.first_call(fn, *args) if self.saved else fn(*args)
             self._shapes.add(shape)
         elif compiled and self.skip_guards:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
