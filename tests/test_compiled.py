@@ -340,3 +340,42 @@ def test_each_compiled_target_has_its_own_dynamo_cache():
     codes = [t._step_fn._torchdynamo_orig_callable.__func__.__code__ for t in (a, b)]
     assert codes[0] is not codes[1] and all(c is not StaticTarget._step.__code__ for c in codes)
     assert a._step_fn._torchdynamo_orig_callable.__self__ is a
+
+
+def test_warm_compiles_every_bucket_a_budget_meets_before_decoding(monkeypatch, tmp_path):
+    """What a server runs before it listens (``Session.warm_compiled``): the buckets up to the
+    budget's tree compiled at the first span, so decoding afterwards compiles nothing; an eager
+    target warms nothing."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = tiny_model("llama", vocab=VOCAB, seed=6, layers=2)
+    target = StaticTarget(model, compile=True, buckets=(1, 4, 8))
+    assert target.warm(3) == [1, 4] and target.past_len == 0
+    graphs = counters["stats"]["unique_graphs"]
+    prompt = np.random.default_rng(2).integers(2, VOCAB, 10)
+    res = Engine(target, RandomDrafter(VOCAB, seed=1), budget=3).generate(prompt, 16)
+    assert res.token_ids == hf_greedy(model, prompt, 16)
+    assert max(res.stats.tree_size) > 1 and counters["stats"]["unique_graphs"] == graphs
+    assert StaticTarget(model, compile=False).warm(3) == []
+
+
+def test_the_server_warms_every_tree_size_with_compile(tmp_path, monkeypatch):
+    """``serve --compile``: the service warms the buckets of its budget before it listens (the
+    target is compiled for real by the test above; here its static step runs eagerly)."""
+    from specblock.runtime import cli
+    from specblock.serve.cli import open_service, parse
+    from tiny import save_tiny
+
+    model_dir = save_tiny(tmp_path / "m", "llama", vocab=96, ctx=64)
+    warmed = []
+    monkeypatch.setattr(cli, "maybe_compile", lambda t, c, m="whole": StaticTarget.wrap(t, compile=False) if c else t)
+    monkeypatch.setattr(StaticTarget, "warm", lambda self, n: warmed.append(n) or [])
+    cfg, opts = parse(["--target", str(model_dir), "--dtype", "float32", "--method", "random", "--budget", "5",
+                       "--compile", "--port", "0"])
+    open_service(cfg, opts)
+    assert warmed == [6]  # the budget's tree: root + 5 nodes
+    cfg, opts = parse(["--target", str(model_dir), "--dtype", "float32", "--method", "random", "--budget", "5",
+                       "--compile", "--no-warmup", "--port", "0"])
+    open_service(cfg, opts)
+    assert warmed == [6]

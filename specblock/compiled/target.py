@@ -309,6 +309,22 @@ class StaticTarget(TargetModel):
         return self._run(ids, depth, anc, n, compiled=self.compiled, last_only=False)
 
     @torch.no_grad()
+    def warm(self, max_nodes: int) -> list[int]:
+        """Compile (or load) the step of every bucket a tree of up to ``max_nodes`` nodes can meet, at
+        the first span, now rather than in the middle of a request: what a server does before it
+        listens. Runs with the current ``want_features`` and taps (set them as the engine will);
+        leaves the cache empty. Returns the buckets warmed."""
+        if not self.compiled:
+            return []
+        top = bucket_of(max(1, max_nodes), self.buckets)
+        warmed = [b for b in self.buckets if b <= top]
+        for b in warmed:
+            self.prefill(np.zeros(1, dtype=np.int64))
+            self.tree_forward(DraftTree.from_parents(np.zeros(b, dtype=np.int64), np.arange(-1, b - 1)))
+        self.reset()
+        return warmed
+
+    @torch.no_grad()
     def commit(self, path: np.ndarray) -> None:
         """Keep the past plus ``path``; slots past the new end are stale and masked from then on."""
         keep = len(path)

@@ -184,6 +184,20 @@ class Session:
         for eng in filter(None, (self.engine, self.baseline)):
             eng.generate(ids[-16:], 4, seed=self.cfg.seed)
 
+    def warm_compiled(self) -> list[int]:
+        """``--compile`` in a server: every tree size the engine can meet compiled (or loaded) before
+        it listens, not in the middle of a request (the CLI stays lazy: a short run meets few sizes).
+        Returns the buckets warmed; none on an eager target."""
+        warm = getattr(self.target, "warm", None)
+        if warm is None:
+            return []
+        drafter = self.engine.drafter
+        self.target.want_features = drafter.needs_features  # as Engine.generate sets them
+        taps = getattr(drafter, "tap_layers", None)
+        if taps is not None:
+            self.target.tap_layers = tuple(taps)
+        return warm(self.engine.budget + 1)
+
 
 def maybe_compile(target: TargetModel, compile: bool, mode: str = "whole") -> TargetModel:
     """The hook into ``specblock.compiled`` for the target (imported only when asked: it sits above runtime)."""

@@ -102,6 +102,7 @@ def open_service(cfg: RunConfig, opts: ServeOptions, trace: TextIO | None = None
     session = Session.open(cfg, trace)
     if cfg.warmup:
         session.warmup(list(session.tokenizer(WARMUP_TEXT)["input_ids"]))
+        session.warm_compiled()  # --compile: every tree size compiled before the first request
     if session.adapter is not None:
         session.adapter.clear()  # the warm-up is not served traffic
     name, aliases = model_names(cfg, opts)
