@@ -18,7 +18,7 @@ machine (``uptime`` load under 0.5).
 ``--budget serving`` runs each drafter at its ``serving.json`` settings (budget, M, widths), as the
 CLI and the bench do when no flag is given; ``--set`` overrides them per method as in the bench
 (``--methods specblock,specblock@m2 --set specblock@m2:M=2``). Engines are built by the bench's own
-``_engine``, so every bench method name works here: ``METHOD+lookup`` (prompt lookup's branch),
+``build_engine``, so every bench method name works here: ``METHOD+lookup`` (prompt lookup's branch),
 ``--set METHOD:compiled=true`` (the compiled target) and ``--set METHOD:drafter_compiled=...``.
 A method on the compiled target gets no op count (``-``): its graphs dispatch no aten ops one by
 one, and a dispatch mode around them would only make dynamo trace again. Prompts go through the
@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from specblock.errors import SpecBlockError  # noqa: E402
 from specblock.prompts import load_prompts  # noqa: E402
 from specblock.runtime import chat  # noqa: E402
-from specblock.runtime.bench import Targets, _engine  # noqa: E402
+from specblock.runtime.bench import Targets, build_engine  # noqa: E402
 from specblock.runtime.bench_config import method_options  # noqa: E402
 from specblock.runtime.cli import load_tokenizer  # noqa: E402
 from specblock.models import resolve_target  # noqa: E402
@@ -77,8 +77,8 @@ def _charge(counter: OpCounter, obj, name: str, phase: str) -> None:
 
 
 def measure(method: str, targets: Targets, prompts: list[list[int]], tokens: int, reps: int, args) -> dict:
-    """``args``: what the bench's ``_engine`` reads (``set``, ``budget``, ``compile``, ``drafter_dir``)."""
-    eng = _engine(method, targets, args, frozenset())
+    """``args``: what the bench's ``build_engine`` reads (``set``, ``budget``, ``compile``, ``drafter_dir``)."""
+    eng = build_engine(method, targets, args, frozenset())
     budget_n = eng.budget
     eng.generate(prompts[0][-16:], 8)  # warm-up
     times = defaultdict(list)

@@ -145,7 +145,7 @@ def test_bench_budget_of_a_lookup_method_is_the_drafters_plus_the_branch_unless_
 
     def budget(method, *items, flag=None):
         args = argparse.Namespace(drafter_dir=None, set=list(items), method_options=None, budget=flag, compile=False)
-        return bench._engine(method, targets, args, frozenset()).budget
+        return bench.build_engine(method, targets, args, frozenset()).budget
 
     assert budget("random+lookup") == drafters.DEFAULT_BUDGET + 3
     assert budget("random+lookup", "random+lookup:lookup_nodes=5") == drafters.DEFAULT_BUDGET + 5

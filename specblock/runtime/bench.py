@@ -126,7 +126,10 @@ class Targets:
         return self._compiled
 
 
-def _engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
+def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
+    """The engine of bench method ``m`` (``METHOD[+lookup|+adapt][@label]`` with its ``--set`` items),
+    as the bench runs it; ``experiments/drafter_cost.py`` builds its rows the same way, so the two
+    never disagree on what a method name means."""
     opts = _options(m, args)
     # --compile: every method on the compiled target; --set METHOD:compiled=true: this one (HF peers
     # never: check_bench_flags refuses it, and they run HF's own loop on the eager target's model)
@@ -189,7 +192,7 @@ def run_bench(args, traces: AtomicFiles | None = None) -> dict:
             except peers.PeerUnavailable as e:
                 skipped[m] = str(e)
         else:
-            engines[m] = _engine(m, targets, args, eos)
+            engines[m] = build_engine(m, targets, args, eos)
     methods = [m for m in methods if m in engines]
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
     # A chat model gets each prompt as one user turn through its template (code framed by
@@ -212,7 +215,7 @@ def run_bench(args, traces: AtomicFiles | None = None) -> dict:
             for m in methods:  # not serve prompts it has already trained on
                 if ADAPT in m:
                     engines[m].drafter.close()
-                    engines[m] = _engine(m, targets, args, eos)
+                    engines[m] = build_engine(m, targets, args, eos)
         order = methods[r % len(methods):] + methods[: r % len(methods)]  # rotate who goes first
         per_run = {k: DecodeStats() for k in cells}
         for d in domains:
