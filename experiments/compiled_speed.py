@@ -271,6 +271,7 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
 
     variants = {  # label: (asked for, StaticTarget arguments)
         "repeat_kv": (args.repeat_kv_baseline, {"gqa": False}),
+        "SDPA gqa": (args.sdpa_gqa_baseline, {"gqa_kernel": "sdpa"}),
         "Python kernel": (args.python_kernel_baseline, {"native": False}),
         "frozen": (args.frozen_variant, {"options": FROZEN_CPU_OPTIONS}),  # frozen graphs are not saved
         "unfrozen": (args.unfrozen_variant, {"options": CPU_OPTIONS}),
@@ -307,6 +308,7 @@ def markdown(results: list[dict], args) -> str:
              f"--runs {args.runs} --tokens {args.tokens}{' --skip-compile-times' if args.skip_compile_times else ''}"
              f"{'' if args.compile_bucket_list == list(BUCKETS) else ' --compile-buckets ' + args.compile_buckets}"
              f"{' --repeat-kv-baseline' if args.repeat_kv_baseline else ''}"
+             f"{' --sdpa-gqa-baseline' if args.sdpa_gqa_baseline else ''}"
              f"{' --python-kernel-baseline' if args.python_kernel_baseline else ''}"
              f"{' --unfused-baseline' if args.unfused_baseline else ''}"
              f"{' --frozen-variant' if args.frozen_variant else ''}"
@@ -371,6 +373,9 @@ def main() -> None:
     ap.add_argument("--skip-decoding", action="store_true", help="no plain-decoding tokens/s (HF's compiled generate is slow to build)")
     ap.add_argument("--repeat-kv-baseline", action="store_true",
                     help="also time a compiled target with HF's repeat_kv attention (before compiled/gqa.py)")
+    ap.add_argument("--sdpa-gqa-baseline", action="store_true",
+                    help="also time a compiled target with SDPA attention (grouped heads in place up to 4 rows; before "
+                         "the math kernel of compiled/gqa.py)")
     ap.add_argument("--python-kernel-baseline", action="store_true",
                     help="also time a compiled target whose packed linears call the Python kernel (before compiled/native.py)")
     ap.add_argument("--frozen-variant", action="store_true",

@@ -266,15 +266,18 @@ def test_features_step_is_one_graph_on_a_fresh_model():
         assert explained.graph_count == graphs, (compile, explained.break_reasons)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 8])
-def test_gqa_attention_equals_repeat_kv(rows, monkeypatch):
-    """The compiled CPU graphs' attention (SDPA reading the grouped key/value heads in place) gives
-    HF's ``repeat_kv`` result on a tree mask, at one row and at several; outside a trace, and past
-    ``MAX_ROWS`` rows, it is HF's own function."""
+@pytest.mark.parametrize("kernel", ["math", "sdpa"])
+@pytest.mark.parametrize("rows", [1, 4, 8, 13])
+def test_gqa_attention_equals_repeat_kv(rows, kernel, monkeypatch):
+    """Both grouped attentions of compiled CPU graphs give HF's ``repeat_kv`` result on a tree mask
+    (additive or boolean), at one row and at several; outside a trace, and for the SDPA one past
+    ``SDPA_MAX_ROWS`` rows, they are HF's own function."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from specblock.compiled.gqa import MAX_ROWS, sdpa_gqa_forward
+    from specblock.compiled.gqa import KERNELS, SDPA_MAX_ROWS
+    from specblock.runtime.grouped_rows import sdpa_rows_forward
 
+    forward = KERNELS[kernel][1]
     g = torch.Generator().manual_seed(rows)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 3, True
@@ -284,39 +287,57 @@ def test_gqa_attention_equals_repeat_kv(rows, monkeypatch):
     visible[:, 0] = True
     mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)[None, None]
     ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=8**-0.5)
-    same, _ = sdpa_gqa_forward(module, q, k, v, mask, scaling=8**-0.5)
-    assert torch.equal(same, ref)  # not tracing: HF's path itself
+    same, _ = forward(module, q, k, v, mask, scaling=8**-0.5)
+    assert torch.equal(same, sdpa_rows_forward(module, q, k, v, mask, scaling=8**-0.5)[0])  # not tracing: the eager path
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    out, _ = sdpa_gqa_forward(module, q, k, v, mask, scaling=8**-0.5)
+    out, _ = forward(module, q, k, v, mask, scaling=8**-0.5)
     assert out.shape == ref.shape == (1, rows, 6, 8)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
-    if rows > MAX_ROWS:
-        assert torch.equal(out, ref)
+    if kernel == "sdpa" and rows > SDPA_MAX_ROWS:
+        assert torch.equal(out, ref)  # traced: HF's repeat_kv path
+    if kernel == "math":
+        out, _ = forward(module, q, k, v, visible[None, None], scaling=8**-0.5)  # a boolean mask: True is visible
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+        half, _ = forward(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.bfloat16(), scaling=8**-0.5)
+        assert half.dtype == torch.bfloat16
+        torch.testing.assert_close(half.float(), ref, atol=2e-2, rtol=2e-2)
+        if rows > 1:  # several rows without a mask: HF's causal flag, so HF's function
+            eager, _ = sdpa_rows_forward(module, q, k, v, None, scaling=8**-0.5)
+            assert torch.equal(forward(module, q, k, v, None, scaling=8**-0.5)[0], eager)
 
 
-def test_gqa_attention_only_where_it_applies():
+@pytest.mark.parametrize("kernel", ["math", "sdpa"])
+def test_gqa_attention_only_where_it_applies(kernel):
     """Switched on by compiled CPU targets of SDPA models with grouped heads, and it reaches the
-    graph (an SDPA call with ``enable_gqa``); eager attention, ungrouped heads, the eager padded
-    step and ``gqa=False`` keep the model's own setting."""
+    graph (math: matmuls and no SDPA call; sdpa: an SDPA call with ``enable_gqa`` up to its row
+    limit); eager attention, ungrouped heads, the eager padded step and ``gqa=False`` keep the
+    model's own setting."""
     import torch._dynamo as dynamo
     from transformers import AutoModelForCausalLM
 
-    from specblock.compiled.gqa import MAX_ROWS, NAME, use_gqa_attention
+    from specblock.compiled.gqa import KERNELS, SDPA_MAX_ROWS, use_gqa_attention
 
     assert not use_gqa_attention(tiny_model("llama", vocab=32, attn="eager"))
     cfg = tiny_config("llama", vocab=32)
     cfg.num_key_value_heads = cfg.num_attention_heads
     assert not use_gqa_attention(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"))
+    with pytest.raises(ValueError, match="unknown grouped-attention kernel"):
+        use_gqa_attention(tiny_model("llama", vocab=32), "flash")
+    name = KERNELS[kernel][0]
     for kw, switched in (({"compile": False}, False), ({"compile": True, "gqa": False}, False), ({"compile": True}, True)):
         model = tiny_model("llama", vocab=32, seed=3)
-        target = StaticTarget(model, **kw)
-        assert target.gqa == switched and (model.config._attn_implementation == NAME) == switched, kw
-    for n in (MAX_ROWS, MAX_ROWS + 1):  # grouped heads in place up to MAX_ROWS rows, HF's repeat_kv past it
+        target = StaticTarget(model, gqa_kernel=kernel, **kw)
+        assert target.gqa == switched and (model.config._attn_implementation == name) == switched, kw
+    for n in (1, SDPA_MAX_ROWS, SDPA_MAX_ROWS + 1):
         args = (torch.zeros(n, dtype=torch.long), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(),
                 torch.tensor(3), span_of(3 + n, 64), False, False)
         graph = dynamo.explain(target._step)(*args).graphs[0]
         sdpa = [nd for nd in graph.graph.nodes if nd.target is torch._C._nn.scaled_dot_product_attention]
-        assert len(sdpa) == 2 and all(bool(nd.kwargs.get("enable_gqa")) == (n <= MAX_ROWS) for nd in sdpa), n
+        if kernel == "math":
+            matmuls = [nd for nd in graph.graph.nodes if nd.target is torch.matmul]
+            assert not sdpa and len(matmuls) == 4, n  # two layers, two matmuls each
+        else:
+            assert len(sdpa) == 2 and all(bool(nd.kwargs.get("enable_gqa")) == (n <= SDPA_MAX_ROWS) for nd in sdpa), n
 
 
 def test_compiled_artefacts_go_under_specblock_home(monkeypatch, tmp_path):

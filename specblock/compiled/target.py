@@ -92,7 +92,8 @@ class StaticTarget(TargetModel):
     """``TargetModel`` with the same three moves on static buffers; ``compile=False`` runs the
     identical padded step eagerly (the tests' cheap way to check the padding); ``regions`` picks
     one compiled layer step for all layers (True) or one compiled whole forward (False); ``gqa``
-    False keeps HF's ``repeat_kv`` attention in the graph (the baseline of ``compiled_speed.py``);
+    False keeps HF's ``repeat_kv`` attention in the graph (the baseline of ``compiled_speed.py``),
+    ``gqa_kernel`` picks the grouped attention otherwise (``compiled/gqa.py``'s ``KERNELS``);
     ``native`` False keeps packed linears' Python kernel in the graph, ``fuse`` False their separate
     calls (the baselines of ``compiled_speed.py --python-kernel-baseline`` / ``--unfused-baseline``);
     ``saved`` False neither loads nor saves graphs for later starts (``compiled/precompile.py``);
@@ -111,6 +112,7 @@ class StaticTarget(TargetModel):
         options: dict | None = None,
         regions: bool = False,
         gqa: bool = True,
+        gqa_kernel: str = "math",
         native: bool = True,
         fuse: bool = True,
         saved: bool = True,
@@ -149,7 +151,7 @@ class StaticTarget(TargetModel):
         if compile:
             use_disk_cache()
             _allow_recompiles()
-            self.gqa = gqa and use_gqa_attention(model)  # grouped heads read in place in the graph (compiled/gqa.py)
+            self.gqa = gqa and use_gqa_attention(model, gqa_kernel)  # grouped heads read in place (compiled/gqa.py)
             self.native = self.packed and native and use_native_kernel()  # packed linears in C++ (compiled/native.py)
             if self.packed and not native:
                 pin_python_kernel(model)
@@ -166,7 +168,8 @@ class StaticTarget(TargetModel):
             # CUDA graphs; not regions (torch 2.13 fails to save their guards and then asserts).
             self.saved = saved and not regions and self.mode is None and not kw["options"].get("freezing")
             self.skip_guards = skip_guards and not regions and self.mode is None
-            name = precompile.tag(model, {**kw["options"], "dynamic": dynamic}) if self.saved else None
+            attention = model.config._attn_implementation  # not in the config's JSON, and it changes the graph
+            name = precompile.tag(model, {**kw["options"], "dynamic": dynamic, "attention": attention}) if self.saved else None
             build = precompile.compile_saved if self.saved else torch.compile
             if regions:
                 fns = RegionFns(*(torch.compile(own_code(f), dynamic=dynamic, **kw)
