@@ -82,7 +82,7 @@ def test_deep_accepts_fall_back_to_an_unpadded_step():
     assert max(calls) > ROWS  # some step had more new positions than a padded step holds
 
 
-def test_compile_drafter_wraps_specblock_only():
+def test_compile_drafter_wraps_specblock_and_leaves_others():
     model, target, net = make()
     drafter = compile_drafter(SpecBlockDrafter(net, M=1), target)
     assert isinstance(drafter, StaticSpecBlockDrafter) and drafter.compiled
@@ -161,8 +161,8 @@ def test_bench_refuses_drafter_compiled_where_there_is_no_compiled_drafter(tmp_p
     from specblock.runtime.cli import main
 
     flags = ["bench", "--target", "lab", "--domains", "code", "--prompts", "1", "--runs", "1", "--out", str(tmp_path / "b")]
-    for m in ("eagle3", "specblock+adapt", "eagle3+lookup"):
+    for m in ("medusa", "specblock+adapt", "falcon+lookup"):
         assert main(flags + ["--methods", m, "--set", f"{m}:drafter_compiled=true"]) == 2
         err = capsys.readouterr().err.strip()
-        assert "only SpecBlock's drafter has a compiled form" in err and "\n" not in err
+        assert "only SpecBlock's and EAGLE-3's drafters have a compiled form" in err and "\n" not in err
     assert not (tmp_path / "b.json").exists()

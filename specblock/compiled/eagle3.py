@@ -1,0 +1,214 @@
+"""EAGLE-3's step on static shapes, compiled per attention span (issue 16, item 2): the compiled
+comparison with SpecBlock made fair, since SpecBlock's block already runs compiled
+(``compiled/drafter.py``).
+
+The same scheme as SpecBlock's block (read that module first), for EAGLE-3's two kinds of forward:
+
+- the flush: the new committed positions (taps and next tokens, fused inside the graph) padded to
+  ``ROWS``, written at their own slots, plus the LM head and top-k at the last real one: one graph
+  per span, one host copy;
+- each depth: the frontier's rows, padded to a power of two, each reading the committed slots,
+  its drafted ancestors' slots and its own (the visibility is built on the host from the tree,
+  a few hundred booleans), written after the committed ones; the head and top-k in the same graph.
+  Drafted slots are stale once the step is over, and the next flush overwrites them.
+
+Padded rows write to scratch slots past every span and nobody reads them. A flush of more than
+``ROWS`` positions (after a prompt, or a long accepted chain) runs the same function eagerly,
+unpadded. Trees equal the eager drafter's up to float rounding (tests hold them equal at fp32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specblock.compiled import precompile
+from specblock.compiled.drafter import ROWS, _layer, _rope
+from specblock.compiled.notice import notice_if_slow
+from specblock.compiled.target import CPU_OPTIONS, _allow_recompiles, bucket_of, own_code, span_of, use_disk_cache
+from specblock.policies.branching import expand, rerank_limits
+from specblock.policies.tree import DraftTree
+from specblock.runtime.drafters.base import DraftRequest
+from specblock.runtime.drafters.eagle3 import Eagle3Drafter
+from specblock.runtime.target import TargetOutput
+from specblock.runtime.verify import Verdict
+
+#: Frontier rows per depth are padded to one of these (each size compiles on first use).
+WIDTHS = (1, 2, 4, 8, 16, 32)
+
+
+class StaticEagle3Drafter(Eagle3Drafter):
+    """An ``Eagle3Drafter`` on static buffers, compiled (``compile=True``) or eager (the same
+    padded steps: the tests' cheap check of the padding)."""
+
+    def __init__(self, drafter: Eagle3Drafter, max_context: int, compile: bool = True) -> None:
+        super().__init__(drafter.net, drafter.depth, drafter.top_k, drafter.policy, drafter.seed_policy)
+        self.max_rows = bucket_of(self.top_k, WIDTHS)  # a frontier never exceeds top_k (rerank_limits)
+        self.capacity = max_context + ROWS + self.depth * self.max_rows  # committed + drafted slots
+        self.compiled = compile
+        self._shapes: set[tuple] = set()
+        self._flush_fn, self._depth_fn = self._flush_step, self._depth_step
+        self.saved = False
+        if compile:
+            use_disk_cache()
+            _allow_recompiles()
+            opts = dict(CPU_OPTIONS) if self.device.type == "cpu" else {}
+            kw = {"options": opts} if opts else {"mode": "reduce-overhead"}
+            self.saved = self.device.type == "cpu"
+            build = precompile.compile_saved if self.saved else torch.compile
+            self._flush_fn, self._depth_fn = (
+                build(own_code(fn, precompile.tag(self.net, {**opts, "rows": ROWS, "fn": fn.__name__}) if self.saved else None),
+                      dynamic=False, **kw)
+                for fn in (self._flush_step, self._depth_step))
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        if getattr(self, "capacity", None) is None:
+            return  # the base constructor's call: buffers come once the capacity is known
+        layer = self.net.layer
+        shape = (1, layer.heads, self.capacity + max(ROWS, self.max_rows), layer.head_dim)  # + scratch slots
+        if getattr(self, "_kb", None) is None:
+            self._kb = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            self._vb = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.cached = 0
+        self._new: tuple[torch.Tensor, torch.Tensor] | None = None  # raw taps and next tokens, not yet cached
+
+    # ---------------------------------------------------------------- committed state
+    def _add_pending(self, taps: torch.Tensor, next_tokens: np.ndarray, first_pos: int) -> None:
+        """Keep the raw taps and tokens: their fusion runs inside the flush graph."""
+        toks = torch.as_tensor(next_tokens, device=self.device)
+        taps = taps.to(self.dtype)
+        if self._new is not None:  # never drop committed positions, whatever the caller skipped
+            taps, toks = torch.cat([self._new[0], taps]), torch.cat([self._new[1], toks])
+        elif first_pos != self.cached:
+            raise RuntimeError(f"drafter cache holds {self.cached} positions, new ones start at {first_pos}")
+        self._new = (taps, toks)
+
+    def prefill(self, prompt: np.ndarray, features: TargetOutput | None) -> None:
+        if len(prompt) > self.capacity - ROWS - self.depth * self.max_rows:
+            raise ValueError(f"prompt of {len(prompt)} tokens exceeds the drafter's buffers")
+        super().prefill(prompt, features)
+
+    def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
+        self._add_pending(features.taps, np.append(tree.tokens[verdict.path[1:]], verdict.bonus), self._root_pos)
+
+    # ---------------------------------------------------------------- the two steps
+    def _top_packed(self, states: torch.Tensor) -> torch.Tensor:
+        """``[S, 2k]``: the top-k log-probs and target ids of each state (``top_tokens``, on device)."""
+        net = self.net
+        logits = net.logits(states)
+        top = torch.log_softmax(logits.float(), -1).topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        return torch.cat([top.values, net.token_ids(top.indices).to(top.values.dtype)], -1)
+
+    def _flush_step(self, taps: torch.Tensor, toks: torch.Tensor, n_new: torch.Tensor, past: torch.Tensor, span: int):
+        """Rows ``[taps, toks]`` (``n_new`` real) become positions ``past, past+1, ...``; returns the
+        last real row's state ``[1, h]`` and its top-k, packed."""
+        net, p = self.net, taps.shape[0]
+        i = torch.arange(p, device=taps.device)
+        pos = past + i
+        slots = torch.where(i < n_new, pos, self.capacity + i)
+        mask = torch.arange(span, device=taps.device)[None, :] <= pos[:, None]
+        x = net.g_from_taps(taps, toks)[None, None]
+        x = _layer(net.layer, x, _rope(pos[None, None, None], net.layer, x.dtype), self._kb, self._vb, slots, mask, span)
+        state = x[0, 0].index_select(0, (n_new - 1).clamp(min=0)[None])
+        return state, self._top_packed(state)
+
+    def _depth_step(self, feats: torch.Tensor, toks: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                    visible: torch.Tensor, span: int):
+        """Frontier rows (fed-back states and their tokens) at one position, written at ``slots``,
+        each reading the slots ``visible`` marks; returns their states and top-k, packed."""
+        net = self.net
+        x = net.g(feats, toks)[None, None]
+        cs = _rope(pos.expand(toks.shape[0])[None, None, None], net.layer, x.dtype)
+        x = _layer(net.layer, x, cs, self._kb, self._vb, slots, visible, span)[0, 0]
+        return x, self._top_packed(x)
+
+    def _call(self, fn, compiled: bool, key: tuple, label: str, *args):
+        if not compiled:
+            out = fn(*args)
+        elif key not in self._shapes:  # compiles (or loads) this shape's graph
+            with notice_if_slow(f"compiling EAGLE-3's {label}"):
+                out = precompile.first_call(fn, *args) if self.saved else fn(*args)
+            self._shapes.add(key)
+        else:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):  # as the target: same shape, same code
+                out = fn(*args)
+        if self.compiled and self.device.type == "cuda":  # CUDA-graph outputs are overwritten by the next replay
+            out = tuple(t.clone() for t in out)
+        return out
+
+    def _flush_static(self) -> tuple[torch.Tensor, np.ndarray, np.ndarray] | None:
+        if self._new is None:
+            return None
+        taps, toks = self._new
+        n, past = taps.shape[0], self.cached
+        padded = n <= ROWS
+        if padded:
+            taps = torch.cat([taps, taps.new_zeros(ROWS - n, taps.shape[1])])
+            toks = torch.cat([toks, toks.new_zeros(ROWS - n)])
+        span = span_of(past + taps.shape[0], self.capacity)
+        args = (taps, toks, torch.tensor(n, device=self.device), torch.tensor(past, device=self.device), span)
+        fn = self._flush_fn if self.compiled and padded else self._flush_step
+        state, packed = self._call(fn, self.compiled and padded, ("flush", span), f"flush over {span} slots", *args)
+        self.cached, self._new = past + n, None
+        return state, *self._unpack(packed)
+
+    def _unpack(self, packed: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        host = packed.cpu().numpy()
+        k = host.shape[-1] // 2
+        return host[:, k:].astype(np.int64), host[:, :k]
+
+    @torch.no_grad()
+    def propose(self, req: DraftRequest) -> DraftTree:
+        root = int(req.tokens[-1])
+        self._root_pos = len(req.tokens) - 1
+        tree = DraftTree.root_only(root)
+        flushed = self._flush_static()
+        depth = min(self.depth, req.max_depth)
+        if flushed is None or depth < 1 or req.budget < 1:
+            return tree
+        states, ids, lps = flushed
+        depth, width = rerank_limits(self.policy, self.seed_policy, req.budget, depth, self.top_k)
+        parents = np.zeros(1, dtype=np.int64)
+        drafted = 0  # drafted slots written after the committed ones
+        slot_of = np.full(0, -1, dtype=np.int64)  # tree node -> its slot (-1: not written)
+        offered = []
+        for d in range(1, depth + 1):
+            offered.append((parents, ids, lps))
+            new = expand(tree, parents, ids[:, :width], lps[:, :width], self.policy, req.budget, block=d - 1)
+            if d == depth:
+                break
+            rows, _ = np.nonzero(new >= 0)
+            nodes = new[new >= 0]
+            frontier = np.sort(self.seed_policy.select(tree, nodes, width))
+            if frontier.size == 0:
+                break
+            s = frontier.size
+            if s > self.max_rows:  # a user's seed policy past top_k: the buffers hold top_k a depth
+                raise RuntimeError(f"{s} frontier nodes at depth {d}; the static EAGLE-3 step holds {self.max_rows}")
+            w = bucket_of(s, WIDTHS)
+            slot_of = np.concatenate([slot_of, np.full(tree.size - slot_of.size, -1, dtype=np.int64)])
+            slot_of[frontier] = self.cached + drafted + np.arange(s)
+            span = span_of(self.cached + drafted + s, self.capacity)
+            slots = np.concatenate([slot_of[frontier], self.capacity + np.arange(w - s)])
+            visible = np.zeros((w, span), dtype=bool)
+            visible[:, : self.cached] = True
+            anc = tree.ancestor_mask[frontier]  # [s, tree]: drafted ancestors and the node itself
+            r, c = np.nonzero(anc & (slot_of[None, :] >= 0))
+            visible[r, slot_of[c]] = True
+            src = np.concatenate([rows[np.searchsorted(nodes, frontier)], np.zeros(w - s, dtype=np.int64)])
+            toks = np.concatenate([tree.tokens[frontier], np.zeros(w - s, dtype=np.int64)])
+            args = (states[torch.as_tensor(src, device=self.device)], torch.as_tensor(toks, device=self.device),
+                    torch.tensor(self._root_pos - 1 + d, device=self.device), torch.as_tensor(slots, device=self.device),
+                    torch.as_tensor(visible, device=self.device), span)
+            fn = self._depth_fn if self.compiled else self._depth_step
+            out, packed = self._call(fn, self.compiled, ("depth", w, span), f"depth step of {w} rows over {span} slots", *args)
+            states = out[:s]
+            ids, lps = self._unpack(packed[:s])
+            drafted += s
+            parents = frontier
+        tree.meta["positions"] = {"node": np.concatenate([o[0] for o in offered]),
+                                  "ids": np.concatenate([o[1] for o in offered]),
+                                  "logp": np.concatenate([o[2] for o in offered])}
+        return self.policy.prune(tree, req.budget)
