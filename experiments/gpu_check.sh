@@ -19,6 +19,6 @@ assert torch.cuda.is_available(), "torch sees no CUDA device: this is the GPU ch
 print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())
 PY
 # -rs prints skip reasons: the CUDA test must say it ran, not that it was skipped.
-"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_compiled.py tests/test_compiled_drafter.py 2>&1 | tee "$OUT/gpu_check_tests.txt"
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_compiled.py tests/test_compiled_drafter.py tests/test_compiled_eagle3.py tests/test_compiled_medusa.py 2>&1 | tee "$OUT/gpu_check_tests.txt"
 "$PY" experiments/compiled_speed.py --device cuda --targets lab --reps 50 --runs 3 --tokens 128 \
     --out "$OUT/compiled_speed_cuda"

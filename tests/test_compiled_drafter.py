@@ -161,8 +161,8 @@ def test_bench_refuses_drafter_compiled_where_there_is_no_compiled_drafter(tmp_p
     from specblock.runtime.cli import main
 
     flags = ["bench", "--target", "lab", "--domains", "code", "--prompts", "1", "--runs", "1", "--out", str(tmp_path / "b")]
-    for m in ("medusa", "specblock+adapt", "falcon+lookup"):
+    for m in ("parallelspec", "specblock+adapt", "falcon+lookup"):
         assert main(flags + ["--methods", m, "--set", f"{m}:drafter_compiled=true"]) == 2
         err = capsys.readouterr().err.strip()
-        assert "only SpecBlock's and EAGLE-3's drafters have a compiled form" in err and "\n" not in err
+        assert "only SpecBlock's, EAGLE-3's and Medusa's drafters have a compiled form" in err and "\n" not in err
     assert not (tmp_path / "b.json").exists()

@@ -90,3 +90,19 @@ def test_frontier_past_the_buffers_is_refused():
     drafter.prefill(prompt, target.prefill(prompt[:-1]))
     with pytest.raises(RuntimeError, match="frontier nodes"):
         drafter.propose(DraftRequest(tokens=prompt, budget=8, max_depth=8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (experiments/gpu_check.sh runs it where one is)")
+def test_cuda_graph_steps_propose_the_eager_trees():
+    """CUDA: the buffers on the device, flush and depth steps as CUDA graphs (mode='reduce-overhead')."""
+    model, _, net = make(seed=7, noise=0.5)
+    prompt = np.random.default_rng(0).integers(2, 16, 12)
+    ref = hf_greedy(model, prompt, 24)  # on the CPU copy, before the move
+    model, net = model.cuda(), net.cuda()
+    target = StaticTarget(model, compile=True, buckets=(8,))
+    static = compile_drafter(Eagle3Drafter(net, depth=3, top_k=2), target)
+    _, trees_a = decode(StaticTarget(model, compile=False, buckets=(8,)), Eagle3Drafter(net, depth=3, top_k=2), prompt,
+                        n=24, budget=4)
+    b, trees_b = decode(target, static, prompt, n=24, budget=4)
+    assert b.token_ids == ref
+    assert [t[0].tolist() for t in trees_a] == [t[0].tolist() for t in trees_b]

@@ -20,20 +20,23 @@ def compile_target(target: TargetModel, mode: str = "whole") -> StaticTarget:
 
 def compile_drafter(drafter, target: TargetModel):
     """``--compile`` for the drafter: SpecBlock's block 1 (``compiled/drafter.py``) and EAGLE-3's
-    flush and depth steps (``compiled/eagle3.py``) on static buffers, compiled; other drafters are
-    returned as they are (their dynamic-shape compiled forms were slower,
-    ``experiments/results/compiled_drafters.md``)."""
+    flush and depth steps (``compiled/eagle3.py``) on static buffers, Medusa's heads on their one
+    shape (``compiled/medusa.py``), compiled; other drafters are returned as they are."""
     from specblock.compiled.drafter import ROWS, StaticSpecBlockDrafter
     from specblock.compiled.eagle3 import StaticEagle3Drafter
+    from specblock.compiled.medusa import StaticMedusaDrafter
     from specblock.compiled.native import use_native_kernel
     from specblock.runtime.drafters.eagle3 import Eagle3Drafter
+    from specblock.runtime.drafters.medusa import MedusaDrafter
     from specblock.runtime.drafters.specblock import SpecBlockDrafter
     from specblock.runtime.packed import PackedLinear
 
-    if type(drafter) not in (SpecBlockDrafter, Eagle3Drafter):
+    if type(drafter) not in (SpecBlockDrafter, Eagle3Drafter, MedusaDrafter):
         return drafter
     if any(isinstance(m, PackedLinear) for m in drafter.net.modules()):
         use_native_kernel()  # packed linears in C++ in the graph, as the compiled target's (compiled/native.py)
+    if type(drafter) is MedusaDrafter:
+        return StaticMedusaDrafter(drafter)
     if type(drafter) is Eagle3Drafter:
         return StaticEagle3Drafter(drafter, target.max_context)
     return StaticSpecBlockDrafter(drafter, capacity=target.max_context + ROWS + drafter.net.cfg.K)

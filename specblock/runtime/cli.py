@@ -209,7 +209,7 @@ def maybe_compile(target: TargetModel, compile: bool, mode: str = "whole") -> Ta
 
 
 def maybe_compile_drafter(drafter, target: TargetModel):
-    """``--compile``'s drafter side (``compiled.compile_drafter``: SpecBlock's block 1 and EAGLE-3's steps on static shapes)."""
+    """``--compile``'s drafter side (``compiled.compile_drafter``: SpecBlock's block 1, EAGLE-3's steps, Medusa's heads)."""
     from specblock.compiled import compile_drafter
 
     return compile_drafter(drafter, target)

@@ -118,12 +118,17 @@ class MedusaDrafter(Drafter):
             self._trees[budget] = static_tree(self.acc, budget)
         return self._trees[budget]
 
+    def _candidates(self, top: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Each head's ``top_k`` target ids and log-probs ``[heads, top_k]`` from the state ``[1, h]``
+        (``compiled/medusa.py`` runs this as one compiled graph)."""
+        return self.net.top_tokens(self.net.logits(top.to(self.net.lm_head.weight.dtype))[0], self.net.cfg.top_k)
+
     @torch.no_grad()
     def propose(self, req: DraftRequest) -> DraftTree:
         root = int(req.tokens[-1])
         if self.top is None or req.budget < 1 or req.max_depth < 1:
             return DraftTree.root_only(root)
-        ids, lps = self.net.top_tokens(self.net.logits(self.top.to(self.net.lm_head.weight.dtype))[0], self.net.cfg.top_k)
+        ids, lps = self._candidates(self.top)
         parent, depth, rank = self.tree_shape(req.budget)
         head = np.maximum(depth - 1, 0)
         r = np.maximum(rank, 0)
