@@ -21,16 +21,21 @@ def compile_target(target: TargetModel, mode: str = "whole") -> StaticTarget:
 def compile_drafter(drafter, target: TargetModel):
     """``--compile`` for the drafter: SpecBlock's block 1 (``compiled/drafter.py``) and EAGLE-3's
     flush and depth steps (``compiled/eagle3.py``) on static buffers, Medusa's heads on their one
-    shape (``compiled/medusa.py``), compiled; other drafters are returned as they are."""
+    shape (``compiled/medusa.py``), SpS's draft model behind a ``StaticTarget`` (``compiled/sps.py``,
+    chains), compiled; other drafters (and SpS trees) are returned as they are."""
     from specblock.compiled.drafter import ROWS, StaticSpecBlockDrafter
     from specblock.compiled.eagle3 import StaticEagle3Drafter
     from specblock.compiled.medusa import StaticMedusaDrafter
+    from specblock.compiled.sps import StaticSpsDrafter
     from specblock.compiled.native import use_native_kernel
     from specblock.runtime.drafters.eagle3 import Eagle3Drafter
     from specblock.runtime.drafters.medusa import MedusaDrafter
+    from specblock.runtime.drafters.sps import SpsDrafter
     from specblock.runtime.drafters.specblock import SpecBlockDrafter
     from specblock.runtime.packed import PackedLinear
 
+    if type(drafter) is SpsDrafter:
+        return StaticSpsDrafter(drafter) if drafter.top_k == 1 else drafter
     if type(drafter) not in (SpecBlockDrafter, Eagle3Drafter, MedusaDrafter):
         return drafter
     if any(isinstance(m, PackedLinear) for m in drafter.net.modules()):

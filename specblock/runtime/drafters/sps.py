@@ -92,16 +92,13 @@ class SpsDrafter(Drafter):
         tokens = req.tokens
         root_pos = len(tokens) - 1
         tree = DraftTree.root_only(int(tokens[-1]))
-        new_ids = torch.as_tensor(tokens[self.n_cached :], device=self.device)[None]
-        pos = torch.arange(self.n_cached, len(tokens), device=self.device)[None]
-        out = self.model(input_ids=new_ids, position_ids=pos, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        logits = self._feed(tokens)  # [1, V]: the root's children
         self.n_cached = len(tokens)
         depth = min(self.gamma, req.max_depth)
         if depth < 1 or req.budget < 1:
             return tree
         # Nothing past what the final rerank to the budget can keep (policies.branching)
         depth, width = rerank_limits(self.policy, self.seed_policy, req.budget, depth, self.top_k)
-        logits = out.logits[0, -1:]  # [S=1, V]: the root's children
         parents = np.zeros(1, dtype=np.int64)
         expanded = np.zeros(0, dtype=np.int64)  # drafted nodes in the cache, in cache order
         for d in range(1, depth + 1):
@@ -112,15 +109,26 @@ class SpsDrafter(Drafter):
             frontier = np.sort(self.seed_policy.select(tree, new[new >= 0], width))
             if frontier.size == 0:
                 break
-            s = frontier.size
-            anc = np.concatenate([tree.ancestor_mask[np.ix_(frontier, expanded)], np.eye(s, dtype=bool)], axis=1)
-            mask = torch.zeros((1, 1, s, self.n_cached + anc.shape[1]), dtype=self.dtype, device=self.device)
-            mask[0, 0, :, self.n_cached :].masked_fill_(~torch.as_tensor(anc, device=self.device), self._min)
-            x = torch.as_tensor(tree.tokens[frontier], device=self.device)[None]
-            pos = torch.full((1, s), root_pos + d, device=self.device)
-            logits = self.model(input_ids=x, position_ids=pos, attention_mask=mask, past_key_values=self.cache,
-                                use_cache=True).logits[0]
+            logits = self._draft_forward(tree, frontier, expanded, root_pos + d)
             expanded = np.concatenate([expanded, frontier])
             parents = frontier
         self._crop(self.n_cached)
         return self.policy.prune(tree, req.budget)
+
+    def _feed(self, tokens: np.ndarray) -> torch.Tensor:
+        """The committed tokens the cache has not seen, in one forward; the last one's logits ``[1, V]``."""
+        new_ids = torch.as_tensor(tokens[self.n_cached :], device=self.device)[None]
+        pos = torch.arange(self.n_cached, len(tokens), device=self.device)[None]
+        out = self.model(input_ids=new_ids, position_ids=pos, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1:]
+
+    def _draft_forward(self, tree: DraftTree, frontier: np.ndarray, expanded: np.ndarray, pos: int) -> torch.Tensor:
+        """The frontier's nodes at position ``pos``, each over the committed cache, its drafted
+        ancestors (``expanded``, in cache order) and itself; their logits ``[S, V]``."""
+        s = frontier.size
+        anc = np.concatenate([tree.ancestor_mask[np.ix_(frontier, expanded)], np.eye(s, dtype=bool)], axis=1)
+        mask = torch.zeros((1, 1, s, self.n_cached + anc.shape[1]), dtype=self.dtype, device=self.device)
+        mask[0, 0, :, self.n_cached :].masked_fill_(~torch.as_tensor(anc, device=self.device), self._min)
+        x = torch.as_tensor(tree.tokens[frontier], device=self.device)[None]
+        return self.model(input_ids=x, position_ids=torch.full((1, s), pos, device=self.device), attention_mask=mask,
+                          past_key_values=self.cache, use_cache=True).logits[0]
