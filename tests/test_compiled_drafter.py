@@ -164,5 +164,5 @@ def test_bench_refuses_drafter_compiled_where_there_is_no_compiled_drafter(tmp_p
     for m in ("parallelspec", "specblock+adapt", "falcon+lookup"):
         assert main(flags + ["--methods", m, "--set", f"{m}:drafter_compiled=true"]) == 2
         err = capsys.readouterr().err.strip()
-        assert "only SpecBlock's, EAGLE-3's and Medusa's drafters have a compiled form" in err and "\n" not in err
+        assert "only specblock, eagle3, medusa, sps have a compiled drafter" in err and "\n" not in err
     assert not (tmp_path / "b.json").exists()

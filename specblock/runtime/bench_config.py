@@ -112,6 +112,10 @@ def method_options(items: list[str], methods: list[str]) -> dict[str, dict]:
     return out
 
 
+#: Methods whose drafter ``--compile`` puts on static shapes (``compiled.compile_drafter``; SpS: chains).
+COMPILED_DRAFTERS = ("specblock", "eagle3", "medusa", "sps")
+
+
 def check_bench_flags(args) -> dict[str, dict]:
     """Every bench flag and ``--set`` item, before the bench loads anything. Returns the checked
     per-method options."""
@@ -125,9 +129,9 @@ def check_bench_flags(args) -> dict[str, dict]:
         if o.get("lookup_nodes") is not None and not has_lookup(m):
             raise SpecBlockError(f"--set {m}:lookup_nodes is for a METHOD{LOOKUP} method, e.g. eagle3{LOOKUP}")
         base = m.split("@")[0].removesuffix(LOOKUP)
-        if o.get("drafter_compiled") is not None and base not in ("specblock", "eagle3", "medusa"):
-            raise SpecBlockError(f"--set {m}:drafter_compiled: only SpecBlock's, EAGLE-3's and Medusa's drafters have a "
-                                 "compiled form (the adapting one has not); use it on specblock, eagle3, medusa or their +lookup")
+        if o.get("drafter_compiled") is not None and base not in COMPILED_DRAFTERS:
+            raise SpecBlockError(f"--set {m}:drafter_compiled: only {', '.join(COMPILED_DRAFTERS)} have a compiled drafter "
+                                 "(an adapting one has not); use it on one of them or its +lookup")
         if o.get("compiled") and is_peer(m):
             raise SpecBlockError(f"--set {m}:compiled: HF generate peers run HF's own loop; "
                                  "compiled=true is for this project's methods")
