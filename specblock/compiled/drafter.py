@@ -9,7 +9,7 @@ work. Here every shape is fixed, as for the target (``compiled/target.py``):
 - the drafter's KV cache is one preallocated buffer per layer, written with ``index_copy_`` at
   the positions' own slots (the cache holds positions 0, 1, ... in order, so slot = position);
 - the new context positions (the last step's accepted path plus the bonus token: the target's
-  taps there and the tokens after them) are padded to ``ROWS``; padded rows write to scratch
+  taps there and the tokens after them) are padded to 4 or ``ROWS`` (``ROW_BUCKETS``); padded rows write to scratch
   slots past the attention span and nobody reads them;
 - attention runs over a power-of-two span of the buffer, stale slots hidden by position
   (a row sees the slots up to its own position);
@@ -38,6 +38,14 @@ from specblock.runtime.target import TargetOutput
 #: New context positions per compiled step: the accepted path plus the bonus token. A tree deeper
 #: than ``ROWS - 1`` that is accepted whole runs that one step eagerly.
 ROWS = 8
+#: The padded step's row counts (each its own graph per span): a block's forward is bound by its
+#: multiply-adds on this CPU, and most steps commit tau ~ 2-3 positions, so 8 rows paid for padding.
+ROW_BUCKETS: tuple[int, ...] = (4, ROWS)
+
+
+def pad_rows(n: int, buckets: tuple[int, ...] = ROW_BUCKETS) -> int | None:
+    """The smallest bucket holding ``n`` new positions; None past the largest (an unpadded step)."""
+    return next((b for b in buckets if n <= b), None)
 
 
 def _layer(layer: DecoderLayer, x: torch.Tensor, cs, kb: torch.Tensor, vb: torch.Tensor, slots: torch.Tensor,
@@ -75,7 +83,8 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
         self.capacity = capacity  # positions the buffers hold (the target's context); reset() needs it
         super().__init__(drafter.net, drafter.M, drafter.policy, drafter.seed_policy, drafter.max_seeds)
         self.compiled = compile
-        self._shapes: set[tuple] = set()
+        self.row_buckets = ROW_BUCKETS  # (ROWS,) pads every step to 8 rows, as before (experiments/drafter_rows.py)
+        self._shapes: set[tuple] = set()  # (rows, span) met
         self._step_fn = self._step
         if compile:
             use_disk_cache()
@@ -136,19 +145,20 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
         taps, toks = self._new
         n = taps.shape[0]
         past = self.cached
-        padded = n <= ROWS  # padded in eager mode too, so that the tests see the compiled step's inputs
+        rows = pad_rows(n, self.row_buckets)
+        padded = rows is not None  # padded in eager mode too, so that the tests see the compiled step's inputs
         if padded:
-            taps = torch.cat([taps, taps.new_zeros(ROWS - n, taps.shape[1])])
-            toks = torch.cat([toks, toks.new_zeros(ROWS - n)])
+            taps = torch.cat([taps, taps.new_zeros(rows - n, taps.shape[1])])
+            toks = torch.cat([toks, toks.new_zeros(rows - n)])
         compiled = self.compiled and padded
         span = span_of(past + taps.shape[0] + self.net.cfg.K, self.capacity)
         args = (taps, toks, torch.tensor(n, device=self.device), torch.tensor(past, device=self.device), span)
         if not compiled:
             hq, packed = self._step(*args)
-        elif (span,) not in self._shapes:  # compiles (or loads) this span's graph
-            with notice_if_slow(f"compiling SpecBlock's block over {span} slots"):
+        elif (rows, span) not in self._shapes:  # compiles (or loads) this shape's graph
+            with notice_if_slow(f"compiling SpecBlock's block for {rows} new positions over {span} slots"):
                 hq, packed = precompile.first_call(self._step_fn, *args) if self.saved else self._step_fn(*args)
-            self._shapes.add((span,))
+            self._shapes.add((rows, span))
         else:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):  # as the target: same shape, same code
                 hq, packed = self._step_fn(*args)

@@ -5,7 +5,7 @@ comparison with SpecBlock made fair, since SpecBlock's block already runs compil
 The same scheme as SpecBlock's block (read that module first), for EAGLE-3's two kinds of forward:
 
 - the flush: the new committed positions (taps and next tokens, fused inside the graph) padded to
-  ``ROWS``, written at their own slots, plus the LM head and top-k at the last real one: one graph
+  4 or ``ROWS`` rows, written at their own slots, plus the LM head and top-k at the last real one: one graph
   per span, one host copy;
 - each depth: the frontier's rows, padded to a power of two, each reading the committed slots,
   its drafted ancestors' slots and its own (the visibility is built on the host from the tree,
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from specblock.compiled import precompile
-from specblock.compiled.drafter import ROWS, _layer, _rope
+from specblock.compiled.drafter import ROW_BUCKETS, ROWS, _layer, _rope, pad_rows
 from specblock.compiled.notice import notice_if_slow
 from specblock.compiled.target import CPU_OPTIONS, _allow_recompiles, bucket_of, own_code, span_of, use_disk_cache
 from specblock.policies.branching import expand, rerank_limits
@@ -46,6 +46,7 @@ class StaticEagle3Drafter(Eagle3Drafter):
         self.max_rows = bucket_of(self.top_k, WIDTHS)  # a frontier never exceeds top_k (rerank_limits)
         self.capacity = max_context + ROWS + self.depth * self.max_rows  # committed + drafted slots
         self.compiled = compile
+        self.row_buckets = ROW_BUCKETS  # flushes padded to 4 or 8 rows, as SpecBlock's block
         self._shapes: set[tuple] = set()
         self._flush_fn, self._depth_fn = self._flush_step, self._depth_step
         self.saved = False
@@ -143,14 +144,16 @@ class StaticEagle3Drafter(Eagle3Drafter):
             return None
         taps, toks = self._new
         n, past = taps.shape[0], self.cached
-        padded = n <= ROWS
+        rows = pad_rows(n, self.row_buckets)
+        padded = rows is not None
         if padded:
-            taps = torch.cat([taps, taps.new_zeros(ROWS - n, taps.shape[1])])
-            toks = torch.cat([toks, toks.new_zeros(ROWS - n)])
+            taps = torch.cat([taps, taps.new_zeros(rows - n, taps.shape[1])])
+            toks = torch.cat([toks, toks.new_zeros(rows - n)])
         span = span_of(past + taps.shape[0], self.capacity)
         args = (taps, toks, torch.tensor(n, device=self.device), torch.tensor(past, device=self.device), span)
         fn = self._flush_fn if self.compiled and padded else self._flush_step
-        state, packed = self._call(fn, self.compiled and padded, ("flush", span), f"flush over {span} slots", *args)
+        state, packed = self._call(fn, self.compiled and padded, ("flush", rows, span),
+                                   f"flush of {rows} positions over {span} slots", *args)
         self.cached, self._new = past + n, None
         return state, *self._unpack(packed)
 
