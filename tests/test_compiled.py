@@ -400,3 +400,15 @@ def test_the_server_warms_every_tree_size_with_compile(tmp_path, monkeypatch):
                        "--compile", "--no-warmup", "--port", "0"])
     open_service(cfg, opts)
     assert warmed == [6]
+    # A compiled drafter's steps are warmed too, under a lookup branch as well (compiled/drafter.py's warm)
+    drafter_warmed = []
+
+    def compiled_drafter(d, target):
+        d.warm = lambda: drafter_warmed.append(type(d).__name__) or []
+        return d
+
+    monkeypatch.setattr(cli, "maybe_compile_drafter", compiled_drafter)
+    cfg, opts = parse(["--target", str(model_dir), "--dtype", "float32", "--method", "random", "--budget", "5",
+                       "--lookup-branch", "2", "--compile", "--port", "0"])
+    open_service(cfg, opts)
+    assert warmed == [6, 6] and len(drafter_warmed) == 1

@@ -166,3 +166,22 @@ def test_bench_refuses_drafter_compiled_where_there_is_no_compiled_drafter(tmp_p
         err = capsys.readouterr().err.strip()
         assert "only specblock, eagle3, medusa, sps have a compiled drafter" in err and "\n" not in err
     assert not (tmp_path / "b.json").exists()
+
+
+def test_warm_compiles_each_row_bucket_and_leaves_the_buffers_empty(monkeypatch, tmp_path):
+    """Before a server listens (``Session.warm_compiled``): the block of every row bucket compiled at
+    the first span, the drafter's state reset; decoding afterwards compiles no drafter graph."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model, _, net = make(seed=7)
+    target = StaticTarget(model, compile=True, buckets=(8,))
+    static = compile_drafter(SpecBlockDrafter(net, M=1, policy=RankBucketBranching(WIDTHS)), target)
+    assert static.warm() == [(4, 256), (8, 256)] and static.cached == 0 and static._new is None
+    target.want_features = True
+    target.warm(8)
+    graphs = counters["stats"]["unique_graphs"]
+    prompt = np.random.default_rng(0).integers(2, 16, 12)
+    b, _ = decode(target, static, prompt, n=24, budget=6)
+    assert b.token_ids == hf_greedy(model, prompt, 24)
+    assert counters["stats"]["unique_graphs"] == graphs and len(static._shapes) == 2

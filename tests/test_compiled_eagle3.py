@@ -106,3 +106,27 @@ def test_cuda_graph_steps_propose_the_eager_trees():
     b, trees_b = decode(target, static, prompt, n=24, budget=4)
     assert b.token_ids == ref
     assert [t[0].tolist() for t in trees_a] == [t[0].tolist() for t in trees_b]
+
+
+def test_warm_compiles_the_steps_before_decoding_and_leaves_them_empty(monkeypatch, tmp_path):
+    """``Session.warm_compiled`` calls a compiled drafter's ``warm``: every flush row bucket and
+    every depth width compiled at the first span, the buffers left empty, and decoding afterwards
+    compiles nothing more at that span and stays lossless."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model, target, net = make(seed=7, noise=0.5)
+    static_target = StaticTarget.wrap(target, compile=True)
+    drafter = compile_drafter(Eagle3Drafter(net, depth=3, top_k=2), static_target)
+    shapes = drafter.warm()
+    assert {s[:2] for s in shapes} == {("flush", 4), ("flush", 8), ("depth", 1), ("depth", 2)}
+    assert drafter.cached == 0 and drafter._new is None
+    graphs = counters["stats"]["unique_graphs"]
+    static_target.want_features = True  # as Session.warm_compiled sets it for a drafter that reads taps
+    static_target.warm(5)  # the budget's tree: root + 4 nodes, as Session.warm_compiled
+    after_target = counters["stats"]["unique_graphs"]
+    prompt = np.arange(2, 9)
+    res, _ = decode(static_target, drafter, prompt, n=24, budget=4)
+    assert res.token_ids == hf_greedy(model, prompt, 24)
+    assert counters["stats"]["unique_graphs"] == after_target and len(drafter._shapes) == len(shapes)
+    assert graphs <= after_target

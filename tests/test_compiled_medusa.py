@@ -34,10 +34,13 @@ def test_static_heads_propose_the_eager_trees(compile):
     assert static._met == compile
 
 
-def test_compile_drafter_builds_it():
+def test_compile_drafter_builds_it_and_warm_compiles_its_graph(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     model, target, net = make()
     drafter = compile_drafter(MedusaDrafter(net), target)
-    assert isinstance(drafter, StaticMedusaDrafter) and drafter.compiled
+    assert isinstance(drafter, StaticMedusaDrafter) and drafter.compiled and not drafter._met
+    assert drafter.warm() == [(1, 32)] and drafter._met
+    assert StaticMedusaDrafter(MedusaDrafter(net), compile=False).warm() == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (experiments/gpu_check.sh runs it where one is)")

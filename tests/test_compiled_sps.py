@@ -40,3 +40,10 @@ def test_trees_stay_eager():
     with pytest.raises(ValueError, match="chains"):
         StaticSpsDrafter(tree_drafter, compile=False)
     assert isinstance(compile_drafter(SpsDrafter(net.model.eval(), gamma=3), target), StaticSpsDrafter)
+
+
+def test_warm_compiles_the_draft_models_buckets(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model, target, net = make(seed=1)
+    drafter = StaticSpsDrafter(SpsDrafter(net.model.eval(), gamma=3), compile=True)
+    assert drafter.warm() == [1, 2, 4] and drafter.static.past_len == 0

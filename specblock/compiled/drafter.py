@@ -170,6 +170,27 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
         self._new = self.pending = None
         return hq, past + n - 1
 
+    @torch.no_grad()
+    def warm(self) -> list[tuple]:
+        """Compile (or load) the block of every row bucket at the first span, now rather than in a
+        request (``Session.warm_compiled``, before a server listens); leaves the buffers empty.
+        Returns the shapes warmed."""
+        if not self.compiled:
+            return []
+        span = span_of(1, self.capacity)  # the first span
+        width = len(self.net.cfg.tap_layers) * self.net.cfg.hidden_size  # the taps, concatenated
+        for rows in self.row_buckets:
+            if (rows, span) in self._shapes:
+                continue
+            args = (torch.zeros(rows, width, device=self.device, dtype=self.dtype),
+                    torch.zeros(rows, dtype=torch.long, device=self.device), torch.tensor(1, device=self.device),
+                    torch.tensor(0, device=self.device), span)
+            with notice_if_slow(f"compiling SpecBlock's block for {rows} new positions over {span} slots"):
+                precompile.first_call(self._step_fn, *args) if self.saved else self._step_fn(*args)
+            self._shapes.add((rows, span))
+        self.reset()
+        return sorted(self._shapes)
+
     def _candidates(self, hq: torch.Tensor):
         packed = getattr(self, "_packed", None)
         if packed is None:  # later blocks (eager)

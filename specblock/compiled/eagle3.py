@@ -94,6 +94,28 @@ class StaticEagle3Drafter(Eagle3Drafter):
     def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
         self._add_pending(features.taps, np.append(tree.tokens[verdict.path[1:]], verdict.bonus), self._root_pos)
 
+    @torch.no_grad()
+    def warm(self) -> list[tuple]:
+        """Compile (or load) the flush of every row bucket and the depth step of every frontier width
+        at the first span, before a server listens; leaves the buffers empty. Returns the shapes."""
+        if not self.compiled:
+            return []
+        dev, h = self.device, self.net.cfg.hidden_size
+        span = span_of(1, self.capacity)  # the first span
+        taps_width = len(self.net.cfg.tap_layers) * h  # the taps, concatenated
+        for rows in self.row_buckets:
+            args = (torch.zeros(rows, taps_width, device=dev, dtype=self.dtype), torch.zeros(rows, dtype=torch.long, device=dev),
+                    torch.tensor(1, device=dev), torch.tensor(0, device=dev), span)
+            self._call(self._flush_fn, True, ("flush", rows, span), f"flush of {rows} positions over {span} slots", *args)
+        for w in (b for b in WIDTHS if b <= self.max_rows):
+            visible = torch.zeros(w, span, dtype=torch.bool, device=dev)
+            visible[:, 0] = True
+            args = (torch.zeros(w, h, device=dev, dtype=self.dtype), torch.zeros(w, dtype=torch.long, device=dev),
+                    torch.tensor(1, device=dev), self.capacity + torch.arange(w, device=dev), visible, span)
+            self._call(self._depth_fn, True, ("depth", w, span), f"depth step of {w} rows over {span} slots", *args)
+        self.reset()
+        return sorted(self._shapes)
+
     # ---------------------------------------------------------------- the two steps
     def _top_packed(self, states: torch.Tensor) -> torch.Tensor:
         """``[S, 2k]``: the top-k log-probs and target ids of each state (``top_tokens``, on device)."""

@@ -46,6 +46,15 @@ class StaticMedusaDrafter(MedusaDrafter):
         best = torch.log_softmax(logits.float(), -1).topk(min(net.cfg.top_k, logits.shape[-1]), dim=-1)
         return torch.cat([best.values, net.token_ids(best.indices).to(best.values.dtype)], -1)
 
+    @torch.no_grad()
+    def warm(self) -> list[tuple]:
+        """Compile (or load) the one graph before a server listens. Returns the shape warmed."""
+        if not self.compiled:
+            return []
+        w = self.net.lm_head.weight
+        self._candidates(torch.zeros(1, self.net.cfg.hidden_size, device=w.device, dtype=w.dtype))
+        return [(1, self.net.cfg.hidden_size)]
+
     def _candidates(self, top: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         top = top.contiguous()
         if not self.compiled:

@@ -40,6 +40,11 @@ class StaticSpsDrafter(SpsDrafter):
         if getattr(self, "static", None) is not None:
             self.static.reset()
 
+    def warm(self) -> list[int]:
+        """Compile (or load) the draft model's buckets a proposal can meet (a feed of up to gamma + 1
+        tokens, single drafted tokens) before a server listens. Returns the buckets warmed."""
+        return self.static.warm(self.gamma + 1)
+
     def _feed(self, tokens: np.ndarray) -> torch.Tensor:
         new = np.asarray(tokens[self.n_cached :], dtype=np.int64)
         st = self.static

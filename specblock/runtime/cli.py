@@ -186,8 +186,9 @@ class Session:
 
     def warm_compiled(self) -> list[int]:
         """``--compile`` in a server: every tree size the engine can meet compiled (or loaded) before
-        it listens, not in the middle of a request (the CLI stays lazy: a short run meets few sizes).
-        Returns the buckets warmed; none on an eager target."""
+        it listens, not in the middle of a request (the CLI stays lazy: a short run meets few sizes),
+        and a compiled drafter's steps at the first span. Returns the target's buckets warmed; none on
+        an eager target."""
         warm = getattr(self.target, "warm", None)
         if warm is None:
             return []
@@ -196,7 +197,11 @@ class Session:
         taps = getattr(drafter, "tap_layers", None)
         if taps is not None:
             self.target.tap_layers = tuple(taps)
-        return warm(self.engine.budget + 1)
+        warmed = warm(self.engine.budget + 1)
+        inner = getattr(drafter, "inner", drafter)  # under a lookup branch
+        if callable(getattr(inner, "warm", None)):  # a compiled drafter's steps (compiled/drafter.py, eagle3.py, ...)
+            inner.warm()
+        return warmed
 
 
 def maybe_compile(target: TargetModel, compile: bool, mode: str = "whole") -> TargetModel:
