@@ -412,3 +412,20 @@ def test_the_server_warms_every_tree_size_with_compile(tmp_path, monkeypatch):
                        "--lookup-branch", "2", "--compile", "--port", "0"])
     open_service(cfg, opts)
     assert warmed == [6, 6] and len(drafter_warmed) == 1
+
+
+def test_the_bench_warms_each_engine_before_timing(tmp_path, monkeypatch):
+    """The bench's untimed warm-up compiles every shape an engine can meet (``Engine.warm_compiled``)
+    so no timed run pays a first-use compile; an eager target warms nothing (the compiled target is
+    compiled for real by the tests above; here its static step runs eagerly)."""
+    from specblock.runtime import cli
+    from specblock.runtime.engine import Engine
+
+    monkeypatch.setattr(cli, "maybe_compile", lambda t, c, m="whole": StaticTarget.wrap(t, compile=False) if c else t)
+    warmed = []
+    real = Engine.warm_compiled
+    monkeypatch.setattr(Engine, "warm_compiled", lambda self: warmed.append(type(self.target).__name__) or real(self))
+    out = tmp_path / "b"
+    assert cli.main(["bench", "--target", "lab", "--methods", "ar,lookup@c", "--set", "lookup@c:compiled=true",
+                     "--domains", "code", "--prompts", "1", "--runs", "1", "--max-new-tokens", "8", "--out", str(out)]) == 0
+    assert sorted(warmed) == ["StaticTarget", "TargetModel"]

@@ -185,23 +185,11 @@ class Session:
             eng.generate(ids[-16:], 4, seed=self.cfg.seed)
 
     def warm_compiled(self) -> list[int]:
-        """``--compile`` in a server: every tree size the engine can meet compiled (or loaded) before
-        it listens, not in the middle of a request (the CLI stays lazy: a short run meets few sizes),
-        and a compiled drafter's steps at the first span. Returns the target's buckets warmed; none on
-        an eager target."""
-        warm = getattr(self.target, "warm", None)
-        if warm is None:
-            return []
-        drafter = self.engine.drafter
-        self.target.want_features = drafter.needs_features  # as Engine.generate sets them
-        taps = getattr(drafter, "tap_layers", None)
-        if taps is not None:
-            self.target.tap_layers = tuple(taps)
-        warmed = warm(self.engine.budget + 1)
-        inner = getattr(drafter, "inner", drafter)  # under a lookup branch
-        if callable(getattr(inner, "warm", None)):  # a compiled drafter's steps (compiled/drafter.py, eagle3.py, ...)
-            inner.warm()
-        return warmed
+        """``--compile`` in a server: every tree size the engine can meet, and a compiled drafter's
+        steps, compiled (or loaded) before it listens, not in the middle of a request (the CLI stays
+        lazy: a short run meets few sizes). Returns the target's buckets warmed; none on an eager
+        target."""
+        return self.engine.warm_compiled()
 
 
 def maybe_compile(target: TargetModel, compile: bool, mode: str = "whole") -> TargetModel:

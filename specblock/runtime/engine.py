@@ -49,6 +49,27 @@ class Engine:
             torch.cuda.synchronize(self.target.device)
         return time.perf_counter()
 
+    def _point_target(self) -> None:
+        self.target.want_features = self.drafter.needs_features  # engines may share one target
+        taps = getattr(self.drafter, "tap_layers", None)  # ... so each drafter's own taps, per generate
+        if taps is not None:
+            self.target.tap_layers = tuple(taps)
+
+    def warm_compiled(self) -> list[int]:
+        """Compile (or load) every shape this engine can meet at the first span, before anything is
+        timed or served: the compiled target's tree buckets up to the budget's tree (``warm``) and a
+        compiled drafter's steps (its ``warm``, under a lookup branch too). Duck-typed, so the
+        runtime needs nothing from ``specblock.compiled``; an eager target and drafter warm nothing.
+        Returns the target's buckets warmed."""
+        warmed = []
+        if callable(getattr(self.target, "warm", None)):
+            self._point_target()  # the graphs depend on the features and taps this drafter reads
+            warmed = self.target.warm(self.budget + 1)
+        inner = getattr(self.drafter, "inner", self.drafter)
+        if callable(getattr(inner, "warm", None)):
+            inner.warm()
+        return warmed
+
     def generate(
         self,
         prompt_ids: list[int] | np.ndarray,
@@ -68,10 +89,7 @@ class Engine:
             )
         self.verifier.reset(seed)
         self.drafter.reset()
-        self.target.want_features = self.drafter.needs_features  # engines may share one target
-        taps = getattr(self.drafter, "tap_layers", None)  # ... so each drafter's own taps, per generate
-        if taps is not None:
-            self.target.tap_layers = tuple(taps)
+        self._point_target()
         stats = DecodeStats()
         t0 = self._now()
         feats = self.target.prefill(prompt[:-1])
