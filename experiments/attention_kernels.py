@@ -20,16 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from compiled_speed import random_tree, rewind  # the same random trees and rewind as T(n) there
+
 from specblock.compiled.gqa import KERNELS
 from specblock.compiled.target import StaticTarget
-from specblock.policies.tree import DraftTree
 from specblock.runtime.config import validate
 from specblock.runtime.target import TargetModel
-
-
-def random_tree(rng: np.random.Generator, n: int, vocab: int) -> DraftTree:
-    parent = np.concatenate([[-1], (rng.random(n - 1) * np.arange(1, n)).astype(np.int64)])
-    return DraftTree.from_parents(rng.integers(0, vocab, n), parent)
 
 
 def main() -> None:
@@ -70,7 +66,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 t.tree_forward(tree)
                 ms[k][n].append(1e3 * (time.perf_counter() - t0))
-                t.past_len = args.ctx  # back to the prompt; later slots are stale and masked
+                rewind(t, args.ctx)
     base = kernels[0]
     rows = {n: {k: round(float(np.median(ms[k][n])), 2) for k in kernels} for n in sizes}
     ratio = {n: {k: round(float(np.median(np.array(ms[k][n]) / np.array(ms[base][n]))), 3) for k in kernels} for n in sizes}

@@ -32,18 +32,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its siblings
 
-from heldout_compare import parse  # noqa: E402
-from served_gap import CHAINS, chain_hits, greedy_answer  # noqa: E402
-from vocab_sweep import load  # noqa: E402
+from served_gap import chain_hits, greedy_answer, load_chains  # noqa: E402
 
 from specblock.atomic import write_atomic  # noqa: E402
 from specblock.errors import SpecBlockError  # noqa: E402
-from specblock.models import resolve_target  # noqa: E402
 from specblock.prompts import DOMAINS, load_prompts  # noqa: E402
 from specblock.runtime import chat  # noqa: E402
-from specblock.runtime.cli import load_tokenizer  # noqa: E402
 from specblock.runtime.drafters.lookup import find_continuations  # noqa: E402
-from specblock.runtime.target import load_causal_lm, read_generation_eos  # noqa: E402
 from specblock.training.specblock_step import target_pass  # noqa: E402
 
 CHAIN = 3  # the drafter's chain and each lookup chain, as served
@@ -82,15 +77,7 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     try:
-        specs = [parse(s) for s in a.drafter]
-        for name, method, _ in specs:
-            if method not in CHAINS:
-                raise SpecBlockError(f"--drafter {name}: {method!r} has no chain here; use {' or '.join(CHAINS)}")
-        target_dir = resolve_target(a.target)
-        model = load_causal_lm(target_dir, "float32", "cpu", "sdpa", False).eval()
-        tok = load_tokenizer(target_dir, False)
-        eos = sorted(chat.stop_ids(tok, read_generation_eos(target_dir)))
-        nets = {name: (method, load(method, path, model).eval()) for name, method, path in specs}
+        model, tok, eos, nets = load_chains(a.target, a.drafter)
     except SpecBlockError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

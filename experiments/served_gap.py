@@ -118,6 +118,20 @@ def lookup_hits(seq: np.ndarray, lookup: LookupDrafter | None = None) -> torch.T
     return ok.cumprod(-1).bool()
 
 
+def load_chains(target: str, drafters: list[str]):
+    """The target at fp32, its tokenizer and stop ids, and each ``--drafter NAME=METHOD:PATH`` as
+    ``{name: (method, net)}``; a method without a chain here is refused (``SpecBlockError``)."""
+    specs = [parse(s) for s in drafters]
+    for name, method, _ in specs:
+        if method not in CHAINS:
+            raise SpecBlockError(f"--drafter {name}: {method!r} has no chain here; use {' or '.join(CHAINS)}")
+    target_dir = resolve_target(target)
+    model = load_causal_lm(target_dir, "float32", "cpu", "sdpa", False).eval()
+    tok = load_tokenizer(target_dir, False)
+    eos = sorted(chat.stop_ids(tok, read_generation_eos(target_dir)))
+    return model, tok, eos, {name: (method, load(method, path, model).eval()) for name, method, path in specs}
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -135,15 +149,7 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     try:
-        specs = [parse(s) for s in a.drafter]
-        for name, method, _ in specs:
-            if method not in CHAINS:
-                raise SpecBlockError(f"--drafter {name}: {method!r} has no chain here; use {' or '.join(CHAINS)}")
-        target_dir = resolve_target(a.target)
-        model = load_causal_lm(target_dir, "float32", "cpu", "sdpa", False).eval()
-        tok = load_tokenizer(target_dir, False)
-        eos = sorted(chat.stop_ids(tok, read_generation_eos(target_dir)))
-        nets = {name: (method, load(method, path, model).eval()) for name, method, path in specs}
+        model, tok, eos, nets = load_chains(a.target, a.drafter)
         methods = {n: m for n, (m, _) in nets.items()}  # every row's name -> its method
         if a.lookup:
             methods |= {"lookup": "lookup"} | {f"{n}+lookup": f"{m}+lookup" for n, (m, _) in nets.items()}

@@ -106,8 +106,9 @@ def test_compiled_block_is_lossless_on_the_compiled_target(monkeypatch, tmp_path
     b, trees_b = decode(target, static, prompt, n=24, budget=6)
     assert b.token_ids == hf_greedy(model, prompt, 24)
     assert [t[0].tolist() for t in trees_a] == [t[0].tolist() for t in trees_b]
-    assert len({span for _, span in static._shapes}) == 1 and {4} <= {rows for rows, _ in static._shapes}  # one span
-    assert counters["stats"]["unique_graphs"] - graphs == 1 + len(static._shapes)  # the target's one bucket, a graph a shape
+    shapes = static.block.shapes
+    assert len({span for _, span in shapes}) == 1 and {4} <= {rows for rows, _ in shapes}  # one span
+    assert counters["stats"]["unique_graphs"] - graphs == 1 + len(shapes)  # the target's one bucket, a graph a shape
 
 
 def test_cli_compile_builds_the_static_drafter_but_not_for_adapt(tmp_path, capsys, monkeypatch):
@@ -184,4 +185,4 @@ def test_warm_compiles_each_row_bucket_and_leaves_the_buffers_empty(monkeypatch,
     prompt = np.random.default_rng(0).integers(2, 16, 12)
     b, _ = decode(target, static, prompt, n=24, budget=6)
     assert b.token_ids == hf_greedy(model, prompt, 24)
-    assert counters["stats"]["unique_graphs"] == graphs and len(static._shapes) == 2
+    assert counters["stats"]["unique_graphs"] == graphs and len(static.block.shapes) == 2

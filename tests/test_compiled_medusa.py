@@ -31,15 +31,15 @@ def test_static_heads_propose_the_eager_trees(compile):
         for (ta, pa), (tb, pb) in zip(trees_a, trees_b):
             np.testing.assert_array_equal(ta, tb)
             np.testing.assert_array_equal(pa, pb)
-    assert static._met == compile
+    assert (static.heads is not None and static.heads.shapes == {(1, 32)}) == compile
 
 
 def test_compile_drafter_builds_it_and_warm_compiles_its_graph(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     model, target, net = make()
     drafter = compile_drafter(MedusaDrafter(net), target)
-    assert isinstance(drafter, StaticMedusaDrafter) and drafter.compiled and not drafter._met
-    assert drafter.warm() == [(1, 32)] and drafter._met
+    assert isinstance(drafter, StaticMedusaDrafter) and drafter.compiled and not drafter.heads.shapes
+    assert drafter.warm() == [(1, 32)] and drafter.heads.shapes == {(1, 32)}
     assert StaticMedusaDrafter(MedusaDrafter(net), compile=False).warm() == []
 
 

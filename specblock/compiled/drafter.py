@@ -28,9 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specblock.compiled import precompile
-from specblock.compiled.notice import notice_if_slow
-from specblock.compiled.target import CPU_OPTIONS, _allow_recompiles, own_code, span_of, use_disk_cache
+from specblock.compiled.step import CompiledStep
+from specblock.compiled.target import span_of
 from specblock.runtime.drafters.layers import DecoderLayer, apply_rope
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
 from specblock.runtime.target import TargetOutput
@@ -84,17 +83,8 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
         super().__init__(drafter.net, drafter.M, drafter.policy, drafter.seed_policy, drafter.max_seeds)
         self.compiled = compile
         self.row_buckets = ROW_BUCKETS  # (ROWS,) pads every step to 8 rows, as before (experiments/drafter_rows.py)
-        self._shapes: set[tuple] = set()  # (rows, span) met
-        self._step_fn = self._step
-        if compile:
-            use_disk_cache()
-            _allow_recompiles()
-            opts = dict(CPU_OPTIONS) if self.device.type == "cpu" else {}
-            kw = {"options": opts} if opts else {"mode": "reduce-overhead"}
-            self.saved = self.device.type == "cpu"
-            name = precompile.tag(self.net, {**opts, "rows": ROWS}) if self.saved else None
-            build = precompile.compile_saved if self.saved else torch.compile
-            self._step_fn = build(own_code(self._step, name), dynamic=False, **kw)
+        # keys (rows, span)
+        self.block = CompiledStep(self._step, self.net, self.device, {"rows": ROWS}) if compile else None
 
     def reset(self) -> None:
         super().reset()
@@ -153,17 +143,7 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
         compiled = self.compiled and padded
         span = span_of(past + taps.shape[0] + self.net.cfg.K, self.capacity)
         args = (taps, toks, torch.tensor(n, device=self.device), torch.tensor(past, device=self.device), span)
-        if not compiled:
-            hq, packed = self._step(*args)
-        elif (rows, span) not in self._shapes:  # compiles (or loads) this shape's graph
-            with notice_if_slow(f"compiling SpecBlock's block for {rows} new positions over {span} slots"):
-                hq, packed = precompile.first_call(self._step_fn, *args) if self.saved else self._step_fn(*args)
-            self._shapes.add((rows, span))
-        else:
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):  # as the target: same shape, same code
-                hq, packed = self._step_fn(*args)
-        if self.compiled and self.device.type == "cuda":  # CUDA-graph outputs are overwritten by the next replay
-            hq, packed = hq.clone(), packed.clone()
+        hq, packed = self._run_block(rows, span, *args) if compiled else self._step(*args)
         self._packed = packed
         self.cached = past + n
         self.cache = [(kb[:, :, : self.cached], vb[:, :, : self.cached]) for kb, vb in zip(self._kb, self._vb)]
@@ -180,16 +160,14 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
         span = span_of(1, self.capacity)  # the first span
         width = len(self.net.cfg.tap_layers) * self.net.cfg.hidden_size  # the taps, concatenated
         for rows in self.row_buckets:
-            if (rows, span) in self._shapes:
-                continue
-            args = (torch.zeros(rows, width, device=self.device, dtype=self.dtype),
-                    torch.zeros(rows, dtype=torch.long, device=self.device), torch.tensor(1, device=self.device),
-                    torch.tensor(0, device=self.device), span)
-            with notice_if_slow(f"compiling SpecBlock's block for {rows} new positions over {span} slots"):
-                precompile.first_call(self._step_fn, *args) if self.saved else self._step_fn(*args)
-            self._shapes.add((rows, span))
+            self._run_block(rows, span, torch.zeros(rows, width, device=self.device, dtype=self.dtype),
+                            torch.zeros(rows, dtype=torch.long, device=self.device), torch.tensor(1, device=self.device),
+                            torch.tensor(0, device=self.device), span)
         self.reset()
-        return sorted(self._shapes)
+        return sorted(self.block.shapes)
+
+    def _run_block(self, rows: int, span: int, *args):
+        return self.block((rows, span), f"SpecBlock's block for {rows} new positions over {span} slots", *args)
 
     def _candidates(self, hq: torch.Tensor):
         packed = getattr(self, "_packed", None)

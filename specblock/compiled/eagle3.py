@@ -22,10 +22,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specblock.compiled import precompile
 from specblock.compiled.drafter import ROW_BUCKETS, ROWS, _layer, _rope, pad_rows
-from specblock.compiled.notice import notice_if_slow
-from specblock.compiled.target import CPU_OPTIONS, _allow_recompiles, bucket_of, own_code, span_of, use_disk_cache
+from specblock.compiled.step import CompiledStep
+from specblock.compiled.target import bucket_of, span_of
 from specblock.policies.branching import expand, rerank_limits
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest
@@ -47,20 +46,9 @@ class StaticEagle3Drafter(Eagle3Drafter):
         self.capacity = max_context + ROWS + self.depth * self.max_rows  # committed + drafted slots
         self.compiled = compile
         self.row_buckets = ROW_BUCKETS  # flushes padded to 4 or 8 rows, as SpecBlock's block
-        self._shapes: set[tuple] = set()
-        self._flush_fn, self._depth_fn = self._flush_step, self._depth_step
-        self.saved = False
-        if compile:
-            use_disk_cache()
-            _allow_recompiles()
-            opts = dict(CPU_OPTIONS) if self.device.type == "cpu" else {}
-            kw = {"options": opts} if opts else {"mode": "reduce-overhead"}
-            self.saved = self.device.type == "cpu"
-            build = precompile.compile_saved if self.saved else torch.compile
-            self._flush_fn, self._depth_fn = (
-                build(own_code(fn, precompile.tag(self.net, {**opts, "rows": ROWS, "fn": fn.__name__}) if self.saved else None),
-                      dynamic=False, **kw)
-                for fn in (self._flush_step, self._depth_step))
+        # keys (rows, span) for the flush, (frontier rows, span) for a depth step
+        self.flush = CompiledStep(self._flush_step, self.net, self.device, {"rows": ROWS, "fn": "flush"}) if compile else None
+        self.depth_step = CompiledStep(self._depth_step, self.net, self.device, {"rows": ROWS, "fn": "depth"}) if compile else None
         self.reset()
 
     def reset(self) -> None:
@@ -104,17 +92,17 @@ class StaticEagle3Drafter(Eagle3Drafter):
         span = span_of(1, self.capacity)  # the first span
         taps_width = len(self.net.cfg.tap_layers) * h  # the taps, concatenated
         for rows in self.row_buckets:
-            args = (torch.zeros(rows, taps_width, device=dev, dtype=self.dtype), torch.zeros(rows, dtype=torch.long, device=dev),
-                    torch.tensor(1, device=dev), torch.tensor(0, device=dev), span)
-            self._call(self._flush_fn, True, ("flush", rows, span), f"flush of {rows} positions over {span} slots", *args)
+            self.flush((rows, span), f"EAGLE-3's flush of {rows} positions over {span} slots",
+                       torch.zeros(rows, taps_width, device=dev, dtype=self.dtype), torch.zeros(rows, dtype=torch.long, device=dev),
+                       torch.tensor(1, device=dev), torch.tensor(0, device=dev), span)
         for w in (b for b in WIDTHS if b <= self.max_rows):
             visible = torch.zeros(w, span, dtype=torch.bool, device=dev)
             visible[:, 0] = True
-            args = (torch.zeros(w, h, device=dev, dtype=self.dtype), torch.zeros(w, dtype=torch.long, device=dev),
-                    torch.tensor(1, device=dev), self.capacity + torch.arange(w, device=dev), visible, span)
-            self._call(self._depth_fn, True, ("depth", w, span), f"depth step of {w} rows over {span} slots", *args)
+            self.depth_step((w, span), f"EAGLE-3's depth step of {w} rows over {span} slots",
+                            torch.zeros(w, h, device=dev, dtype=self.dtype), torch.zeros(w, dtype=torch.long, device=dev),
+                            torch.tensor(1, device=dev), self.capacity + torch.arange(w, device=dev), visible, span)
         self.reset()
-        return sorted(self._shapes)
+        return sorted(("flush", *k) for k in self.flush.shapes) + sorted(("depth", *k) for k in self.depth_step.shapes)
 
     # ---------------------------------------------------------------- the two steps
     def _top_packed(self, states: torch.Tensor) -> torch.Tensor:
@@ -147,20 +135,6 @@ class StaticEagle3Drafter(Eagle3Drafter):
         x = _layer(net.layer, x, cs, self._kb, self._vb, slots, visible, span)[0, 0]
         return x, self._top_packed(x)
 
-    def _call(self, fn, compiled: bool, key: tuple, label: str, *args):
-        if not compiled:
-            out = fn(*args)
-        elif key not in self._shapes:  # compiles (or loads) this shape's graph
-            with notice_if_slow(f"compiling EAGLE-3's {label}"):
-                out = precompile.first_call(fn, *args) if self.saved else fn(*args)
-            self._shapes.add(key)
-        else:
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):  # as the target: same shape, same code
-                out = fn(*args)
-        if self.compiled and self.device.type == "cuda":  # CUDA-graph outputs are overwritten by the next replay
-            out = tuple(t.clone() for t in out)
-        return out
-
     def _flush_static(self) -> tuple[torch.Tensor, np.ndarray, np.ndarray] | None:
         if self._new is None:
             return None
@@ -173,9 +147,10 @@ class StaticEagle3Drafter(Eagle3Drafter):
             toks = torch.cat([toks, toks.new_zeros(rows - n)])
         span = span_of(past + taps.shape[0], self.capacity)
         args = (taps, toks, torch.tensor(n, device=self.device), torch.tensor(past, device=self.device), span)
-        fn = self._flush_fn if self.compiled and padded else self._flush_step
-        state, packed = self._call(fn, self.compiled and padded, ("flush", rows, span),
-                                   f"flush of {rows} positions over {span} slots", *args)
+        if self.compiled and padded:
+            state, packed = self.flush((rows, span), f"EAGLE-3's flush of {rows} positions over {span} slots", *args)
+        else:
+            state, packed = self._flush_step(*args)
         self.cached, self._new = past + n, None
         return state, *self._unpack(packed)
 
@@ -227,8 +202,10 @@ class StaticEagle3Drafter(Eagle3Drafter):
             args = (states[torch.as_tensor(src, device=self.device)], torch.as_tensor(toks, device=self.device),
                     torch.tensor(self._root_pos - 1 + d, device=self.device), torch.as_tensor(slots, device=self.device),
                     torch.as_tensor(visible, device=self.device), span)
-            fn = self._depth_fn if self.compiled else self._depth_step
-            out, packed = self._call(fn, self.compiled, ("depth", w, span), f"depth step of {w} rows over {span} slots", *args)
+            if self.compiled:
+                out, packed = self.depth_step((w, span), f"EAGLE-3's depth step of {w} rows over {span} slots", *args)
+            else:
+                out, packed = self._depth_step(*args)
             states = out[:s]
             ids, lps = self._unpack(packed[:s])
             drafted += s

@@ -15,9 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specblock.compiled import precompile
-from specblock.compiled.notice import notice_if_slow
-from specblock.compiled.target import CPU_OPTIONS, _allow_recompiles, own_code, use_disk_cache
+from specblock.compiled.step import CompiledStep
 from specblock.runtime.drafters.medusa import MedusaDrafter
 
 
@@ -27,22 +25,14 @@ class StaticMedusaDrafter(MedusaDrafter):
 
     def __init__(self, drafter: MedusaDrafter, compile: bool = True) -> None:
         super().__init__(drafter.net)
-        self.compiled, self.saved, self._met = compile, False, False
-        self._heads_fn = self._heads
-        if compile:
-            use_disk_cache()
-            _allow_recompiles()
-            cpu = self.net.lm_head.weight.device.type == "cpu"
-            opts = dict(CPU_OPTIONS) if cpu else {}
-            kw = {"options": opts} if opts else {"mode": "reduce-overhead"}
-            self.saved = cpu
-            build = precompile.compile_saved if cpu else torch.compile
-            self._heads_fn = build(own_code(self._heads, precompile.tag(self.net, opts) if cpu else None), dynamic=False, **kw)
+        self.compiled = compile
+        w = self.net.lm_head.weight
+        self.heads = CompiledStep(self._heads, self.net, w.device, {}) if compile else None  # one key: (1, h)
 
     def _heads(self, top: torch.Tensor) -> torch.Tensor:
         """``[heads, 2k]``: each head's top-k log-probs, then their target ids (as floats)."""
         net = self.net
-        logits = net.logits(top.to(net.lm_head.weight.dtype))[0]
+        logits = net.logits(top)[0]
         best = torch.log_softmax(logits.float(), -1).topk(min(net.cfg.top_k, logits.shape[-1]), dim=-1)
         return torch.cat([best.values, net.token_ids(best.indices).to(best.values.dtype)], -1)
 
@@ -53,19 +43,11 @@ class StaticMedusaDrafter(MedusaDrafter):
             return []
         w = self.net.lm_head.weight
         self._candidates(torch.zeros(1, self.net.cfg.hidden_size, device=w.device, dtype=w.dtype))
-        return [(1, self.net.cfg.hidden_size)]
+        return sorted(self.heads.shapes)
 
     def _candidates(self, top: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        top = top.contiguous()
-        if not self.compiled:
-            packed = self._heads(top)
-        elif not self._met:  # compiles (or loads) the one graph
-            with notice_if_slow("compiling Medusa's heads"):
-                packed = precompile.first_call(self._heads_fn, top) if self.saved else self._heads_fn(top)
-            self._met = True
-        else:
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):  # one shape, this drafter's own code
-                packed = self._heads_fn(top)
-        host = packed.cpu().numpy()  # a CUDA graph's output is copied out before the next replay
+        top = top.to(self.net.lm_head.weight.dtype).contiguous()  # one graph input dtype, whatever the target's
+        packed = self.heads(tuple(top.shape), "Medusa's heads", top) if self.compiled else self._heads(top)
+        host = packed.cpu().numpy()
         k = host.shape[-1] // 2
         return host[:, k:].astype(np.int64), host[:, :k]

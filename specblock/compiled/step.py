@@ -1,0 +1,46 @@
+"""One drafter function compiled on static shapes: what every static drafter (``drafter.py``,
+``eagle3.py``, ``medusa.py``) does with its step, written once.
+
+Built as the compiled target builds its step (``compiled/target.py``): inductor with its C++
+wrapper on CPU, saved for later starts (``precompile``), CUDA graphs on CUDA. Called with a shape
+key: the first call of a shape compiles (or loads) its graph, with all of dynamo's guards and a
+line on stderr if it makes the user wait (``notice``); later calls of that shape skip the guards
+that cannot differ (this object's own copy of the code, fixed shapes). CUDA-graph outputs are
+copied out before the next replay overwrites them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable
+
+import torch
+
+from specblock.compiled import precompile
+from specblock.compiled.notice import notice_if_slow
+from specblock.compiled.target import CPU_OPTIONS, _allow_recompiles, own_code, use_disk_cache
+
+
+class CompiledStep:
+    """``fn`` compiled once per shape key; ``net`` and ``tag`` name its saved graphs."""
+
+    def __init__(self, fn: Callable, net: torch.nn.Module, device: torch.device, tag: dict[str, Any]) -> None:
+        use_disk_cache()
+        _allow_recompiles()
+        opts = dict(CPU_OPTIONS) if device.type == "cpu" else {}
+        kw = {"options": opts} if opts else {"mode": "reduce-overhead"}
+        self.saved, self.cuda = device.type == "cpu", device.type == "cuda"
+        build = precompile.compile_saved if self.saved else torch.compile
+        self.fn = build(own_code(fn, precompile.tag(net, {**opts, **tag}) if self.saved else None), dynamic=False, **kw)
+        self.shapes: set[Hashable] = set()  # keys met: each has its graph
+
+    def __call__(self, key: Hashable, label: str, *args):
+        if key not in self.shapes:  # compiles (or loads) this shape's graph
+            with notice_if_slow(f"compiling {label}"):
+                out = precompile.first_call(self.fn, *args) if self.saved else self.fn(*args)
+            self.shapes.add(key)
+        else:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):  # as the target: same shape, same code
+                out = self.fn(*args)
+        if self.cuda:  # CUDA-graph outputs are overwritten by the next replay
+            out = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+        return out
