@@ -119,11 +119,36 @@ def time_trees(targets: dict[str, TargetModel], ctx: int, sizes: list[int], reps
     return out
 
 
-def hf_generate(model, prompt: torch.Tensor, tokens: int, mode: str) -> list[int]:
+class Stamps:
+    """When each new token arrived, from our engine's ``on_tokens`` or as an HF streamer (whose first
+    ``put`` is the prompt): the decode time a token after the first, prefill and first token left out."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device, self.times, self.counts, self.prompt_seen = device, [], [], False
+
+    def tokens(self, new: list[int]) -> None:
+        self.times.append(clock(self.device))
+        self.counts.append(len(new))
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.tokens([0] * value.numel())
+
+    def end(self) -> None:
+        pass
+
+    def ms_per_token(self) -> float:
+        after = sum(self.counts[1:])  # tokens that arrived after the first arrival
+        return 1e3 * (self.times[-1] - self.times[0]) / after if after else float("nan")
+
+
+def hf_generate(model, prompt: torch.Tensor, tokens: int, mode: str, streamer: Stamps | None = None) -> list[int]:
     from transformers import CompileConfig
 
     kw: dict = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0,
-                    attention_mask=torch.ones_like(prompt))
+                    attention_mask=torch.ones_like(prompt), streamer=streamer)
     if mode in ("static", "static+compile"):
         kw["cache_implementation"] = "static"
     if mode == "static+compile":
@@ -175,18 +200,25 @@ def time_decoding(eager: TargetModel, compiled: dict[str, StaticTarget], prompt:
                 outs[f"hf {mode}{suffix}"] = hf_generate(model, x, tokens, mode)
             first[f"hf {mode}{suffix}"] = clock(dev) - t0
     rates: dict[str, list[float]] = {k: [] for k in outs}
+    per_token: dict[str, list[float]] = {k: [] for k in outs}  # ms a new token after the first, prefill left out
+
     for _ in range(runs):
         for name, eng in engines.items():
+            stamps = Stamps(dev)
             t0 = clock(dev)
-            eng.generate(prompt, tokens)
+            eng.generate(prompt, tokens, on_tokens=stamps.tokens)
             rates[name].append(tokens / (clock(dev) - t0))
+            per_token[name].append(stamps.ms_per_token())
         for suffix, model in hf_models.items():
             for mode in hf_modes:
+                stamps = Stamps(dev)
                 with hf_attention(model):
                     t0 = clock(dev)
-                    hf_generate(model, x, tokens, mode)
+                    hf_generate(model, x, tokens, mode, streamer=stamps)
                     rates[f"hf {mode}{suffix}"].append(tokens / (clock(dev) - t0))
-    rows = {k: {"tokens_per_s": round(float(np.median(v)), 2), "first_call_s": round(first[k], 2),
+                per_token[f"hf {mode}{suffix}"].append(stamps.ms_per_token())
+    rows = {k: {"tokens_per_s": round(float(np.median(v)), 2), "decode_ms_per_token": round(float(np.median(per_token[k])), 2),
+                "first_call_s": round(first[k], 2),
                 "common_prefix_with_hf_plain": common_prefix(outs[k], outs["hf plain"]),
                 "common_prefix_with_ours_eager": common_prefix(outs[k], outs["ours eager"])} for k, v in rates.items()}
     for k, r in rows.items():
@@ -300,6 +332,20 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
     }
 
 
+def goal_lines(r: dict) -> list[str]:
+    """Issue 16's plain-decoding goal (1.8x HF generate's best mode) in per-token terms: the ms a
+    token ours must reach, beside the bandwidth floor that no decoder on this CPU goes below."""
+    d = r["decoding"]
+    hf = {k: v["decode_ms_per_token"] for k, v in d.items() if k.startswith("hf ") and "(" not in k and "decode_ms_per_token" in v}
+    if not hf or "decode_ms_per_token" not in d.get("ours compiled", {}):
+        return []
+    best = min(hf, key=hf.get)
+    need, ours = hf[best] / 1.8, d["ours compiled"]["decode_ms_per_token"]
+    return [f"Per token after the first: HF's best mode ({best}) {hf[best]:.2f} ms, ours compiled {ours:.2f} ms "
+            f"({hf[best] / ours:.2f}x). 1.8x HF's best needs {need:.2f} ms a token; the bandwidth floor is "
+            f"{r['floor_ms']:.2f} ms ({need / r['floor_ms']:.2f}x the floor).", ""]
+
+
 def markdown(results: list[dict], args) -> str:
     where = f"this CPU, {args.threads} threads" if args.device == "cpu" else "CUDA"
     lines = [f"Compiled vs eager target, {args.dtype}, {where} (`python experiments/compiled_speed.py --device {args.device} "
@@ -335,11 +381,14 @@ def markdown(results: list[dict], args) -> str:
         if r["decoding"]:
             lines += [f"Plain decoding, {args.tokens} new tokens after a {args.prompt_len}-token prompt (prefill included), "
                       f"median of {args.runs} interleaved runs:", "",
-                      f"| decoder | tokens/s | first call s | tokens equal to HF plain's / ours eager's (of {args.tokens}) |",
-                      "|---|---|---|---|"]
+                      f"| decoder | tokens/s | ms a token after the first | first call s | tokens equal to HF plain's / "
+                      f"ours eager's (of {args.tokens}) |",
+                      "|---|---|---|---|---|"]
             for k, d in r["decoding"].items():
-                lines.append(f"| {k} | {d['tokens_per_s']:.1f} | {d['first_call_s']:.1f} | "
+                ms = f"{d['decode_ms_per_token']:.2f}" if "decode_ms_per_token" in d else "-"
+                lines.append(f"| {k} | {d['tokens_per_s']:.1f} | {ms} | {d['first_call_s']:.1f} | "
                              f"{d['common_prefix_with_hf_plain']} / {d['common_prefix_with_ours_eager']} |")
+            lines += ["", *goal_lines(r)]
         for mode, c in (r["compile_s"] or {}).items():
             lines += ["", f"Compile time, {mode} (fresh process; load, then the first forward of each bucket "
                       f"{args.compile_bucket_list}): cold {c['cold']['total_s']:.1f} s (empty inductor cache), "
