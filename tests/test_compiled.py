@@ -357,10 +357,16 @@ def test_compiled_artefacts_go_under_specblock_home(monkeypatch, tmp_path):
 def test_each_compiled_target_has_its_own_dynamo_cache():
     """Dynamo keeps compiled graphs per code object and walks their guards before each call: two
     targets compiling the same ``_step`` would each check the other's graphs first (``own_code``)."""
-    a, b = (StaticTarget(tiny_model("llama", vocab=32, seed=s), compile=True, buckets=(1,)) for s in (2, 3))
-    codes = [t._step_fn._torchdynamo_orig_callable.__func__.__code__ for t in (a, b)]
-    assert codes[0] is not codes[1] and all(c is not StaticTarget._step.__code__ for c in codes)
-    assert a._step_fn._torchdynamo_orig_callable.__self__ is a
+    a, b = (StaticTarget(tiny_model("llama", vocab=32, seed=s), compile=True, buckets=(1, 2)) for s in (2, 3))
+    for t in (a, b):
+        for n in (1, 2):
+            t.prefill(np.array([1, 2, 3]))
+            t.tree_forward(DraftTree.from_parents(np.ones(n, dtype=np.int64), np.arange(-1, n - 1)))
+    fns = [fn._torchdynamo_orig_callable for t in (a, b) for fn in t.step_fns.values()]
+    codes = [f.__func__.__code__ for f in fns]
+    assert len(codes) == 4 and len({id(c) for c in codes}) == 4  # a code object per target and per shape
+    assert all(c is not StaticTarget._step.__code__ for c in codes)
+    assert all(f.__self__ is a for f in fns[:2])
 
 
 def test_warm_compiles_every_bucket_a_budget_meets_before_decoding(monkeypatch, tmp_path):

@@ -17,7 +17,7 @@ import torch
 
 from specblock.compiled import precompile
 from specblock.compiled.notice import notice_if_slow
-from specblock.compiled.target import CPU_OPTIONS, _allow_recompiles, own_code, use_disk_cache
+from specblock.compiled.target import CPU_OPTIONS, _allow_recompiles, own_code, shape_tag, use_disk_cache
 
 
 class CompiledStep:
@@ -30,17 +30,26 @@ class CompiledStep:
         kw = {"options": opts} if opts else {"mode": "reduce-overhead"}
         self.saved, self.cuda = device.type == "cpu", device.type == "cuda"
         build = precompile.compile_saved if self.saved else torch.compile
-        self.fn = build(own_code(fn, precompile.tag(net, {**opts, **tag}) if self.saved else None), dynamic=False, **kw)
-        self.shapes: set[Hashable] = set()  # keys met: each has its graph
+        name = precompile.tag(net, {**opts, **tag}) if self.saved else None
+        # One function per shape key, made on the key's first call, as the target's steps (a saved
+        # entry is per function and loads all its graphs: ``StaticTarget._compiled_step``)
+        self._build = lambda key: build(own_code(fn, shape_tag(name, key if isinstance(key, tuple) else (key,))), dynamic=False, **kw)
+        self.fns: dict[Hashable, Callable] = {}  # keys met: each has its graph
+
+    @property
+    def shapes(self) -> set[Hashable]:
+        return set(self.fns)
 
     def __call__(self, key: Hashable, label: str, *args):
-        if key not in self.shapes:  # compiles (or loads) this shape's graph
+        fn = self.fns.get(key)
+        if fn is None:  # compiles (or loads) this shape's graph
+            fn = self._build(key)
             with notice_if_slow(f"compiling {label}"):
-                out = precompile.first_call(self.fn, *args) if self.saved else self.fn(*args)
-            self.shapes.add(key)
+                out = precompile.first_call(fn, *args) if self.saved else fn(*args)
+            self.fns[key] = fn
         else:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):  # as the target: same shape, same code
-                out = self.fn(*args)
+                out = fn(*args)
         if self.cuda:  # CUDA-graph outputs are overwritten by the next replay
             out = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
         return out

@@ -31,6 +31,7 @@ import os
 import types
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -140,6 +141,7 @@ class StaticTarget(TargetModel):
         self.compiled, self.gqa, self.native = compile, False, False
         self.fused = self.saved = False
         self._shapes: set[tuple] = set()  # step shapes this target has run compiled
+        self.step_fns: dict[tuple, Callable] = {}  # whole-forward mode: each shape's compiled function
         # A shape met before runs with dynamo's differentiating guards only: the step's inputs are
         # tensors of that fixed shape plus the ints and flags of ``shape``, this copy of the code is
         # called by this target alone (``own_code``), and a new shape still goes through every
@@ -175,8 +177,9 @@ class StaticTarget(TargetModel):
                 fns = RegionFns(*(torch.compile(own_code(f), dynamic=dynamic, **kw)
                                   for f in (self._region_inputs, layer_step, head)))
                 self._step_fn = partial(self._step, fns=fns)
-            else:
-                self._step_fn = build(own_code(self._step, name), dynamic=dynamic, **kw)
+            else:  # one compiled function per shape, made on the shape's first call (``_compiled_step``)
+                self._step_fn = None
+                self._build = lambda shape: build(own_code(self._step, shape_tag(name, shape)), dynamic=dynamic, **kw)
 
     @classmethod
     def wrap(cls, target: TargetModel, **kw) -> "StaticTarget":
@@ -232,10 +235,10 @@ class StaticTarget(TargetModel):
         dev = self.device
         past = torch.tensor(self.past_len, device=dev)
         span = span_of(self.past_len + len(ids), self.capacity)
-        fn = self._step_fn if compiled else self._eager_step
         args = (torch.as_tensor(ids, device=dev), torch.as_tensor(depth, device=dev), torch.as_tensor(anc, device=dev),
                 past, span, self.want_features, last_only)
         shape = (len(ids), span, self.want_features, last_only)
+        fn = self._compiled_step(shape) if compiled else self._eager_step
         if compiled and shape not in self._shapes:  # this call compiles (or loads) a graph, with all of dynamo's guards
             with notice_if_slow(f"compiling the target's step for {len(ids)}-node trees over {span} slots"):
                 logits, top, taps = precompile.first_call(fn, *args) if self.saved else fn(*args)
@@ -251,6 +254,19 @@ class StaticTarget(TargetModel):
         if top is None:
             return TargetOutput(logits[rows])
         return TargetOutput(logits[rows], top=top[:n], taps=taps[:n])
+
+    def _compiled_step(self, shape: tuple) -> Callable:
+        """The compiled step for ``shape``. Whole-forward mode compiles (or loads) a function of its
+        own per shape, on first use. Why: a saved entry is per function, and loading one rebuilds the
+        guards of every graph in it (about 0.55 s each on the real model, ~9k guards a graph); with
+        one function for all shapes, a later start loaded every bucket and span this machine had
+        ever met (22 graphs, 12 s of the CLI's 17-19 s start) to run the two or three it needed."""
+        if self._step_fn is not None:  # regions: one set of functions for every shape
+            return self._step_fn
+        fn = self.step_fns.get(shape)
+        if fn is None:
+            fn = self.step_fns[shape] = self._build(shape)
+        return fn
 
     @torch.no_grad()
     def _check_regions(self, n: int = 4) -> None:
@@ -368,6 +384,11 @@ def own_code(fn, tag: str | None = None):
     copy.__kwdefaults__, copy.__doc__ = f.__kwdefaults__, f.__doc__
     copy.__qualname__ = f.__qualname__ if tag is None else f"{f.__qualname__}[{tag}]"
     return copy if bound is None else types.MethodType(copy, bound)
+
+
+def shape_tag(tag: str | None, shape: tuple) -> str | None:
+    """A per-shape function's tag (its saved entry's key): the model's tag and the shape."""
+    return None if tag is None else f"{tag}:{'x'.join(str(v) for v in shape)}"
 
 
 def _allow_recompiles(limit: int = 64) -> None:
