@@ -357,6 +357,21 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir):
             proc.kill()
 
 
+def test_sigterm_right_after_the_listening_line_stops_the_server(model_dir):
+    """Before uvicorn installs its handler a SIGTERM was swallowed, and the server ran on."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "specblock.serve", "--target", str(model_dir), *FLAGS,
+                             "--port", "0", "--no-warmup"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+    try:
+        assert "listening on" in proc.stdout.readline()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_load_test_counts_errors_and_mixed_up_answers():
     import importlib.util
 

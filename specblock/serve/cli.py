@@ -124,11 +124,13 @@ def serve(cfg: RunConfig, opts: ServeOptions) -> int:
                                 lifespan="on", access_log=opts.log_level in ("info", "debug"))
         server = uvicorn.Server(config)
         host, port = sock.getsockname()[:2]
+        # Until uvicorn installs its own handler (inside run), a SIGTERM asks the server to stop as
+        # soon as it has started; it used to be dropped there, and a client that stopped the server
+        # right after the line below waited forever. uvicorn re-raises the SIGTERM it drained on,
+        # which lands here too: a clean exit 0 instead of death by signal.
+        signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
         print(f"specblock.serve: listening on http://{host}:{port}/v1 (model {name}, method {cfg.method})",
               flush=True)
-        # uvicorn re-raises the SIGTERM it drained on; a no-op handler underneath makes that a
-        # clean exit 0 instead of death by signal.
-        signal.signal(signal.SIGTERM, lambda *_: None)
         server.run(sockets=[sock])
     finally:
         sock.close()
