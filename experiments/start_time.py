@@ -1,0 +1,91 @@
+"""Later starts with ``--compile`` (issue 16: under 10 s), as a user meets them: whole fresh
+processes, Python's start and imports included, on this machine's cache of compiled graphs.
+
+- ``cli``: ``python -m specblock.runtime --compile`` decoding a short answer (its warm-up request and
+  16 new tokens included), until the process exits;
+- ``serve``: ``python -m specblock.serve --compile --port 0``, until it prints that it listens
+  (after loading or compiling every tree size its budget can meet and the drafter's steps).
+
+The first start of each may compile what the cache lacks; it is reported apart, and the figures
+are the medians of the later ones. Also printed: how many saved entries the graph cache holds, since
+a later start once loaded all of them (``StaticTarget._compiled_step``).
+
+    python experiments/start_time.py --runs 3 --out experiments/results/start_time
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT = "Write a haiku about the sea."
+
+
+def cli_start(extra: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "specblock.runtime", "--compile", "--max-new-tokens", "16", "--prompt", PROMPT,
+                    *extra], check=True, capture_output=True, text=True)
+    return time.perf_counter() - t0
+
+
+def serve_start(extra: list[str]) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "specblock.serve", "--compile", "--port", "0", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stdout:
+            if "listening on" in line:
+                return time.perf_counter() - t0
+        raise RuntimeError(f"the server exited with status {proc.wait()} before it listened")
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def saved_entries() -> int:
+    from specblock.models import specblock_home
+
+    root = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or specblock_home() / "inductor") / "dynamo"
+    return sum(1 for p in root.iterdir() if p.is_dir()) if root.is_dir() else 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3, help="later starts timed per command (after one first start)")
+    ap.add_argument("--which", default="cli,serve")
+    ap.add_argument("--extra", default="", help="more flags for both commands, e.g. '--method specblock'")
+    ap.add_argument("--out", type=Path, default=Path("experiments/results/start_time"))
+    args = ap.parse_args()
+    extra = args.extra.split()
+    starts = {"cli": cli_start, "serve": serve_start}
+    res: dict = {"entries_before": saved_entries(), "extra": args.extra}
+    for name in args.which.split(","):
+        first = starts[name](extra)
+        later = [starts[name](extra) for _ in range(args.runs)]
+        res[name] = {"first_s": round(first, 2), "later_s": [round(t, 2) for t in later],
+                     "later_median_s": round(statistics.median(later), 2)}
+        print(name, res[name], flush=True)
+    res["entries_after"] = saved_entries()
+    cmd = f"python experiments/start_time.py --runs {args.runs} --which {args.which}" + \
+        (f" --extra '{args.extra}'" if args.extra else "") + f" --out {args.out}"
+    lines = [f"Later starts with `--compile`, whole fresh processes (`{cmd}`); saved function entries in the graph "
+             f"cache: {res['entries_before']} before, {res['entries_after']} after.", "",
+             "| command | first start s | later starts s | median |", "|---|---|---|---|"]
+    what = {"cli": "`python -m specblock.runtime --compile` (16 tokens)", "serve": "`python -m specblock.serve --compile` until it listens"}
+    for name in args.which.split(","):
+        r = res[name]
+        lines.append(f"| {what[name]} | {r['first_s']} | {', '.join(map(str, r['later_s']))} | {r['later_median_s']} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
