@@ -33,7 +33,8 @@ class CompiledStep:
         name = precompile.tag(net, {**opts, **tag}) if self.saved else None
         # One function per shape key, made on the key's first call, as the target's steps (a saved
         # entry is per function and loads all its graphs: ``StaticTarget._compiled_step``)
-        self._build = lambda key: build(own_code(fn, shape_tag(name, key if isinstance(key, tuple) else (key,))), dynamic=False, **kw)
+        self._build = lambda key: build(own_code(fn, shape_tag(name, key if isinstance(key, tuple) else (key,))),
+                                        dynamic=False, **kw)
         self.fns: dict[Hashable, Callable] = {}  # keys met: each has its graph
 
     @property

@@ -392,8 +392,9 @@ def shape_tag(tag: str | None, shape: tuple) -> str | None:
 
 
 def _allow_recompiles(limit: int = 64) -> None:
-    """One graph per (bucket, span, features) pair: dynamo's default limit of 8 would fall back
-    to eager silently after the eighth."""
+    """Regions (one set of functions for every shape) compile a graph per (bucket, span, features)
+    pair: dynamo's default limit of 8 would fall back to eager silently after the eighth. (The
+    whole-forward step has a function per shape, one graph each.)"""
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name) and getattr(cfg, name) < limit:
