@@ -8,7 +8,7 @@ processes, Python's start and imports included, on this machine's cache of compi
 
 The first start of each may compile what the cache lacks; it is reported apart, and the figures
 are the medians of the later ones. Also printed: how many saved entries the graph cache holds, since
-a later start once loaded all of them (``StaticTarget._compiled_step``).
+a later start once loaded all of them (``StaticTarget.step_fns``).
 
     python experiments/start_time.py --runs 3 --out experiments/results/start_time
 """

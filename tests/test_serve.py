@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -336,12 +337,23 @@ def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
     assert len(err.splitlines()) == 1 and needle in err
 
 
-def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir):
+@contextmanager
+def server_process(model_dir):
+    """``python -m specblock.serve`` on the test model in a process of its own (SIGTERM must reach a
+    real process); killed at the end if it is still running."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "specblock.serve", "--target", str(model_dir), *FLAGS,
                              "--port", "0", "--no-warmup"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=ROOT)
     try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir):
+    with server_process(model_dir) as proc:
         line = proc.stdout.readline()
         assert "listening on http://127.0.0.1:" in line, proc.stderr.read() if proc.poll() is not None else line
         url = line.split("listening on ")[1].split()[0]
@@ -352,24 +364,14 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(model_dir):
         rest = list(stream)  # the in-flight request is finished, not cut
         assert (rest[-1] if rest else first).choices[0].finish_reason in ("length", "stop")
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_sigterm_right_after_the_listening_line_stops_the_server(model_dir):
     """Before uvicorn installs its handler a SIGTERM was swallowed, and the server ran on."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "specblock.serve", "--target", str(model_dir), *FLAGS,
-                             "--port", "0", "--no-warmup"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=ROOT)
-    try:
+    with server_process(model_dir) as proc:
         assert "listening on" in proc.stdout.readline()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_load_test_counts_errors_and_mixed_up_answers():

@@ -15,8 +15,9 @@ Three choices here:
 - An entry is keyed by the function's qualname and first line, the same for every model; each
   target's copy of the code (``own_code``) is tagged with its model's structure, dtype and compile
   options (``tag``), so models never share an entry, and with the shape it serves: one function,
-  and so one entry, per shape, loaded when the shape is first met (``StaticTarget._compiled_step``). Weights are not in the key: unfrozen graphs
-  read them as inputs, and packed linears' keys are guarded constants.
+  and so one entry, per shape, loaded when the shape is first met (``StaticTarget.step_fns``).
+  Weights are not in the key: unfrozen graphs read them as inputs, and packed linears' keys are
+  guarded constants.
 - torch marks the feature experimental, and a saved entry that fails to load makes its
   ``torch.compile`` raise. Then the entry is removed and the target compiles as before (one warning):
   slower to start, same graphs.

@@ -32,7 +32,7 @@ class CompiledStep:
         build = precompile.compile_saved if self.saved else torch.compile
         name = precompile.tag(net, {**opts, **tag}) if self.saved else None
         # One function per shape key, made on the key's first call, as the target's steps (a saved
-        # entry is per function and loads all its graphs: ``StaticTarget._compiled_step``)
+        # entry is per function and loads all its graphs: ``StaticTarget.step_fns``)
         self._build = lambda key: build(own_code(fn, shape_tag(name, key if isinstance(key, tuple) else (key,))),
                                         dynamic=False, **kw)
         self.fns: dict[Hashable, Callable] = {}  # keys met: each has its graph

@@ -101,7 +101,7 @@ class StaticTarget(TargetModel):
     ``dynamic`` is ``torch.compile``'s. None was tried so that one graph would serve every bucket past
     1: each tree size still compiled its own graph (the model code specializes the sizes), at the
     same speed (``compiled_speed.py --dynamic-variant``, README), so the default stays False;
-    ``skip_guards`` False evaluates all of dynamo's guards on every call (see ``_shapes``)."""
+    ``skip_guards`` False evaluates all of dynamo's guards on every call (see ``step_fns``)."""
 
     def __init__(
         self,
@@ -140,8 +140,7 @@ class StaticTarget(TargetModel):
             self._check_regions()
         self.compiled, self.gqa, self.native = compile, False, False
         self.fused = self.saved = False
-        self._shapes: set[tuple] = set()  # step shapes this target has run compiled
-        self.step_fns: dict[tuple, Callable] = {}  # whole-forward mode: each shape's compiled function
+        self.step_fns: dict[tuple, Callable] = {}  # each shape run compiled: its compiled step
         # A shape met before runs with dynamo's differentiating guards only: the step's inputs are
         # tensors of that fixed shape plus the ints and flags of ``shape``, this copy of the code is
         # called by this target alone (``own_code``), and a new shape still goes through every
@@ -149,7 +148,7 @@ class StaticTarget(TargetModel):
         # 27.67 -> 27.11 (``experiments/guard_skip.py``, ``guard_skip.md``). Whole-forward CPU graphs only.
         self.skip_guards = False
         self.mode = mode if mode is not None else ("reduce-overhead" if self.device.type == "cuda" else None)
-        self._step_fn = self._eager_step
+        self._build: Callable[[tuple], Callable] | None = None  # a shape's compiled step, on its first call
         if compile:
             use_disk_cache()
             _allow_recompiles()
@@ -176,9 +175,14 @@ class StaticTarget(TargetModel):
             if regions:
                 fns = RegionFns(*(torch.compile(own_code(f), dynamic=dynamic, **kw)
                                   for f in (self._region_inputs, layer_step, head)))
-                self._step_fn = partial(self._step, fns=fns)
-            else:  # one compiled function per shape, made on the shape's first call (``_compiled_step``)
-                self._step_fn = None
+                regional = partial(self._step, fns=fns)
+                self._build = lambda shape: regional  # one set of functions for every shape
+            else:
+                # A function of its own per shape. Why: a saved entry is per function, and loading one
+                # rebuilds the guards of every graph in it (about 0.55 s each on the real model, ~9k
+                # guards a graph); with one function for all shapes, a later start loaded every bucket
+                # and span this machine had ever met (22 graphs, 12 s of the CLI's 17-19 s start) to
+                # run the two or three it needed.
                 self._build = lambda shape: build(own_code(self._step, shape_tag(name, shape)), dynamic=dynamic, **kw)
 
     @classmethod
@@ -238,11 +242,12 @@ class StaticTarget(TargetModel):
         args = (torch.as_tensor(ids, device=dev), torch.as_tensor(depth, device=dev), torch.as_tensor(anc, device=dev),
                 past, span, self.want_features, last_only)
         shape = (len(ids), span, self.want_features, last_only)
-        fn = self._compiled_step(shape) if compiled else self._eager_step
-        if compiled and shape not in self._shapes:  # this call compiles (or loads) a graph, with all of dynamo's guards
+        fn = self.step_fns.get(shape) if compiled else self._eager_step
+        if compiled and fn is None:  # this shape's first call compiles (or loads) its graph, with all of dynamo's guards
+            fn = self._build(shape)
             with notice_if_slow(f"compiling the target's step for {len(ids)}-node trees over {span} slots"):
                 logits, top, taps = precompile.first_call(fn, *args) if self.saved else fn(*args)
-            self._shapes.add(shape)
+            self.step_fns[shape] = fn
         elif compiled and self.skip_guards:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                 logits, top, taps = fn(*args)
@@ -254,19 +259,6 @@ class StaticTarget(TargetModel):
         if top is None:
             return TargetOutput(logits[rows])
         return TargetOutput(logits[rows], top=top[:n], taps=taps[:n])
-
-    def _compiled_step(self, shape: tuple) -> Callable:
-        """The compiled step for ``shape``. Whole-forward mode compiles (or loads) a function of its
-        own per shape, on first use. Why: a saved entry is per function, and loading one rebuilds the
-        guards of every graph in it (about 0.55 s each on the real model, ~9k guards a graph); with
-        one function for all shapes, a later start loaded every bucket and span this machine had
-        ever met (22 graphs, 12 s of the CLI's 17-19 s start) to run the two or three it needed."""
-        if self._step_fn is not None:  # regions: one set of functions for every shape
-            return self._step_fn
-        fn = self.step_fns.get(shape)
-        if fn is None:
-            fn = self.step_fns[shape] = self._build(shape)
-        return fn
 
     @torch.no_grad()
     def _check_regions(self, n: int = 4) -> None:
