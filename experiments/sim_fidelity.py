@@ -61,6 +61,12 @@ Choices, and why:
   A drift that slows a whole domain's window cancels in its measured Spd (AR and the method ran
   in it alike), so this split is not thrown by it; what no latency fit follows is one method
   timed slow or fast against AR inside a window, which ``Spd runs min-max`` shows;
+* drafters and settings: those the bench's engine used, so those shipped for the bench's target
+  (``drafter_root``; a bench JSON without a target is the lab model's); a Medusa config without
+  a calibrated table gets the runtime's prior one, whose static tree the runtime verified;
+* compiled rows (``--compile`` or ``--set M:compiled=true``) beside an eager ``ar``: judged
+  against the bench's compiled ``ar`` row (``ar@c``) when it has one (``baseline``): Spd over it,
+  the sim's plain decoding priced from its traces, and the tree forward fitted on compiled rows only;
 * measurement spread: the bench's Spd is a median over its runs; ``Spd runs min-max`` shows each
   run's value, because a sim error smaller than that spread cannot be told from noise;
 * traces are opened in append mode by the bench: files holding more generations than the bench
@@ -84,6 +90,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specblock.models.registry import MODELS, drafters_dir
 from specblock.runtime.config import DEFAULT_DRAFTERS
 from specblock.runtime.drafters import DEFAULT_BUDGET
 from specblock.sim.config import SimConfig
@@ -111,11 +118,44 @@ def bench_sets(cfg: dict, method: str) -> dict:
     return out
 
 
+def compiled(cfg: dict, method: str) -> bool:
+    """Whether the bench ran ``method`` on the compiled target (``--compile``, or ``--set M:compiled=true``)."""
+    return bool(cfg.get("compile")) or bool(((cfg.get("method_options") or {}).get(method) or {}).get("compiled"))
+
+
+def baseline(cfg: dict, methods: list[str], method: str) -> str:
+    """The plain decoding ``method`` is judged against: ``ar``, except for a compiled method in a
+    bench that ran ``ar`` eager and also a compiled ``ar`` row (``ar@c``): that row. Why: the sim
+    prices plain decoding and a 1-node tree by one target, so a compiled method judged against
+    eager ``ar`` was charged ``ar``'s eager 16 ms for each of its compiled 8 ms one-node trees
+    (prompt lookup finds no match for half its iterations: Spd -17% to -22%)."""
+    if compiled(cfg, method) and not compiled(cfg, "ar"):
+        for m in methods:
+            if m.split("@")[0] == "ar" and m != "ar" and compiled(cfg, m):
+                return m
+    return "ar"
+
+
+def drafter_root(cfg: dict) -> Path:
+    """Where the bench's engine found its drafters: ``--drafter-dir``, else those shipped for its
+    target. Why not always the lab's: a real-model bench read the lab drafters' serving.json and
+    config.json, and the sim grew EAGLE-3 trees of 41 nodes where the runtime served 3. A bench
+    JSON without a target is from before the real model was the default: the lab model's."""
+    if cfg.get("drafter_dir"):
+        return Path(cfg["drafter_dir"])
+    target = cfg.get("target")
+    if target is None:
+        return DEFAULT_DRAFTERS
+    if str(target) in MODELS:
+        return MODELS[str(target)].drafters
+    return drafters_dir(Path(target)) if Path(target).is_dir() else DEFAULT_DRAFTERS
+
+
 def sim_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
     """The sim's ``method`` section with the settings the runtime engine used, and notes."""
     name, sets, notes = SIM_METHOD[method.split("@")[0]], bench_sets(cfg, method), []
-    served = serving(sets.get("drafter") or (Path(cfg["drafter_dir"]) / name if cfg.get("drafter_dir")
-                                             else DEFAULT_DRAFTERS / name))
+    root = drafter_root(cfg)
+    served = serving(sets.get("drafter") or root / name)
     # the engine's order: --set METHOD:budget, --budget, the drafter's serving.json, the default
     budget = int(sets.get("budget") or cfg.get("budget") or served.get("budget") or DEFAULT_BUDGET)
     if name == "lookup":  # the replay carries the runtime's ngram / lookup_depth / branches as run
@@ -125,7 +165,7 @@ def sim_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
         if name == "sps":
             d.setdefault("gamma", 4)  # the runtime's default (a chain: top_k 1)
         else:
-            ddir = sets.get("drafter") or (Path(cfg["drafter_dir"]) / name if cfg.get("drafter_dir") else DEFAULT_DRAFTERS / name)
+            ddir = sets.get("drafter") or root / name
             conf = Path(ddir) / "config.json"
             raw = json.loads(conf.read_text()) if conf.is_file() else {}
             if not raw:
@@ -142,10 +182,14 @@ def sim_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
                     d["medusa_top_k"] = int(raw["top_k"])
                 if raw.get("rank_acc") is not None:
                     d["rank_acc"] = raw["rank_acc"]
-                else:
-                    notes.append(f"{conf} has no rank_acc: the sim's static tree comes from the fitted rank pmf")
+                elif raw:  # the runtime then ranks paths by its prior table: the sim must verify that tree too
+                    from specblock.runtime.drafters.medusa import MedusaConfig
+
+                    table = MedusaConfig.model_validate({k: v for k, v in raw.items() if k != "kind"}).accuracy_table()
+                    d["rank_acc"] = table.tolist()
+                    notes.append(f"{conf} has no rank_acc: the runtime's prior table, as the runtime ran it")
         return d, notes
-    ddir = sets.get("drafter") or (Path(cfg["drafter_dir"]) / "specblock" if cfg.get("drafter_dir") else DEFAULT_DRAFTERS / "specblock")
+    ddir = sets.get("drafter") or root / "specblock"
     conf = Path(ddir) / "config.json"
     k = json.loads(conf.read_text()).get("K", 4) if conf.is_file() else 4
     if not conf.is_file():
@@ -249,14 +293,21 @@ def _jobs(rows_in: dict, cfg: dict, trace_dir: Path, meas_lat, prompts: int,
     """What to simulate per (method, domain): the bench row, its run-1 trace lines and stats, the
     sim's method section; rows that cannot be simulated go to ``skipped`` with the reason."""
     jobs, skipped = [], []
+    methods = list(dict.fromkeys(m for m, _ in rows_in))
     for (method, domain), r in rows_in.items():
-        if method == "ar":
+        ref = baseline(cfg, methods, method)
+        if method.split("@")[0] == "ar":
             continue
-        dec = r.get("speedup_decode")
-        runs = r.get("speedup_decode_runs") or []
-        base = {"method": method, "domain": domain, "spd_meas": r["speedup"] if dec is None else dec,
+        b = rows_in.get((ref, domain)) if ref != "ar" else None
+        dec, runs, wall = r.get("speedup_decode"), r.get("speedup_decode_runs") or [], r["speedup"]
+        if b is not None:  # Spd over the compiled ar row, which ran in the same interleaved runs
+            b_runs = b.get("speedup_decode_runs") or []
+            dec = None if dec is None or not b.get("speedup_decode") else dec / b["speedup_decode"]
+            runs = [x / y for x, y in zip(runs, b_runs)] if len(runs) == len(b_runs) else []
+            wall = wall / b["speedup"]
+        base = {"method": method, "domain": domain, "baseline": ref, "spd_meas": wall if dec is None else round(dec, 4),
                 "spd_runs": [min(runs), max(runs)] if runs else None,
-                "spd_basis": "wall" if dec is None else "decode", "spd_wall_meas": r["speedup"], "tau_meas": r["tau"]}
+                "spd_basis": "wall" if dec is None else "decode", "spd_wall_meas": round(wall, 4), "tau_meas": r["tau"]}
         sim_name = SIM_METHOD.get(method.split("@")[0])  # "specblock@m1": a bench variant of specblock
         why = None
         if sim_name is None:
@@ -280,7 +331,8 @@ def _jobs(rows_in: dict, cfg: dict, trace_dir: Path, meas_lat, prompts: int,
         if sim_name == "specblock" and not has_cuts(recs) and 0 in method_cfg["widths"]:
             warnings.append(f"{path}: no rank-head cuts (traces from before runtime commit 3dfd240): "
                             "simulated trees and tau come out too large; rerun the bench")
-        jobs.append({"method": method, "domain": domain, "base": base, "path": path, "lines": lines, "recs": recs,
+        jobs.append({"method": method, "domain": domain, "baseline": ref, "compiled": compiled(cfg, method),
+                     "base": base, "path": path, "lines": lines, "recs": recs,
                      "stats": trace_stats(lines), "method_cfg": method_cfg, "notes": notes, "prompts": prompts})
     return jobs, skipped
 
@@ -304,14 +356,26 @@ def draft_overhead_ms(jobs: list[dict], lat: CalibratedLatency) -> float | None:
 def depthwise_forwards(rec: TraceRecord, method_cfg: dict) -> int:
     """Drafter forwards of one iteration of a depth-by-depth drafter, by the runtime's rule:
     Medusa's heads run one forward in all; SpS one per depth of its chain (the trace's depth);
-    EAGLE-3 one per configured depth, however deep the tree is after its final rerank (the trace's
-    depth, which the rerank cut to 3-5 of 6 here, overstated its ms per forward by a third, and
-    the sim charges all six)."""
+    EAGLE-3 one per depth it expands, however deep the tree is after its final rerank (the trace's
+    depth, which the rerank cut to 3-5 of 6 here, overstated its ms per forward by a third)."""
     if method_cfg["name"] == "medusa":
         return 1
     if method_cfg["name"] == "eagle3" and method_cfg.get("depth"):
-        return int(method_cfg["depth"])
+        return expanded_depth(method_cfg)
     return max(int(rec.depth), 1)
+
+
+def expanded_depth(method_cfg: dict) -> int:
+    """The depths EAGLE-3 expands per iteration: its configured depth, cut to the node budget
+    where the final rerank could keep nothing deeper (``policies.branching.rerank_limits``, the
+    runtime's and the sim's rule). Why: counting the configured 6 at the served budget of 2, where
+    both expand 2, priced each forward at a third of its cost, and the sim's EAGLE-3 drafted for
+    1.1 ms where the runtime took 3.2-4.4 (a real-model bench, Spd +7% to +19%)."""
+    from specblock.policies.branching import rerank_limits
+    from specblock.sim.config import MethodCfg, build_method
+
+    d = build_method(MethodCfg(**{k: v for k, v in method_cfg.items() if k in MethodCfg.model_fields}))
+    return int(rerank_limits(d.policy, d.seeds, d.budget, d.depth)[0])
 
 
 def depthwise_ms_per_forward(jobs: list[dict]) -> float | None:
@@ -330,18 +394,20 @@ def trace_latencies(jobs: list[dict], trace_dir: Path, meas_lat, prompts: int, t
     ``lat_file`` / ``lat_meas`` / ``lat_fit`` on each job and returns the split used."""
     domains = sorted({j["domain"] for j in jobs})
     ar_recs = {}
-    for d in domains:
-        ap = trace_dir / f"ar.{d}.jsonl"
-        ar_recs[d] = [TraceRecord.model_validate_json(x) for x in read_generations(ap, prompts)[0]] if ap.is_file() else []
+    for ref in {j["baseline"] for j in jobs}:
+        for d in domains:
+            ap = trace_dir / f"{ref}.{d}.jsonl"
+            ar_recs[ref, d] = [TraceRecord.model_validate_json(x) for x in read_generations(ap, prompts)[0]] if ap.is_file() else []
     lodo = len(domains) > 1
     if not lodo:
         warnings.append("--latency-from traces: one domain only, the latency fit is in-sample (the row's own timings)")
     calib = CalibratedLatency(meas_lat)
     for j in jobs:
-        train = [k for k in jobs if k["domain"] != j["domain"]] if lodo else jobs
+        kind = [k for k in jobs if k["compiled"] == j["compiled"]]  # one target's trees: compiled or eager
+        train = [k for k in kind if k["domain"] != j["domain"]] if lodo else kind
         same = [k for k in train if k["method"] == j["method"]] or train
         fit = fit_trace_latency([r for k in train for r in k["recs"]],
-                                [r for d in domains if not lodo or d != j["domain"] for r in ar_recs[d]],
+                                [r for d in domains if not lodo or d != j["domain"] for r in ar_recs[j["baseline"], d]],
                                 [r for k in same for r in k["recs"]])
         name = j["method_cfg"]["name"]
         oh = None
@@ -368,18 +434,19 @@ def trace_latencies(jobs: list[dict], trace_dir: Path, meas_lat, prompts: int, t
 def _simulate(jobs: list[dict], rows_in: dict, latency_path: Path, meas_lat, tmp: Path, skipped: list[dict],
               sim: dict) -> list[dict]:
     """Measured vs simulated rows; the fitted trace subsets go to ``tmp``."""
-    ar: dict[str, dict] = {}
+    ar: dict[tuple[str, str], dict] = {}
     rows = []
     for j in jobs:
         method, domain, base, path, ts, prompts = j["method"], j["domain"], j["base"], j["path"], j["stats"], j["prompts"]
         r = rows_in[(method, domain)]
         fitted = tmp / path.name
         fitted.write_text("\n".join(j["lines"]) + "\n")
-        if domain not in ar:
-            ap = path.parent / f"ar.{domain}.jsonl"
+        ref = j["baseline"]
+        if (ref, domain) not in ar:
+            ap = path.parent / f"{ref}.{domain}.jsonl"
             ar_lines = read_generations(ap, prompts)[0] if ap.is_file() else []
-            ar[domain] = trace_stats(ar_lines) if ar_lines else {}
-        ta, ar_row = ar[domain], rows_in.get(("ar", domain))
+            ar[ref, domain] = trace_stats(ar_lines) if ar_lines else {}
+        ta, ar_row = ar[ref, domain], rows_in.get((ref, domain))
         tokens = max(int(round(r["new_tokens"] / prompts)), 1)
         sc = SimConfig.model_validate({
             "preset": "cpu-calibrated", "latency_file": str(j.get("lat_file", latency_path)), "method": j["method_cfg"],
@@ -452,10 +519,12 @@ def markdown(res: dict) -> str:
     if res["inputs"].get("latency_from") == "traces":
         lines.append(f"\nLatency: fitted from runtime traces (--latency-from traces), split: "
                      f"{res.get('trace_latency_split')}: each row is priced by a fit on the other domains' traces "
-                     "(tree forward a + b*n + c*ctx from verify_s, all methods; AR ms/token a + c*ctx from ar; glue = "
+                     "(tree forward a + b*n + c*ctx from verify_s, all methods on the same target, compiled or eager; "
+                     "AR ms/token a + c*ctx from the row's plain decoding; glue = "
                      "mean commit_s of the row's method; SpecBlock: calibrate's drafter curve plus a fitted host cost per "
-                     "forward (+); EAGLE-3, SpS, Medusa: draft_s / forwards, all-in, forwards = configured depth for "
-                     "EAGLE-3, the chain's depth for SpS, 1 for Medusa). lookup's replay uses its own n-gram search times.")
+                     "forward (+); EAGLE-3, SpS, Medusa: draft_s / forwards, all-in, forwards = the depths EAGLE-3 expands "
+                     "(its configured depth cut to the node budget), the chain's depth for SpS, 1 for Medusa). lookup's "
+                     "replay uses its own n-gram search times.")
         lines += ["", "| method | domain | fit domains | tree ms a / b per n / c per ctx | AR ms a / c per ctx | glue ms | draft ms/fwd |",
                   "|---" * 7 + "|"]
         for r in res["rows"]:
@@ -478,6 +547,11 @@ def markdown(res: dict) -> str:
               "measurement's own repeatability; Spd wall: the bench's headline Spd (prefill included); Spd dec. run 1: "
               "decode loop only, from run-1 traces; the sim's Spd is decode only. m/s: measured per iteration (traces) / simulated; the measured "
               "verify ms includes greedy verification, which calibrate counts in the glue (overhead_ms)."]
+    refs = sorted({r["baseline"] for r in res["rows"] if r.get("baseline", "ar") != "ar"})
+    if refs:
+        lines += ["", f"Compiled methods are judged against compiled plain decoding ({', '.join(refs)}: every Spd, "
+                  "measured and simulated, and the AR ms, over that row, which ran in the same interleaved runs; the "
+                  "bench's own Spd over eager ar is that times the compiled ar row's)."]
     lines += [f"\nWarning: {w}" for w in res["warnings"]]
     return "\n".join(lines) + "\n"
 

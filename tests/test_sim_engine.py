@@ -151,3 +151,18 @@ def test_medusa_sim_verifies_the_runtime_static_tree():
     pmf2[0, 0, :3] = [0.2, 0.5, 0.3]
     own, _ = methods.medusa(heads=2, top_k=3, budget=1).tree_for(RankModel(pmf=pmf2))
     assert own.size == 2 and own.rank[1] == 1
+
+
+def test_sps_sim_drafts_no_deeper_than_the_node_budget():
+    """The runtime's SpS cuts its chain to the node budget (``rerank_limits``); the sim drafted the
+    whole ``gamma`` chain and charged its forwards (a real-model bench at budget 2: 5-node trees and
+    twice the drafting time the runtime spent)."""
+    from specblock.sim.acceptance import R, RankModel
+
+    pmf = np.zeros((1, 8, R + 1))
+    pmf[..., 0] = 1.0  # the drafter is always right: only the budget stops the chain
+    rng = np.random.default_rng(0)
+    for budget, size in ((2, 3), (None, 5), (9, 5)):
+        sim = build_method(SimConfig.model_validate({"method": {"name": "sps", "gamma": 4, "budget": budget}}).method)
+        d = sim.draft(rng, RankModel(pmf=pmf))
+        assert (d.tree.size, len(d.forwards), d.acceptance.accepted) == (size, size - 1, size - 1)

@@ -82,6 +82,27 @@ def test_runtime_settings_are_read_from_the_bench_config(tmp_path):
     assert m["budget"] == 8  # a per-method engine budget from the bench's --set
 
 
+def test_a_real_model_bench_reads_the_drafters_shipped_for_its_target(tmp_path):
+    """A bench names its target; its engine took that target's drafters and serving settings (the
+    lab's, read for a real-model bench, made the sim grow 41-node EAGLE-3 trees where 3 were served).
+    A Medusa config without a calibrated table gets the runtime's prior one: the tree it verified."""
+    from specblock.models.registry import MODELS
+    from specblock.runtime.config import DEFAULT_DRAFTERS
+    from specblock.runtime.drafters.medusa import MedusaConfig
+
+    real = MODELS["smollm2-135m-instruct"].drafters
+    assert sf.drafter_root({"target": "smollm2-135m-instruct"}) == real != DEFAULT_DRAFTERS
+    assert sf.drafter_root({}) == DEFAULT_DRAFTERS  # written before the real model was the default
+    assert sf.drafter_root({"target": "smollm2-135m-instruct", "drafter_dir": str(tmp_path)}) == tmp_path
+    m, _ = sf.sim_method("eagle3", {"target": "smollm2-135m-instruct"})
+    assert m["budget"] == json.loads((real / "eagle3" / "serving.json").read_text())["budget"]
+    (tmp_path / "medusa").mkdir()
+    raw = {"vocab_size": 32, "hidden_size": 8, "heads": 3, "top_k": 4}
+    (tmp_path / "medusa" / "config.json").write_text(json.dumps({"kind": "medusa", **raw}))
+    m, notes = sf.sim_method("medusa", {"drafter_dir": str(tmp_path), "budget": 3})
+    assert m["rank_acc"] == MedusaConfig(**raw).accuracy_table().tolist() and "prior table" in notes[0]
+
+
 def test_fixed_acceptance_round_trip(tmp_path):
     bench, traces, lat = _make_inputs(tmp_path)
     out = tmp_path / "res" / "sim_fidelity"
@@ -131,6 +152,8 @@ def test_measured_spread_and_depthwise_forwards(tmp_path):
     assert f"{0.9 * row['spd_meas']:.2f}-{1.2 * row['spd_meas']:.2f}x" in out.with_suffix(".md").read_text()
     rec = _rec(100, 41, 10.0).model_copy(update={"depth": 3})
     assert sf.depthwise_forwards(rec, {"name": "eagle3", "depth": 6}) == 6
+    # ... unless the final rerank to the node budget could keep nothing deeper: the runtime stops there
+    assert sf.depthwise_forwards(rec, {"name": "eagle3", "depth": 6, "top_k": 8, "budget": 2}) == 2
     assert sf.depthwise_forwards(rec, {"name": "sps", "gamma": 4}) == 3
     assert sf.depthwise_forwards(rec, {"name": "medusa"}) == 1
 
@@ -303,3 +326,33 @@ def test_robust_fit_drops_a_stall_that_moved_the_first_fit():
     y = 4.0 * 2.2 * rng.normal(1, 0.03, 95)
     y[30:38] = 290.0
     assert robust_lstsq(f[:, None], y)[0] == pytest.approx(2.2, rel=0.02)
+
+
+def test_compiled_methods_are_judged_against_compiled_plain_decoding(tmp_path):
+    """A bench with eager ``ar`` beside compiled rows (``ar@c``, ``specblock@c``): the compiled
+    method's Spd, measured and simulated, is over ``ar@c``, and the sim's plain decoding is priced
+    from ``ar@c``'s traces, not from eager ``ar`` (twice as slow here): the sim prices plain
+    decoding and 1-node trees by one target, so eager AR made every compiled 1-node tree eager."""
+    bench, traces, lat = _make_inputs(tmp_path)
+    for name in ("specblock", "ar"):
+        (traces / f"{name}@c.code.jsonl").write_text((traces / f"{name}.code.jsonl").read_text())
+    recs = [json.loads(x) for x in (traces / "ar.code.jsonl").read_text().splitlines() if x.strip()]
+    (traces / "ar.code.jsonl").write_text("".join(json.dumps(dict(r, verify_s=2 * r["verify_s"])) + "\n" for r in recs))
+    b = json.loads(bench.read_text())
+    rows = {r["method"]: r for r in b["rows"]}
+    sb = rows["specblock"]
+    b["rows"] = [rows["ar"], dict(rows["ar"], method="ar@c", speedup=2.0, speedup_decode=2.0),
+                 dict(sb, method="specblock@c", speedup=2 * sb["speedup"], speedup_decode=2 * sb["speedup_decode"])]
+    b["config"].update(set=["specblock@c:widths=2,4,6,4"],
+                       method_options={"ar@c": {"compiled": True}, "specblock@c": {"compiled": True}})
+    bench.write_text(json.dumps(b))
+    assert sf.baseline(b["config"], ["ar", "ar@c", "specblock@c"], "specblock@c") == "ar@c"
+    assert sf.baseline(dict(b["config"], compile=True), ["ar", "specblock"], "specblock") == "ar"  # all compiled
+    out = tmp_path / "o"
+    assert sf.main(["--bench", str(bench), "--traces", str(traces), "--latency", str(lat), "--requests", "30",
+                    "--n-seeds", "1", "--tree-pool", "512", "--out", str(out), "--latency-from", "traces"]) == 0
+    row = json.loads(out.with_suffix(".json").read_text())["rows"][0]
+    assert (row["method"], row["baseline"]) == ("specblock@c", "ar@c")
+    assert row["spd_meas"] == pytest.approx(sb["speedup_decode"], rel=1e-3) and row["goal_met"]
+    assert row["ar_ms_sim"] == pytest.approx(row["ar_ms_meas"], rel=0.05)  # ar@c's, not eager ar's 2x
+    assert "judged against compiled plain decoding (ar@c" in out.with_suffix(".md").read_text()

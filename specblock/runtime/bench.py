@@ -37,6 +37,7 @@ from tqdm import tqdm
 from specblock.atomic import AtomicFiles, check_output
 from specblock.errors import SpecBlockError
 from specblock.flags import OneLineParser
+from specblock.models.registry import DEFAULT_TARGET_NAME
 from specblock.runtime import chat, drafters, peers
 from specblock.runtime.bench_config import check_bench_flags, method_options
 from specblock.runtime.config import RunConfig, validate
@@ -174,6 +175,7 @@ def run_bench(args, traces: AtomicFiles | None = None) -> dict:
         torch.set_num_threads(args.threads)
     cfg = validate({"target": args.target, "dtype": args.dtype})
     args.dtype = resolve_dtype(args.dtype, "auto")  # the results' config records what ran, never "auto"
+    args.target = args.target or DEFAULT_TARGET_NAME  # likewise the target: a blank one meant the lab model once
     path = cfg.target_dir
     targets = Targets(TargetModel.load(path, args.dtype, "auto"), args.compile_mode)
     target = targets.eager  # prompts' context check and divergences: the same model either way

@@ -252,7 +252,7 @@ def build_method(m: MethodCfg):
 
         return LookupReplay(max_depth=m.lookup_depth, search_ms=m.search_ms)
     if m.name == "sps":
-        return mm.sps(m.gamma)
+        return mm.sps(m.gamma, m.budget)
     if m.name == "medusa":
         if m.policy_class:  # a user's branching over the heads' candidates instead of the static tree
             seeds = seed_policy(m) if m.seed_class else mm.TopScoreSeeds()

@@ -322,9 +322,12 @@ def _max_width(policy: TreePolicy) -> int:
     return 1 if isinstance(policy, ChainBranching) else R
 
 
-def sps(gamma: int = 5) -> DepthwiseDrafter:
+def sps(gamma: int = 5, budget: int | None = None) -> DepthwiseDrafter:
+    """SpS's chain of ``gamma`` tokens, cut to the node ``budget`` as the runtime cuts it (a chain
+    of 4 at budget 2 drafts 2 tokens, not 4)."""
     return DepthwiseDrafter(policy=ChainBranching(), seeds=TopScoreSeeds(), depth=gamma, n_cand=1,
-                            max_frontier=1, budget=gamma, drafter="sps", name="sps")
+                            max_frontier=1, budget=gamma if budget is None else min(gamma, budget),
+                            drafter="sps", name="sps")
 
 
 def medusa(heads: int = 4, top_k: int = 10, budget: int = 63, rank_acc=None) -> StaticTreeDrafter:
