@@ -82,7 +82,6 @@ Writes OUT.{json,csv,md,png}. Missing or bad inputs: one line on stderr, status 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import tempfile
@@ -90,131 +89,18 @@ from pathlib import Path
 
 import numpy as np
 
-from specblock.models.registry import MODELS, drafters_dir
-from specblock.runtime.config import DEFAULT_DRAFTERS
-from specblock.runtime.drafters import DEFAULT_BUDGET
 from specblock.sim.config import SimConfig
 from specblock.sim.latency import CalibratedLatency, DrafterTiming, load_measurements
 from specblock.sim.sweep import run_config
 from specblock.sim.tracelat import fit_trace_latency, latency_json, robust_lstsq
 from specblock.sim.traces import TraceRecord, has_cuts, specblock_forwards
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its report module beside it, however it is loaded
+from sim_fidelity_report import SPD_TOL, TAU_TOL, markdown, write_outputs  # noqa: E402
+from sim_fidelity_settings import SIM_METHOD, baseline, compiled, drafter_root, sim_method  # noqa: E402, F401 - callers read them here
+
 ROOT = Path(__file__).resolve().parents[1]
-#: runtime method -> sim method model name = drafter key in the latency JSON (calibrate writes
-#: "specblock"; lookup has no drafter forward). Methods absent here have no sim model.
-SIM_METHOD = {"specblock": "specblock", "eagle3": "eagle3", "medusa": "medusa", "sps": "sps", "lookup": "lookup"}
 NO_DRAFTER = {"lookup"}
-SPD_TOL, TAU_TOL = 0.10, 0.05
-
-
-def bench_sets(cfg: dict, method: str) -> dict:
-    """The bench's ``--set METHOD:KEY=VALUE`` items for ``method``, parsed as ``bench._options`` does."""
-    out = {}
-    for item in cfg.get("set") or []:
-        m, _, kv = item.partition(":")
-        k, _, v = kv.partition("=")
-        if m == method and k:
-            out[k] = tuple(int(x) for x in v.split(",")) if k == "widths" else (int(v) if v.lstrip("-").isdigit() else v)
-    return out
-
-
-def compiled(cfg: dict, method: str) -> bool:
-    """Whether the bench ran ``method`` on the compiled target (``--compile``, or ``--set M:compiled=true``)."""
-    return bool(cfg.get("compile")) or bool(((cfg.get("method_options") or {}).get(method) or {}).get("compiled"))
-
-
-def baseline(cfg: dict, methods: list[str], method: str) -> str:
-    """The plain decoding ``method`` is judged against: ``ar``, except for a compiled method in a
-    bench that ran ``ar`` eager and also a compiled ``ar`` row (``ar@c``): that row. Why: the sim
-    prices plain decoding and a 1-node tree by one target, so a compiled method judged against
-    eager ``ar`` was charged ``ar``'s eager 16 ms for each of its compiled 8 ms one-node trees
-    (prompt lookup finds no match for half its iterations: Spd -17% to -22%)."""
-    if compiled(cfg, method) and not compiled(cfg, "ar"):
-        for m in methods:
-            if m.split("@")[0] == "ar" and m != "ar" and compiled(cfg, m):
-                return m
-    return "ar"
-
-
-def drafter_root(cfg: dict) -> Path:
-    """Where the bench's engine found its drafters: ``--drafter-dir``, else those shipped for its
-    target. Why not always the lab's: a real-model bench read the lab drafters' serving.json and
-    config.json, and the sim grew EAGLE-3 trees of 41 nodes where the runtime served 3. A bench
-    JSON without a target is from before the real model was the default: the lab model's."""
-    if cfg.get("drafter_dir"):
-        return Path(cfg["drafter_dir"])
-    target = cfg.get("target")
-    if target is None:
-        return DEFAULT_DRAFTERS
-    if str(target) in MODELS:
-        return MODELS[str(target)].drafters
-    return drafters_dir(Path(target)) if Path(target).is_dir() else DEFAULT_DRAFTERS
-
-
-def sim_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
-    """The sim's ``method`` section with the settings the runtime engine used, and notes."""
-    name, sets, notes = SIM_METHOD[method.split("@")[0]], bench_sets(cfg, method), []
-    root = drafter_root(cfg)
-    served = serving(sets.get("drafter") or root / name)
-    # the engine's order: --set METHOD:budget, --budget, the drafter's serving.json, the default
-    budget = int(sets.get("budget") or cfg.get("budget") or served.get("budget") or DEFAULT_BUDGET)
-    if name == "lookup":  # the replay carries the runtime's ngram / lookup_depth / branches as run
-        return {"name": "lookup"}, notes
-    if name != "specblock":  # the runtime's serving settings: bench --set, else the drafter's config
-        d = {"name": name, "budget": budget, **{k: v for k, v in sets.items() if k in ("depth", "top_k", "gamma")}}
-        if name == "sps":
-            d.setdefault("gamma", 4)  # the runtime's default (a chain: top_k 1)
-        else:
-            ddir = sets.get("drafter") or root / name
-            conf = Path(ddir) / "config.json"
-            raw = json.loads(conf.read_text()) if conf.is_file() else {}
-            if not raw:
-                notes.append(f"{conf} not found: the sim's defaults for {name}")
-            if name == "eagle3":  # the drafter's serving settings, else Eagle3Config's defaults
-                from specblock.runtime.drafters.eagle3 import Eagle3Config
-
-                for k in ("depth", "top_k"):
-                    d.setdefault(k, int(raw.get(k, Eagle3Config.model_fields[k].default)))
-            elif name == "medusa":  # the static tree the runtime verified: its heads, top-k and table
-                if "heads" in raw:
-                    d["heads"] = int(raw["heads"])
-                if "top_k" in raw:
-                    d["medusa_top_k"] = int(raw["top_k"])
-                if raw.get("rank_acc") is not None:
-                    d["rank_acc"] = raw["rank_acc"]
-                elif raw:  # the runtime then ranks paths by its prior table: the sim must verify that tree too
-                    from specblock.runtime.drafters.medusa import MedusaConfig
-
-                    table = MedusaConfig.model_validate({k: v for k, v in raw.items() if k != "kind"}).accuracy_table()
-                    d["rank_acc"] = table.tolist()
-                    notes.append(f"{conf} has no rank_acc: the runtime's prior table, as the runtime ran it")
-        return d, notes
-    ddir = sets.get("drafter") or root / "specblock"
-    conf = Path(ddir) / "config.json"
-    k = json.loads(conf.read_text()).get("K", 4) if conf.is_file() else 4
-    if not conf.is_file():
-        notes.append(f"{conf} not found: K=4 assumed")
-    return {"name": "specblock", "K": int(k), "M": int(sets.get("M", served.get("M", 2))),
-            "max_seeds": int(sets.get("max_seeds", served.get("max_seeds", 2))),
-            "widths": list(sets.get("widths", served.get("widths", (2, 4, 10, 0)))), "budget": budget, "branching": "rank",
-            "seeds": "deepest-confident", "use_rank_head": True, **user_policies(sets)}, notes
-
-
-def serving(drafter_dir: str | Path) -> dict:
-    """The drafter's measured best serving settings (serving.json beside it), as the engine reads them."""
-    f = Path(drafter_dir) / "serving.json"
-    return json.loads(f.read_text()) if f.is_file() else {}
-
-
-def user_policies(sets: dict) -> dict:
-    """A bench row's own classes (``--set M:policy=pkg.mod:Class``, ``policy_kwargs=JSON``, likewise
-    ``seed_policy``) in the sim's spelling: the sim then grows the trees the runtime grew."""
-    out = {}
-    for key, cls_key, kw_key in (("policy", "policy_class", "policy_kwargs"), ("seed_policy", "seed_class", "seed_kwargs")):
-        if sets.get(key):
-            kw = sets.get(f"{key}_kwargs") or {}
-            out.update({cls_key: sets[key], kw_key: json.loads(kw) if isinstance(kw, str) else dict(kw)})
-    return out
 
 
 def read_generations(path: Path, keep: int) -> tuple[list[str], int]:
@@ -264,6 +150,11 @@ def compare(bench_path: Path, trace_dir: Path, latency_path: Path, requests: int
         warnings.append("bench JSON has no speedup_decode (written before it existed): Spd judged on wall time, "
                         "prefill included, which the sim does not model")
     jobs, skipped = _jobs(rows_in, cfg, trace_dir, meas_lat, prompts, warnings, latency_from == "traces")
+    off = sorted({j["method"] for j in jobs if j["compiled"] != meas_lat.compiled})
+    if latency_from == "calibrate" and off:
+        warnings.append(f"the latency JSON timed the {'compiled' if meas_lat.compiled else 'eager'} target, but "
+                        f"{', '.join(off)} ran {'eagerly' if meas_lat.compiled else 'compiled'}: give the other "
+                        "calibrate file (`calibrate --compile` writes the compiled one) or --latency-from traces")
     overhead = draft_overhead_ms(jobs, CalibratedLatency(meas_lat))
     with tempfile.TemporaryDirectory(prefix="sim_fidelity_") as td:
         lat_file = latency_path
@@ -482,119 +373,6 @@ def _simulate(jobs: list[dict], rows_in: dict, latency_path: Path, meas_lat, tmp
             row["latency_fit"] = j["lat_fit"]
         rows.append(row)
     return rows
-
-
-CSV_COLS = ["method", "domain", "spd_meas", "spd_sim", "spd_err", "tau_meas", "tau_sim", "tau_err", "goal_met", "spd_runs",
-            "spd_basis", "spd_wall_meas", "spd_dec_meas", "tree_meas", "tree_sim", "draft_ms_meas", "draft_ms_sim", "verify_ms_meas",
-            "verify_ms_sim", "glue_ms_meas", "glue_ms_sim", "ar_ms_meas", "ar_ms_sim", "ctx_mean", "prompt_len", "tokens"]
-
-
-def _runs(mm: list | None) -> str:
-    return "-" if not mm else f"{mm[0]:.2f}-{mm[1]:.2f}x"
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:+.1f}%"
-
-
-def markdown(res: dict) -> str:
-    g = res["goal"]
-    lines = [f"Goal: |Spd err| <= {100 * g['spd_tol']:.0f}% and |tau err| <= {100 * g['tau_tol']:.0f}%: "
-             f"met in {g['met']} of {g['rows']} (method, domain) rows.", "",
-             "| method | domain | Spd meas | Spd sim | err | tau meas | tau sim | err | goal | Spd runs min-max | Spd wall "
-             "| Spd dec. run 1 | draft ms m/s | verify ms m/s | glue ms m/s | AR ms m/s | tree m/s |", "|---" * 17 + "|"]
-    f = lambda a, b: "-" if a is None else f"{a:.2f} / {b:.2f}"
-    for r in res["rows"]:
-        lines.append(f"| {r['method']} | {r['domain']} | {r['spd_meas']:.3f}x | {r['spd_sim']:.3f}x | {_pct(r['spd_err'])} "
-                     f"| {r['tau_meas']:.3f} | {r['tau_sim']:.3f} | {_pct(r['tau_err'])} | {'yes' if r['goal_met'] else 'no'} "
-                     f"| {_runs(r.get('spd_runs'))} | {r.get('spd_wall_meas', r['spd_meas']):.3f}x "
-                     f"| {'-' if r['spd_dec_meas'] is None else format(r['spd_dec_meas'], '.3f') + 'x'} "
-                     f"| {f(r['draft_ms_meas'], r['draft_ms_sim'])} | {f(r['verify_ms_meas'], r['verify_ms_sim'])} "
-                     f"| {f(r['glue_ms_meas'], r['glue_ms_sim'])} | {f(r['ar_ms_meas'], r['ar_ms_sim'])} "
-                     f"| {f(r['tree_meas'], r['tree_sim'])} |")
-    if res.get("draft_overhead_ms_traces") is not None:
-        lines.append(f"\nDrafting ms per SpecBlock forward that the latency JSON does not price (traces, least "
-                     f"squares): {res['draft_overhead_ms_traces']:.2f}; charged in the sim: "
-                     f"{'yes' if res['inputs'].get('draft_overhead') == 'traces' else 'no'}.")
-    if res["inputs"].get("latency_from") == "traces":
-        lines.append(f"\nLatency: fitted from runtime traces (--latency-from traces), split: "
-                     f"{res.get('trace_latency_split')}: each row is priced by a fit on the other domains' traces "
-                     "(tree forward a + b*n + c*ctx from verify_s, all methods on the same target, compiled or eager; "
-                     "AR ms/token a + c*ctx from the row's plain decoding; glue = "
-                     "mean commit_s of the row's method; SpecBlock: calibrate's drafter curve plus a fitted host cost per "
-                     "forward (+); EAGLE-3, SpS, Medusa: draft_s / forwards, all-in, forwards = the depths EAGLE-3 expands "
-                     "(its configured depth cut to the node budget), the chain's depth for SpS, 1 for Medusa). lookup's "
-                     "replay uses its own n-gram search times.")
-        lines += ["", "| method | domain | fit domains | tree ms a / b per n / c per ctx | AR ms a / c per ctx | glue ms | draft ms/fwd |",
-                  "|---" * 7 + "|"]
-        for r in res["rows"]:
-            fz = r.get("latency_fit")
-            if fz:
-                a, b, c = fz["tree_ms_a_b_c"]
-                oh = "-" if fz["draft_overhead_ms"] is None else f"+{fz['draft_overhead_ms']:.2f}"
-                if fz.get("draft_ms_per_forward") is not None:
-                    oh = f"{fz['draft_ms_per_forward']:.2f} all-in"
-                lines.append(f"| {r['method']} | {r['domain']} | {','.join(fz['fit_domains'])} | {a:.2f} / {b:.3f} / "
-                             f"{1e3 * c:.2f}e-3 | {fz['ar_ms_a_c'][0]:.2f} / {1e3 * fz['ar_ms_a_c'][1]:.2f}e-3 "
-                             f"| {fz['glue_ms']:.2f} | {oh} |")
-    for s in res["skipped"]:
-        tau = "-" if s["tau_meas"] is None else f"{s['tau_meas']:.3f}"
-        lines.append(f"\nSkipped {s['method']}/{s['domain']} (measured {s['spd_meas']:.3f}x / tau {tau}): {s['reason']}")
-    basis = {r.get("spd_basis", "wall") for r in res["rows"]}
-    judged = ("the bench's decode-loop Spd (speedup_decode: prefill excluded, median of its runs)" if basis == {"decode"}
-              else "the bench's wall-clock Spd (prefill included: this bench JSON has no speedup_decode)")
-    lines += ["", f"Spd meas (judged): {judged}; Spd runs min-max: the same Spd in each of the bench's runs, the "
-              "measurement's own repeatability; Spd wall: the bench's headline Spd (prefill included); Spd dec. run 1: "
-              "decode loop only, from run-1 traces; the sim's Spd is decode only. m/s: measured per iteration (traces) / simulated; the measured "
-              "verify ms includes greedy verification, which calibrate counts in the glue (overhead_ms)."]
-    refs = sorted({r["baseline"] for r in res["rows"] if r.get("baseline", "ar") != "ar"})
-    if refs:
-        lines += ["", f"Compiled methods are judged against compiled plain decoding ({', '.join(refs)}: every Spd, "
-                  "measured and simulated, and the AR ms, over that row, which ran in the same interleaved runs; the "
-                  "bench's own Spd over eager ar is that times the compiled ar row's)."]
-    lines += [f"\nWarning: {w}" for w in res["warnings"]]
-    return "\n".join(lines) + "\n"
-
-
-def plot(rows: list[dict], path: Path, title: str = "sim fidelity: cpu-calibrated sim vs runtime bench") -> None:
-    """Simulated against measured Spd and tau, with the goal's tolerance band around y = x."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4.2))
-    for ax, k, tol, lab in ((axes[0], "spd", SPD_TOL, "Spd"), (axes[1], "tau", TAU_TOL, "tau")):
-        xs = [r[f"{k}_meas"] for r in rows]
-        ys = [r[f"{k}_sim"] for r in rows]
-        lo, hi = (0.9 * min(xs + ys), 1.1 * max(xs + ys)) if rows else (0.5, 2.0)
-        line = np.linspace(lo, hi, 2)
-        ax.plot(line, line, "k-", lw=0.8)
-        ax.fill_between(line, line * (1 - tol), line * (1 + tol), color="g", alpha=0.15, label=f"±{100 * tol:.0f}%")
-        for r, x, y in zip(rows, xs, ys):
-            ax.scatter(x, y, color="tab:green" if abs(r[f"{k}_err"]) <= tol else "tab:red", zorder=3)
-            ax.annotate(f"{r['method']}/{r['domain']}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set(xlim=(lo, hi), ylim=(lo, hi), xlabel=f"measured {lab}", ylabel=f"simulated {lab}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def write_outputs(res: dict, out: Path) -> list[Path]:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    files = [out.with_suffix(s) for s in (".json", ".csv", ".md", ".png")]
-    files[0].write_text(json.dumps(res, indent=1) + "\n")
-    with files[1].open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(res["rows"])
-    files[2].write_text(markdown(res))
-    plot(res["rows"], files[3], *([f"sim fidelity: trace-fitted latency ({res.get('trace_latency_split')}) vs runtime bench"]
-                                   if res["inputs"].get("latency_from") == "traces" else []))
-    return files
 
 
 def main(argv: list[str] | None = None) -> int:

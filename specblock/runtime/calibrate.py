@@ -4,6 +4,11 @@ Measures, on this machine and in the serving dtype: one target forward of n = 1.
 at several contexts (KV cache already holding ``ctx`` tokens, a random tree each time), each
 shipped drafter's forward at several query counts, and the per-iteration glue (tree masks,
 greedy verification, KV pruning). Medians of repeated runs. Format: ``specblock.sim.latency``.
+
+``--compile`` times the same on the compiled target and SpecBlock's compiled block 1 (``--compile``
+of the CLI; later blocks run eagerly there as here), so the simulator can price the compiled path:
+there a tree costs relatively more than eagerly (T(4) about 1.3x T(1) against 1.1x), which moves
+every method's best budget. First use compiles each tree bucket and span of the grid (minutes).
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ from specblock.runtime.verify import GreedyVerifier
 
 N_GRID = [1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 64]
 CTX_GRID = [64, 256, 512]
+#: ``--compile``: the compiled target attends over a power-of-two span (``compiled.target.span_of``),
+#: so its cost steps up where ``ctx + n`` passes 256 or 512. Contexts that leave room for a 64-node
+#: tree inside each span measure the spans, not the steps: at 256 every tree already paid span
+#: 512 (T(1) 11.0 ms against 9.3 at 64 and 8.3 in the decode loop at about 200).
+CTX_GRID_COMPILED = [64, 192, 448]
 
 
 def _sync(target: TargetModel) -> None:
@@ -43,10 +53,20 @@ def _random_tree(rng: np.random.Generator, n: int, vocab: int) -> DraftTree:
     return DraftTree.from_parents(rng.integers(0, vocab, n), parent)
 
 
+def rewind(target: TargetModel, ctx: int) -> None:
+    """Back to exactly ``ctx`` cached tokens (a static cache's slots past it are just stale)."""
+    if target.cache is not None:
+        for layer in target.cache.layers:
+            layer.keys, layer.values = layer.keys[..., :ctx, :], layer.values[..., :ctx, :]
+    target.past_len = ctx
+
+
 def time_target(target: TargetModel, ctx: int, n: int, reps: int, rng) -> tuple[float, float]:
     """Median ms of one tree forward of n tokens at context ctx; also the glue (mask + verify + commit)."""
     target.prefill(rng.integers(0, target.vocab_size, ctx))
     verifier = GreedyVerifier()
+    target.tree_forward(_random_tree(rng, n, target.vocab_size))  # untimed: a compiled target's first call of a shape compiles
+    rewind(target, ctx)
     fwd, glue = [], []
     for _ in range(reps):
         tree = _random_tree(rng, n, target.vocab_size)
@@ -59,15 +79,13 @@ def time_target(target: TargetModel, ctx: int, n: int, reps: int, rng) -> tuple[
         target.commit(verdict.path[:1])  # keep the root only: the context stays at ctx + 1
         _sync(target)
         t2 = time.perf_counter()
-        for layer in target.cache.layers:  # back to exactly ctx cached tokens
-            layer.keys, layer.values = layer.keys[..., :ctx, :], layer.values[..., :ctx, :]
-        target.past_len = ctx
+        rewind(target, ctx)
         fwd.append(t1 - t0)
         glue.append(t2 - t1)
     return 1e3 * statistics.median(fwd), 1e3 * statistics.median(glue)
 
 
-def time_specblock(target: TargetModel, path: Path, reps: int, rng) -> dict:
+def time_specblock(target: TargetModel, path: Path, reps: int, rng, compiled: bool = False) -> dict:
     """SpecBlock block forwards at 1..4 seeds, cache at ~256 context, each right after a target
     forward as in the loop, and the host work around them in a whole ``propose`` (tree
     building, seed choice, copies to the host).
@@ -84,18 +102,33 @@ def time_specblock(target: TargetModel, path: Path, reps: int, rng) -> dict:
     d = SpecBlockDrafter.load(path, target)
     if target.packed:  # as drafters.build serves it beside a packed target
         pack_drafter(d)
+    if compiled:  # block 1 on static buffers, compiled (the CLI's hook: compiled/ sits above runtime/)
+        from specblock.runtime.cli import maybe_compile_drafter
+
+        d = maybe_compile_drafter(d, target)
+    static = hasattr(d, "_new")  # the compiled drafter keeps its new positions raw, fused in its step
     target.want_features = True
     prompt = rng.integers(0, target.vocab_size, 256)
     d.prefill(prompt, target.prefill(prompt[:-1]))
-    pending, pending_pos = d.pending[-1:].clone(), d.pending_pos[-1:].clone()
-    d.pending, d.pending_pos = d.pending[:-1], d.pending_pos[:-1]
+    if static:
+        taps, toks = d._new
+        last = (taps[-1:].clone(), toks[-1:].clone())
+        d._new = (taps[:-1], toks[:-1])
+        d.pending = d._new[0]
+    else:
+        pending, pending_pos = d.pending[-1:].clone(), d.pending_pos[-1:].clone()
+        d.pending, d.pending_pos = d.pending[:-1], d.pending_pos[:-1]
     d.propose(DraftRequest(tokens=prompt[:-1], budget=4, max_depth=64))  # caches the prompt but its last position
-    cache = d.cache
+    cache, cached = d.cache, getattr(d, "cached", None)
     k, h = d.net.cfg.K, d.net.cfg.hidden_size
     req = DraftRequest(tokens=prompt, budget=64, max_depth=64)
 
     def steady() -> None:  # the state after an iteration that accepted nothing: one pending row
-        d.cache, d.pending, d.pending_pos, d._root_pos = cache, pending, pending_pos, len(prompt) - 1
+        d._root_pos = len(prompt) - 1
+        if static:  # the one new position goes to the same slot each time
+            d.cached, d._new, d.pending = cached, last, last[0]
+        else:
+            d.cache, d.pending, d.pending_pos = cache, pending, pending_pos
 
     past = target.past_len
 
@@ -104,13 +137,14 @@ def time_specblock(target: TargetModel, path: Path, reps: int, rng) -> dict:
         back to back, the drafter ran with its weights hot in the CPU caches and calibrated
         about 1 ms per forward below what the loop then measured."""
         target.tree_forward(_random_tree(rng, 8, target.vocab_size))
-        for layer in target.cache.layers:
-            layer.keys, layer.values = layer.keys[..., :past, :], layer.values[..., :past, :]
-        target.past_len = past
+        rewind(target, past)
 
     def median_ms(fn) -> float:
         times = []
         with torch.no_grad():
+            target_turn()
+            steady()
+            fn()  # untimed: a compiled block's first call of a shape compiles
             for _ in range(reps):
                 target_turn()
                 steady()
@@ -154,8 +188,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path, default=Path("specblock/sim/data/latency_cpu.json"))
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     ap.add_argument("--reps", type=int, default=15, help="timed repetitions per point (at least 1)")
-    ap.add_argument("--ctx", type=_ctx_list, default=CTX_GRID, help="context lengths, e.g. 64,256,1024")
+    ap.add_argument("--ctx", type=_ctx_list, help="context lengths, e.g. 64,256,1024 (default: "
+                    f"{','.join(map(str, CTX_GRID))}; with --compile {','.join(map(str, CTX_GRID_COMPILED))})")
     ap.add_argument("--drafter-dir", type=Path, help="drafters to time (default: those shipped for the target)")
+    ap.add_argument("--compile", action="store_true",
+                    help="time the compiled target and SpecBlock's compiled block (the CLI's --compile)")
     args = ap.parse_args(argv)
     if args.reps < 1:
         raise SpecBlockError("--reps: give at least 1 timed repetition")
@@ -163,14 +200,17 @@ def main(argv: list[str]) -> int:
     cfg = validate({"target": args.target, "dtype": args.dtype})
     args.dtype = resolve_dtype(args.dtype, "auto")  # the latency JSON records what ran, never "auto"
     target = TargetModel.load(cfg.target_dir, args.dtype, "auto")
+    if args.compile:
+        from specblock.runtime.cli import maybe_compile
+
+        target = maybe_compile(target, True)
     drafter_dir = args.drafter_dir or drafters_dir(cfg.target_dir)
     rng = np.random.default_rng(0)
-    ctxs = [c for c in args.ctx if c + 64 < target.max_context]
+    ctxs = [c for c in args.ctx or (CTX_GRID_COMPILED if args.compile else CTX_GRID) if c + 64 < target.max_context]
     if not ctxs:
         raise SpecBlockError(f"--ctx: every length leaves under 64 positions of the model's context "
                              f"({target.max_context}); give lengths below {target.max_context - 64}")
     ms, glue = [], []
-    time_target(target, ctxs[0], 8, 3, rng)  # warm-up
     with tqdm(total=len(ctxs) * len(N_GRID), desc="target") as bar:
         for ctx in ctxs:
             row = []
@@ -182,9 +222,9 @@ def main(argv: list[str]) -> int:
             ms.append(row)
     drafters = {}
     if (drafter_dir / "specblock" / "config.json").is_file():
-        drafters["specblock"] = time_specblock(target, drafter_dir / "specblock", args.reps, rng)
+        drafters["specblock"] = time_specblock(target, drafter_dir / "specblock", args.reps, rng, args.compile)
     device = f"{target.device.type}: {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
-    result = {"version": 1, "device": device, "dtype": args.dtype,
+    result = {"version": 1, "device": device, "dtype": args.dtype, "compiled": args.compile,
               "target": {"ctx": ctxs, "n": N_GRID, "ms": ms}, "drafters": drafters,
               "overhead_ms": round(statistics.median(glue), 4)}
     write_atomic(args.out, json.dumps(result, indent=1))

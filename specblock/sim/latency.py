@@ -118,12 +118,14 @@ class LatencyMeasurements(BaseModel):
       ``sps``); one forward each, excluding target work.
     * ``overhead_ms``: per-iteration glue outside the two forwards (tree building, acceptance,
       KV pruning, sampling), measured as iteration time minus draft and verify time.
+    * ``compiled``: timed on the compiled target and drafter (``calibrate --compile``).
     """
 
     model_config = ConfigDict(extra="forbid")
     version: int = 1
     device: str
     dtype: str
+    compiled: bool = False
     target: TargetGrid
     drafters: dict[str, DrafterTiming] = Field(default_factory=dict)
     overhead_ms: float = Field(ge=0)
