@@ -89,6 +89,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specblock.buckets import BUCKETS
 from specblock.sim.config import SimConfig
 from specblock.sim.latency import CalibratedLatency, DrafterTiming, load_measurements
 from specblock.sim.sweep import run_config
@@ -299,7 +300,7 @@ def trace_latencies(jobs: list[dict], trace_dir: Path, meas_lat, prompts: int, t
         same = [k for k in train if k["method"] == j["method"]] or train
         fit = fit_trace_latency([r for k in train for r in k["recs"]],
                                 [r for d in domains if not lodo or d != j["domain"] for r in ar_recs[j["baseline"], d]],
-                                [r for k in same for r in k["recs"]])
+                                [r for k in same for r in k["recs"]], BUCKETS if j["compiled"] else None)
         name = j["method_cfg"]["name"]
         oh = None
         if name == "specblock":
@@ -318,7 +319,8 @@ def trace_latencies(jobs: list[dict], trace_dir: Path, meas_lat, prompts: int, t
         j["lat_fit"] = {"tree_ms_a_b_c": [round(x, 5) for x in fit.tree], "ar_ms_a_c": [round(x, 6) for x in fit.ar],
                         "glue_ms": round(fit.glue_ms, 4), "draft_overhead_ms": None if oh is None else round(oh, 4),
                         "draft_ms_per_forward": None if fwd_ms is None else round(fwd_ms, 4),
-                        "fit_domains": sorted({k["domain"] for k in train}), "n_tree": fit.n_tree, "n_ar": fit.n_ar}
+                        "fit_domains": sorted({k["domain"] for k in train}), "n_tree": fit.n_tree, "n_ar": fit.n_ar,
+                        "buckets": None if fit.buckets is None else list(fit.buckets)}
     return "leave-one-domain-out" if lodo else "in-sample (one domain)"
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from specblock.buckets import BUCKETS
 from specblock.sim.config import SimConfig
 from specblock.sim.engine import simulate
 from test_sim_lookup import write_lookup_trace
@@ -224,6 +225,29 @@ def test_trace_latency_fit_recovers_a_known_linear_latency():
     assert fit_trace_latency(trees, drift).ar[1] == 0.0
 
 
+def test_trace_latency_fit_of_a_compiled_run_prices_each_tree_by_its_bucket():
+    """A compiled target pads a tree to its bucket, so its cost is a step in the tree size: the
+    fit is made over buckets and the latency grid prices 5 and 6 nodes alike and 7 as 8. Fitted
+    over sizes instead, the same traces overprice a 7-node tree (the trees served are 3-5 nodes)."""
+    import numpy as np
+
+    from specblock.buckets import BUCKETS, bucket_of
+    from specblock.sim.latency import CalibratedLatency, LatencyMeasurements
+    from specblock.sim.tracelat import fit_trace_latency, latency_json
+
+    step = lambda n: 8.0 + 0.7 * bucket_of(n)  # noqa: E731
+    sizes = [2, 3, 4, 4, 5, 5, 9] * 30  # served trees of 3-5 nodes, a few long lookup chains
+    trees = [_rec(200 + i % 50, n, step(n), commit_ms=0.1) for i, n in enumerate(sizes)]
+    ars = [_rec(200 + i, 1, 8.5, commit_ms=0.1) for i in range(20)]
+    fit = fit_trace_latency(trees, ars, buckets=BUCKETS)
+    assert fit.tree[:2] == pytest.approx((8.0, 0.7), abs=1e-6)
+    lat = CalibratedLatency(latency_json(LatencyMeasurements.model_validate(LATENCY), fit))
+    for n in (5, 6, 7, 8, 11):
+        assert lat.target_ms(n, 220) == pytest.approx(step(n), abs=0.05)
+    linear = fit_trace_latency(trees, ars)
+    assert abs(linear.tree_ms(7, 220) - step(7)) > 0.5
+
+
 def test_latency_from_traces_is_leave_one_domain_out(tmp_path):
     bench, traces, lat = _make_inputs(tmp_path)
     b = json.loads(bench.read_text())
@@ -355,4 +379,27 @@ def test_compiled_methods_are_judged_against_compiled_plain_decoding(tmp_path):
     assert (row["method"], row["baseline"]) == ("specblock@c", "ar@c")
     assert row["spd_meas"] == pytest.approx(sb["speedup_decode"], rel=1e-3) and row["goal_met"]
     assert row["ar_ms_sim"] == pytest.approx(row["ar_ms_meas"], rel=0.05)  # ar@c's, not eager ar's 2x
+    assert row["latency_fit"]["buckets"] == list(BUCKETS)  # compiled trees priced by their padded size
     assert "judged against compiled plain decoding (ar@c" in out.with_suffix(".md").read_text()
+
+
+def test_budget_sweep_moves_only_the_budget_from_the_fitted_sim(tmp_path):
+    """experiments/budget_sweep_sim.py: the same fit as sim_fidelity, each method re-simulated at
+    other node budgets; its served budget reproduces sim_fidelity's row, and smaller budgets grow
+    smaller trees."""
+    bspec = importlib.util.spec_from_file_location("budget_sweep_sim", ROOT / "experiments" / "budget_sweep_sim.py")
+    bs = importlib.util.module_from_spec(bspec)
+    bspec.loader.exec_module(bs)
+    bench, traces, lat = _make_inputs(tmp_path)
+    out = tmp_path / "sweep"
+    assert bs.main(["--bench", str(bench), "--traces", str(traces), "--latency", str(lat), "--budgets", "2,24",
+                    "--requests", "20", "--n-seeds", "1", "--tree-pool", "256", "--out", str(out)]) == 0
+    rows = {r["budget"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert set(rows) == {2, 24} and rows[24]["served"] and not rows[2]["served"]  # METHOD's engine budget is 24
+    assert rows[2]["tree_sim"] <= 3 < rows[24]["tree_sim"] and rows[2]["tau_sim"] < rows[24]["tau_sim"]
+    fid = tmp_path / "fid"
+    assert sf.main(["--bench", str(bench), "--traces", str(traces), "--latency", str(lat), "--requests", "20",
+                    "--n-seeds", "1", "--tree-pool", "256", "--out", str(fid), "--latency-from", "traces"]) == 0
+    served = next(r for r in json.loads(fid.with_suffix(".json").read_text())["rows"] if r["method"] == "specblock")
+    assert rows[24]["tau_sim"] == pytest.approx(served["tau_sim"], rel=1e-6)
+    assert "| specblock |" in out.with_suffix(".md").read_text()

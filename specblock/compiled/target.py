@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from specblock.buckets import BUCKETS, bucket_of
 from specblock.compiled import precompile
 from specblock.compiled.fuse import FusePackedLinears
 from specblock.compiled.gqa import use_gqa_attention
@@ -49,12 +50,6 @@ from specblock.models.registry import specblock_home
 from specblock.policies.tree import DraftTree
 from specblock.runtime.target import TargetModel, TargetOutput
 
-#: Tree sizes compiled for (each on first use). Fine at the small end because padded rows are not
-#: free here: on this 2-core CPU the real model's compiled T(3) / T(4) / T(6) were 1.02-1.11x T(1)
-#: but T(8) 1.39x (``experiments/results/compiled_rows.md``), so the 3-5-node trees the shipped
-#: drafters serve paid 12-16 ms a step padded to 8. Above 8 a bucket is at most 1.5x its smallest
-#: tree. More buckets cost compile time only for the sizes a run meets.
-BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 MIN_SPAN = 256
 #: Inductor on CPU: ``cpp_wrapper`` calls the kernels from C++ instead of a Python wrapper (it won
 #: clearly in interleaved trials on the lab model; ``max_autotune``'s C++ GEMM templates were faster
@@ -70,15 +65,6 @@ FROZEN_CPU_OPTIONS = {"freezing": True, "cpp_wrapper": True}
 #: Regions: the weights are graph inputs (shared by every layer) in either case.
 REGION_CPU_OPTIONS = {"cpp_wrapper": True}
 COMPILE_MODES = ("regions", "whole")
-
-
-def bucket_of(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
-    """Smallest bucket holding ``n`` nodes; past the largest, the next multiple of it."""
-    for b in buckets:
-        if n <= b:
-            return b
-    top = buckets[-1]
-    return -(-n // top) * top
 
 
 def span_of(need: int, capacity: int) -> int:
