@@ -9,7 +9,8 @@ The models, chosen to be simple and robust (few iterations per trace file, noisy
 
 * tree forward (``verify_s`` of every non-AR iteration with ``tree_size >= 2``):
   ``ms = a + b*n + c*ctx`` by least squares, refit once without iterations whose residual is
-  above 4 robust sigmas (1.4826 * MAD): a stall or a page fault must not tilt the line;
+  above 4 robust sigmas (1.4826 * MAD): a stall or a page fault must not tilt the line; for a
+  compiled run ``n`` is the tree's padded bucket (``specblock/buckets.py``), a step in its size;
 * AR per token (``draft_s + verify_s + commit_s`` of the ``ar`` traces, one token each):
   ``ms = a + c*ctx``, same robust least squares. A negative context slope (either fit) cannot be a
   cost: it is drift between runs of different domains (their contexts differ), so the fit is then
