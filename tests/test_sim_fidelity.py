@@ -229,9 +229,7 @@ def test_trace_latency_fit_of_a_compiled_run_prices_each_tree_by_its_bucket():
     """A compiled target pads a tree to its bucket, so its cost is a step in the tree size: the
     fit is made over buckets and the latency grid prices 5 and 6 nodes alike and 7 as 8. Fitted
     over sizes instead, the same traces overprice a 7-node tree (the trees served are 3-5 nodes)."""
-    import numpy as np
-
-    from specblock.buckets import BUCKETS, bucket_of
+    from specblock.buckets import bucket_of
     from specblock.sim.latency import CalibratedLatency, LatencyMeasurements
     from specblock.sim.tracelat import fit_trace_latency, latency_json
 
