@@ -48,6 +48,14 @@ def serve_start(extra: list[str]) -> float:
         proc.wait()
 
 
+def forget_vec_isa() -> None:
+    """Remove the record that spares later processes inductor's vector-ISA check (``remember_vec_isa``)."""
+    from specblock.models import specblock_home
+
+    root = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or specblock_home() / "inductor")
+    (root / "vec_isa.json").unlink(missing_ok=True)
+
+
 def saved_entries() -> int:
     from specblock.models import specblock_home
 
@@ -61,19 +69,30 @@ def main() -> None:
     ap.add_argument("--which", default="cli,serve")
     ap.add_argument("--extra", default="", help="more flags for both commands, e.g. '--method specblock'")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/start_time"))
+    ap.add_argument("--vec-isa-ab", action="store_true",
+                    help="each later start also timed with the vector-ISA record removed first (inductor's check "
+                         "runs again, as before the record), interleaved: what the record saves")
     args = ap.parse_args()
     extra = args.extra.split()
     starts = {"cli": cli_start, "serve": serve_start}
     res: dict = {"entries_before": saved_entries(), "extra": args.extra}
     for name in args.which.split(","):
         first = starts[name](extra)
-        later = [starts[name](extra) for _ in range(args.runs)]
+        later, checked = [], []
+        for _ in range(args.runs):
+            if args.vec_isa_ab:
+                forget_vec_isa()
+                checked.append(starts[name](extra))  # checks, and records again for the next start
+            later.append(starts[name](extra))
         res[name] = {"first_s": round(first, 2), "later_s": [round(t, 2) for t in later],
                      "later_median_s": round(statistics.median(later), 2)}
+        if checked:
+            res[name].update(checked_s=[round(t, 2) for t in checked], checked_median_s=round(statistics.median(checked), 2))
         print(name, res[name], flush=True)
     res["entries_after"] = saved_entries()
     cmd = f"python experiments/start_time.py --runs {args.runs} --which {args.which}" + \
-        (f" --extra '{args.extra}'" if args.extra else "") + f" --out {args.out}"
+        (f" --extra '{args.extra}'" if args.extra else "") + (" --vec-isa-ab" if args.vec_isa_ab else "") + \
+        f" --out {args.out}"
     lines = [f"Later starts with `--compile`, whole fresh processes (`{cmd}`); saved function entries in the graph "
              f"cache: {res['entries_before']} before, {res['entries_after']} after.", "",
              "| command | first start s | later starts s | median |", "|---|---|---|---|"]
@@ -81,6 +100,9 @@ def main() -> None:
     for name in args.which.split(","):
         r = res[name]
         lines.append(f"| {what[name]} | {r['first_s']} | {', '.join(map(str, r['later_s']))} | {r['later_median_s']} |")
+        if "checked_s" in r:
+            lines.append(f"| the same, vector-ISA check run again (record removed) | - | "
+                         f"{', '.join(map(str, r['checked_s']))} | {r['checked_median_s']} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -224,3 +224,32 @@ def test_a_failed_save_warns_and_the_run_goes_on(monkeypatch):
     monkeypatch.setattr(PrecompileContext, "save_to_dynamo_cache", staticmethod(full_disk))
     with pytest.warns(UserWarning, match="not saved for later starts.*No space left"):
         precompile.save()
+
+
+def test_the_vector_isa_check_is_recorded_once_per_machine(tmp_path, monkeypatch):
+    """Inductor checks in every process which vector instruction sets it can build and load (test
+    libraries ``dlopen``ed in child Pythons, 0.9 s of a later start). The first process records the
+    sets that passed; a later one skips the check when taking every set the CPU reports gives the
+    recorded list, and checks again when it does not."""
+    import json
+    import platform
+
+    from torch._inductor import config, cpu_vec_isa
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the record is kept on x86 only")
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    try:
+        checked = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+        precompile.remember_vec_isa(tmp_path)  # no record: checks (cached here) and records
+        record = tmp_path / "vec_isa.json"
+        assert json.loads(record.read_text())["valid"] == checked and config.cpp.vec_isa_ok is None
+        precompile.remember_vec_isa(tmp_path)  # a later process: the record stands in for the check
+        assert config.cpp.vec_isa_ok is True and [str(i) for i in cpu_vec_isa.valid_vec_isa_list()] == checked
+        config.cpp.vec_isa_ok = None
+        record.write_text(json.dumps({"torch": torch.__version__, "valid": ["no such set"]}))
+        precompile.remember_vec_isa(tmp_path)  # a record that does not match this CPU: checked again
+        assert config.cpp.vec_isa_ok is None and json.loads(record.read_text())["valid"] == checked
+    finally:
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()

@@ -338,7 +338,8 @@ def use_disk_cache() -> Path:
     ``$SPECBLOCK_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: the default
     ``/tmp/torchinductor_$USER`` does not survive a reboot, and a warm start skips the C++ builds.
     Importing inductor writes that default into the environment itself, so a value equal to it
-    counts as unset (until this was checked, every artefact went to /tmp)."""
+    counts as unset (until this was checked, every artefact went to /tmp). Also spares later
+    processes inductor's vector-ISA check (``precompile.remember_vec_isa``)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -346,6 +347,7 @@ def use_disk_cache() -> Path:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(specblock_home() / "inductor")
     path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     path.mkdir(parents=True, exist_ok=True)
+    precompile.remember_vec_isa(path)
     return path
 
 
