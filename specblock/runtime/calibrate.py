@@ -39,7 +39,7 @@ CTX_GRID = [64, 256, 512]
 #: ``--compile``: the compiled target attends over a power-of-two span (``compiled.target.span_of``),
 #: so its cost steps up where ``ctx + n`` passes 256 or 512. Contexts that leave room for a 64-node
 #: tree inside each span measure the spans, not the steps: at 256 every tree already paid span
-#: 512 (T(1) 11.0 ms against 9.3 at 64 and 8.3 in the decode loop at about 200).
+#: 512 (``--ctx 64,256``: T(1) 11.0 ms at 256 against 9.3 at 64).
 CTX_GRID_COMPILED = [64, 192, 448]
 
 
