@@ -31,18 +31,14 @@ import numpy as np
 import torch
 
 from specblock.compiled.target import BUCKETS, CPU_OPTIONS, FROZEN_CPU_OPTIONS, StaticTarget
-from specblock.policies.tree import DraftTree
 from specblock.runtime.config import validate
 from specblock.runtime.drafters.base import ARDrafter
 from specblock.runtime.engine import Engine
 from specblock.runtime.packed import PackedLinear
 from specblock.runtime.q4 import Int4Linear
+from specblock.runtime.calibrate import _random_tree as random_tree  # calibrate's trees and rewind: the same T(n)
+from specblock.runtime.calibrate import rewind
 from specblock.runtime.target import DTYPE_CHOICES, TargetModel, resolve_dtype
-
-
-def random_tree(rng: np.random.Generator, n: int, vocab: int) -> DraftTree:
-    parent = np.concatenate([[-1], (rng.random(n - 1) * np.arange(1, n)).astype(np.int64)])
-    return DraftTree.from_parents(rng.integers(0, vocab, n), parent)
 
 
 def clock(device: torch.device | str = "cpu") -> float:
@@ -50,14 +46,6 @@ def clock(device: torch.device | str = "cpu") -> float:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter()
-
-
-def rewind(target: TargetModel, ctx: int) -> None:
-    """Back to exactly ``ctx`` cached tokens after a forward (static slots past it are just stale)."""
-    if not isinstance(target, StaticTarget):
-        for layer in target.cache.layers:
-            layer.keys, layer.values = layer.keys[..., :ctx, :], layer.values[..., :ctx, :]
-    target.past_len = ctx
 
 
 def bandwidth_gbs(device: str, mb: int = 512, reps: int = 7) -> float:
