@@ -11,7 +11,9 @@ carry over, and budget 1 was never measured on it.
 Each row is the sim's decode-loop Spd over the bench's plain decoding (for compiled rows, the
 compiled ``ar`` row), mean over the domains, and tau. Budgets above the served one draft positions
 the traces saw less often (or never, deeper than the served trees): the acceptance fit has fewer
-observations there, so those predictions lean more on its prior.
+observations there, so those predictions lean more on its prior. A ``METHOD+lookup`` row's budget
+is the whole tree's, lookup's branch included (served: the drafter's budget plus the branch's 3
+nodes); its chains are replayed from the row's traces (``specblock/sim/lookup.py``).
 
     python experiments/budget_sweep_sim.py --bench experiments/results/bench_smollm2_compiled_traced.json \\
         --traces runs/traces_smollm2_compiled --latency specblock/sim/data/latency_cpu_smollm2_packed_fp16_compiled.json \\

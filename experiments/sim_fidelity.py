@@ -98,7 +98,8 @@ from specblock.sim.traces import TraceRecord, has_cuts, specblock_forwards
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its report module beside it, however it is loaded
 from sim_fidelity_report import SPD_TOL, TAU_TOL, markdown, write_outputs  # noqa: E402
-from sim_fidelity_settings import SIM_METHOD, baseline, compiled, drafter_root, sim_method  # noqa: E402, F401 - callers read them here
+from sim_fidelity_settings import (SIM_METHOD, baseline, compiled, depthwise_forwards, drafter_root, drafter_share,  # noqa: E402, F401 - callers read them here
+                                   expanded_depth, sim_method, sim_name)
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_DRAFTER = {"lookup"}
@@ -200,12 +201,12 @@ def _jobs(rows_in: dict, cfg: dict, trace_dir: Path, meas_lat, prompts: int,
         base = {"method": method, "domain": domain, "baseline": ref, "spd_meas": wall if dec is None else round(dec, 4),
                 "spd_runs": [min(runs), max(runs)] if runs else None,
                 "spd_basis": "wall" if dec is None else "decode", "spd_wall_meas": round(wall, 4), "tau_meas": r["tau"]}
-        sim_name = SIM_METHOD.get(method.split("@")[0])  # "specblock@m1": a bench variant of specblock
+        name = sim_name(method)  # "specblock@m1": a bench variant of specblock; "eagle3+lookup": eagle3's
         why = None
-        if sim_name is None:
+        if name is None:
             why = f"the sim has no method model for {method!r}"
-        elif sim_name not in NO_DRAFTER and sim_name not in meas_lat.drafters and not fit_drafters:
-            why = f"latency JSON has no drafter {sim_name!r} (has {sorted(meas_lat.drafters)})"
+        elif name not in NO_DRAFTER and name not in meas_lat.drafters and not fit_drafters:
+            why = f"latency JSON has no drafter {name!r} (has {sorted(meas_lat.drafters)})"
         path = trace_dir / f"{method}.{domain}.jsonl"
         if why is None and not path.is_file():
             why = f"no traces at {path}"
@@ -220,7 +221,7 @@ def _jobs(rows_in: dict, cfg: dict, trace_dir: Path, meas_lat, prompts: int,
             warnings.append(f"{path} holds {n_gen} generations for {prompts} prompts: stale appends, last {prompts} used")
         method_cfg, notes = sim_method(method, cfg)
         recs = [TraceRecord.model_validate_json(x) for x in lines]
-        if sim_name == "specblock" and not has_cuts(recs) and 0 in method_cfg["widths"]:
+        if name == "specblock" and not has_cuts(recs) and 0 in method_cfg["widths"]:
             warnings.append(f"{path}: no rank-head cuts (traces from before runtime commit 3dfd240): "
                             "simulated trees and tau come out too large; rerun the bench")
         jobs.append({"method": method, "domain": domain, "baseline": ref, "compiled": compiled(cfg, method),
@@ -239,35 +240,11 @@ def draft_overhead_ms(jobs: list[dict], lat: CalibratedLatency) -> float | None:
         if m["name"] != "specblock":
             continue
         for rec in j["recs"]:
-            fw = specblock_forwards(rec, m["K"], m["M"], m["max_seeds"], m["budget"])
+            part, own = drafter_share(rec, m)
+            fw = specblock_forwards(part, m["K"], m["M"], m["max_seeds"], own["budget"])
             f.append(len(fw))
             y.append(1e3 * rec.draft_s - sum(lat.draft_ms("specblock", q, rec.ctx) for q in fw))
     return float(robust_lstsq(np.asarray(f, float)[:, None], np.asarray(y))[0]) if f else None
-
-
-def depthwise_forwards(rec: TraceRecord, method_cfg: dict) -> int:
-    """Drafter forwards of one iteration of a depth-by-depth drafter, by the runtime's rule:
-    Medusa's heads run one forward in all; SpS one per depth of its chain (the trace's depth);
-    EAGLE-3 one per depth it expands, however deep the tree is after its final rerank (the trace's
-    depth, which the rerank cut to 3-5 of 6 here, overstated its ms per forward by a third)."""
-    if method_cfg["name"] == "medusa":
-        return 1
-    if method_cfg["name"] == "eagle3" and method_cfg.get("depth"):
-        return expanded_depth(method_cfg)
-    return max(int(rec.depth), 1)
-
-
-def expanded_depth(method_cfg: dict) -> int:
-    """The depths EAGLE-3 expands per iteration: its configured depth, cut to the node budget
-    where the final rerank could keep nothing deeper (``policies.branching.rerank_limits``, the
-    runtime's and the sim's rule). Why: counting the configured 6 at the served budget of 2, where
-    both expand 2, priced each forward at a third of its cost, and the sim's EAGLE-3 drafted for
-    1.1 ms where the runtime took 3.2-4.4 (a real-model bench, Spd +7% to +19%)."""
-    from specblock.policies.branching import rerank_limits
-    from specblock.sim.config import MethodCfg, build_method
-
-    d = build_method(MethodCfg(**{k: v for k, v in method_cfg.items() if k in MethodCfg.model_fields}))
-    return int(rerank_limits(d.policy, d.seeds, d.budget, d.depth)[0])
 
 
 def depthwise_ms_per_forward(jobs: list[dict]) -> float | None:

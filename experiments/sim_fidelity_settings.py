@@ -11,10 +11,20 @@ from pathlib import Path
 from specblock.models.registry import MODELS, drafters_dir
 from specblock.runtime.config import DEFAULT_DRAFTERS
 from specblock.runtime.drafters import DEFAULT_BUDGET
+from specblock.runtime.drafters.lookup_branch import DEFAULT_NODES, SUFFIX, has_lookup
+from specblock.sim.lookup import chain_of, drafter_part
+from specblock.sim.traces import TraceRecord
 
 #: runtime method -> sim method model name = drafter key in the latency JSON (calibrate writes
 #: "specblock"; lookup has no drafter forward). Methods absent here have no sim model.
 SIM_METHOD = {"specblock": "specblock", "eagle3": "eagle3", "medusa": "medusa", "sps": "sps", "lookup": "lookup"}
+
+
+def sim_name(method: str) -> str | None:
+    """The sim's model of a bench method, None if it has none: ``specblock@m1`` (a label) is
+    SpecBlock's, ``eagle3+lookup`` EAGLE-3's with the lookup branch (``method.lookup_nodes``)."""
+    base = method.split("@")[0]
+    return SIM_METHOD.get(base.removesuffix(SUFFIX) if has_lookup(method) else base)
 
 
 def bench_sets(cfg: dict, method: str) -> dict:
@@ -62,8 +72,20 @@ def drafter_root(cfg: dict) -> Path:
 
 
 def sim_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
-    """The sim's ``method`` section with the settings the runtime engine used, and notes."""
-    name, sets, notes = SIM_METHOD[method.split("@")[0]], bench_sets(cfg, method), []
+    """The sim's ``method`` section with the settings the runtime engine used, and notes. With
+    lookup's branch, the budget is the whole tree's as the bench's engine set it
+    (``lookup_branch.with_branch``): a budget the bench gave, else the drafter's plus the branch's."""
+    d, notes = _drafter_method(method, cfg)
+    if has_lookup(method):
+        sets = bench_sets(cfg, method)
+        d["lookup_nodes"] = int(sets.get("lookup_nodes") or DEFAULT_NODES)
+        if not (sets.get("budget") or cfg.get("budget")):
+            d["budget"] += d["lookup_nodes"]
+    return d, notes
+
+
+def _drafter_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
+    name, sets, notes = sim_name(method), bench_sets(cfg, method), []
     root = drafter_root(cfg)
     served = serving(sets.get("drafter") or root / name)
     # the engine's order: --set METHOD:budget, --budget, the drafter's serving.json, the default
@@ -125,3 +147,38 @@ def user_policies(sets: dict) -> dict:
             kw = sets.get(f"{key}_kwargs") or {}
             out.update({cls_key: sets[key], kw_key: json.loads(kw) if isinstance(kw, str) else dict(kw)})
     return out
+
+
+def drafter_share(rec: TraceRecord, method_cfg: dict) -> tuple[TraceRecord, dict]:
+    """The drafter's part of an iteration and its settings for it: with lookup's branch, the
+    record without the chain's nodes and the whole budget less the chain (``sim/lookup.py``)."""
+    if not method_cfg.get("lookup_nodes"):
+        return rec, method_cfg
+    size = min(chain_of(rec)[0], method_cfg["lookup_nodes"])
+    return drafter_part(rec), {**method_cfg, "budget": method_cfg["budget"] - size, "lookup_nodes": 0}
+
+
+def depthwise_forwards(rec: TraceRecord, method_cfg: dict) -> int:
+    """Drafter forwards of one iteration of a depth-by-depth drafter, by the runtime's rule:
+    Medusa's heads run one forward in all; SpS one per depth of its chain (the trace's depth);
+    EAGLE-3 one per depth it expands, however deep the tree is after its final rerank (the trace's
+    depth, which the rerank cut to 3-5 of 6 here, overstated its ms per forward by a third)."""
+    if method_cfg["name"] == "medusa":
+        return 1
+    rec, method_cfg = drafter_share(rec, method_cfg)
+    if method_cfg["name"] == "eagle3" and method_cfg.get("depth"):
+        return expanded_depth(method_cfg)
+    return max(int(rec.depth), 1)
+
+
+def expanded_depth(method_cfg: dict) -> int:
+    """The depths EAGLE-3 expands per iteration: its configured depth, cut to the node budget
+    where the final rerank could keep nothing deeper (``policies.branching.rerank_limits``, the
+    runtime's and the sim's rule). Why: counting the configured 6 at the served budget of 2, where
+    both expand 2, priced each forward at a third of its cost, and the sim's EAGLE-3 drafted for
+    1.1 ms where the runtime took 3.2-4.4 (a real-model bench, Spd +7% to +19%)."""
+    from specblock.policies.branching import rerank_limits
+    from specblock.sim.config import MethodCfg, build_method
+
+    d = build_method(MethodCfg(**{k: v for k, v in method_cfg.items() if k in MethodCfg.model_fields}))
+    return int(rerank_limits(d.policy, d.seeds, d.budget, d.depth)[0])

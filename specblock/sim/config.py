@@ -24,6 +24,8 @@ from specblock.policies.branching import (
 from specblock.policies.seeds import DeepestConfidentSeeds, SeedPolicy, TopScoreSeeds
 
 METHODS = ("ar", "sps", "medusa", "eagle3", "specblock", "lookup")
+#: Methods that take prompt lookup's branch (``method.lookup_nodes``, the runtime's ``METHOD+lookup``)
+BRANCHED = ("sps", "medusa", "eagle3", "specblock")
 
 
 class _Strict(BaseModel):
@@ -62,6 +64,10 @@ class MethodCfg(_Strict):
     # this depth; a fixed n-gram search cost instead of each record's measured draft time
     lookup_depth: int | None = Field(None, ge=0)
     search_ms: float | None = Field(None, ge=0)
+    # METHOD+lookup (sps, medusa, eagle3, specblock): the most nodes prompt lookup's branch takes of
+    # the whole tree's ``budget`` (the runtime's ``lookup_nodes``); its chains are replayed from
+    # traces (``lookup.LookupBranchModel``); 0: no branch
+    lookup_nodes: int = Field(0, ge=0, le=16)
     budget: int | None = Field(None, ge=1, le=512)
     policy_class: str | None = None
     policy_kwargs: dict = Field(default_factory=dict)
@@ -99,6 +105,9 @@ class AcceptanceCfg(_Strict):
     kappa: float | None = Field(None, gt=0)
     decay: float | None = Field(None, gt=0, le=1)
     traces: list[str] = Field(default_factory=list)
+    # METHOD+lookup: traces whose lookup chains are replayed (a ``lookup`` run's, or a
+    # ``METHOD+lookup`` run's); empty: the chains in ``traces``
+    lookup_traces: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _need(self) -> "AcceptanceCfg":
@@ -201,6 +210,13 @@ class SimConfig(_Strict):
             raise ValueError("method lookup replays runtime traces: set acceptance.kind=traces and acceptance.traces")
         if self.method.name == "lookup" and self.adapt.enabled:
             raise ValueError("method lookup has no drafter to adapt: adapt.enabled must be false")
+        if self.method.lookup_nodes:
+            if self.method.name not in BRANCHED:
+                raise ValueError(f"method.lookup_nodes: a lookup branch needs a drafter ({', '.join(BRANCHED)}), "
+                                 f"not {self.method.name}")
+            if self.acceptance.kind != "traces":
+                raise ValueError("method.lookup_nodes replays lookup chains from runtime traces: set "
+                                 "acceptance.kind=traces (and acceptance.lookup_traces for chains from other traces)")
         return self
 
 
@@ -245,6 +261,15 @@ def build_method(m: MethodCfg):
     """Policy objects and method model for a config (the runtime builds the same policies)."""
     from specblock.sim import methods as mm
 
+    if m.lookup_nodes:  # the drafter at whatever budget the chain leaves it (lookup.LookupBranchModel)
+        from specblock.sim.lookup import LookupBranchModel
+
+        def inner(budget: int):
+            return build_method(m.model_copy(update={"lookup_nodes": 0, "budget": budget}))
+
+        # no budget given: the drafter keeps its default and the branch comes on top, as in the runtime
+        whole = m.budget if m.budget is not None else build_method(m.model_copy(update={"lookup_nodes": 0})).budget + m.lookup_nodes
+        return LookupBranchModel(inner=inner, nodes=m.lookup_nodes, budget=whole, search_ms=m.search_ms or 0.0)
     if m.name == "ar":
         return mm.Autoregressive()
     if m.name == "lookup":

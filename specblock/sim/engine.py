@@ -78,10 +78,16 @@ class AcceptanceSource:
 
             recs = read_traces(a.traces)
             mc = self.cfg.method
+            if mc.lookup_nodes:  # the drafter's own nodes for its fit, the chains replayed beside it
+                from specblock.sim.lookup import BranchSource, Chains, drafter_part
+
+                recs = [drafter_part(r) for r in recs]
+                chains = Chains.from_traces(a.lookup_traces or a.traces)
             if m == "specblock" and mc.branching == "rank" and 0 in mc.widths and not has_cuts(recs):
                 self.notes.append("traces have no rank-head cuts (written before the runtime logged them): "
                                   "P(b3) is unseen, so simulated trees and tau come out too large")
-            return fit_acceptance(recs, m)
+            rm = fit_acceptance(recs, m)
+            return BranchSource(rm, chains) if mc.lookup_nodes else rm
         shape = METHOD_SHAPES[m]
         over = {k: v for k, v in (("head_accuracy", a.head_accuracy), ("kappa", a.kappa), ("decay", a.decay))
                 if v is not None}

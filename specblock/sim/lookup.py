@@ -29,8 +29,8 @@ import numpy as np
 
 from specblock.policies.acceptance import accept_longest
 from specblock.policies.tree import DraftTree
-from specblock.sim.methods import Drafted, MethodModel
-from specblock.sim.traces import read_traces
+from specblock.sim.methods import Autoregressive, Drafted, MethodModel
+from specblock.sim.traces import TraceRecord, read_traces
 
 
 @dataclass
@@ -102,3 +102,145 @@ class LookupReplay(MethodModel):
             correct = correct[kept]
         host = float(replay.draft_ms[i]) if self.search_ms is None else self.search_ms
         return Drafted(tree, correct, accept_longest(tree, correct), [], host_ms=host)
+
+
+# --------------------------------------------------------------------------- METHOD+lookup
+# The runtime's lookup branch (``runtime/drafters/lookup_branch.py``) grafts prompt lookup's chain
+# onto a drafter's tree. In the sim the drafter's tree stays synthetic and the chain is replayed:
+# where a chain is right does not depend on the drafter but on the text (lookup reads only the
+# context, and every method emits the same text), so a trace gives it exactly as it was.
+#
+# Traces: a ``METHOD+lookup`` run logs the branch's nodes with rank -1 below the root (a drafter
+# node always has its candidate rank: checked on every real-model trace of this repo), and a
+# ``lookup`` run logs nothing else. The chain of a record is the path to its deepest such node.
+#
+# Combining, per iteration: the chain's first ``correct`` tokens are the target's own, so they
+# follow the drafter's accepted path as far as that goes (``graft`` follows matching children),
+# and its other tokens are new nodes; a wrong lookup token that happens to equal a wrong drafter
+# token is not modelled (it would share a node). Accepted = the longer of the two. Iterations are
+# independent draws, like the replay above; on this repo's real-model traces of
+# ``specblock+lookup`` and ``eagle3+lookup`` the accepted length computed this way from each
+# record's two parts equals the logged one, and pairing the parts independently moved a file's
+# mean tau by at most 2.4% (``experiments/lookup_branch_split.py``).
+
+
+def lookup_nodes(rec: TraceRecord) -> np.ndarray:
+    """The nodes of ``rec`` that prompt lookup drafted (rank -1 below the root)."""
+    m = np.asarray(rec.nodes.rank) == -1
+    m[0] = False
+    return m
+
+
+def chain_of(rec: TraceRecord) -> tuple[int, int]:
+    """(length, correct prefix) of the lookup chain in ``rec``: the path to its deepest lookup node
+    (shared drafter nodes included), and how many of its first tokens were right; (0, 0) when
+    lookup found no match (or its whole chain fell on drafter nodes, invisible in a trace)."""
+    lk = np.flatnonzero(lookup_nodes(rec))
+    if lk.size == 0:
+        return 0, 0
+    depth, parent, correct = (np.asarray(x) for x in (rec.nodes.depth, rec.nodes.parent, rec.nodes.correct))
+    node = int(lk[np.argmax(depth[lk])])
+    path = []
+    while node > 0:
+        path.append(node)
+        node = int(parent[node])
+    ok = correct[path[::-1]].astype(bool)
+    return len(path), int(ok.size if ok.all() else np.argmin(ok))
+
+
+def drafter_part(rec: TraceRecord) -> TraceRecord:
+    """``rec`` without its lookup nodes: what the drafter alone proposed, for fitting its
+    acceptance model (a lookup node read as a drafter's candidate would be a rank-less guess)."""
+    drop = lookup_nodes(rec)
+    if not drop.any():
+        return rec
+    keep = np.flatnonzero(~drop)
+    remap = np.full(drop.size, -1, dtype=np.int64)
+    remap[keep] = np.arange(keep.size)
+    nd = rec.nodes
+    cols = {k: np.asarray(getattr(nd, k))[keep] for k in ("parent", "depth", "rank", "bucket", "block", "correct")}
+    cols["parent"] = np.where(cols["parent"] >= 0, remap[np.maximum(cols["parent"], 0)], -1)
+    tree = DraftTree.from_parents(np.zeros(keep.size, dtype=np.int64), cols["parent"])
+    update = {"nodes": nd.model_copy(update={k: v.tolist() for k, v in cols.items()}), "tree_size": int(keep.size),
+              "depth": int(cols["depth"].max()), "accepted": accept_longest(tree, cols["correct"].astype(bool)).accepted}
+    if rec.cuts is not None:
+        update["cuts"] = rec.cuts.model_copy(update={"parent": remap[np.asarray(rec.cuts.parent, dtype=np.int64)].tolist()})
+    if rec.positions is not None:
+        update["positions"] = rec.positions.model_copy(
+            update={"node": remap[np.asarray(rec.positions.node, dtype=np.int64)].tolist()})
+    return rec.model_copy(update=update)
+
+
+@dataclass
+class Chains:
+    """Lookup chains of one domain's traces: length and correct prefix per record."""
+
+    size: np.ndarray
+    correct: np.ndarray
+
+    @classmethod
+    def from_traces(cls, paths) -> "Chains":
+        pairs = np.array([chain_of(r) for r in read_traces(paths)], dtype=np.int64).reshape(-1, 2)
+        return cls(size=pairs[:, 0], correct=pairs[:, 1])
+
+
+@dataclass
+class BranchSource:
+    """What a ``METHOD+lookup`` iteration draws from: the drafter's rank model and the chains."""
+
+    rm: object  # RankModel
+    chains: Chains
+
+    def lift(self, f: float) -> "BranchSource":
+        """Adaptation moves the drafter; the chains are the text's."""
+        return BranchSource(self.rm.lift(f), self.chains)
+
+
+def graft_chain(d: Drafted, size: int, correct: int, host_ms: float = 0.0) -> Drafted:
+    """``d`` with a lookup chain of ``size`` tokens, the first ``correct`` of them right (see above)."""
+    shared = min(correct, d.acceptance.accepted)
+    new = size - shared
+    if new <= 0:
+        return Drafted(d.tree, d.correct, d.acceptance, d.forwards, d.cuts, d.host_ms + host_ms)
+    tree, _ = d.tree.subtree(np.ones(d.tree.size, dtype=bool))  # a copy: a drafted tree may be pooled
+    below = int(d.acceptance.path[shared])
+    parents = np.concatenate([[below], tree.size + np.arange(new - 1)])
+    tree.extend(parents=parents, tokens=np.full(new, -1), block=0)  # rank -1: a lookup node, as the runtime logs it
+    ok = np.concatenate([d.correct, np.arange(shared, size) < correct])
+    return Drafted(tree, ok, accept_longest(tree, ok), d.forwards, d.cuts, d.host_ms + host_ms)
+
+
+@dataclass
+class LookupBranchModel(MethodModel):
+    """``METHOD+lookup``: the inner drafter's tree with a replayed lookup chain grafted on.
+
+    ``budget`` is the whole tree's, as the runtime shares it: the chain (at most ``nodes``) takes
+    what it needs and the drafter is built for the rest (``inner(budget)``, one model per budget).
+    A chain longer than ``nodes`` in the traces is cut to ``nodes``; a shorter ``nodes`` than the
+    traced runs can be asked, a longer one cannot (the traces never saw those tokens)."""
+
+    inner: object  # Callable[[int], MethodModel]: the drafter's model at a node budget
+    nodes: int
+    budget: int
+    search_ms: float = 0.0
+    name: str = "lookup-branch"
+    drafter: str | None = None
+
+    def __post_init__(self) -> None:
+        self._inner: dict[int, MethodModel] = {}
+        self.drafter = self._at(self.budget).drafter
+        self.name = f"{self._at(self.budget).name}+lookup"
+
+    def _at(self, budget: int) -> MethodModel:
+        if budget not in self._inner:
+            self._inner[budget] = self.inner(budget) if budget > 0 else Autoregressive()
+        return self._inner[budget]
+
+    def draft(self, rng: np.random.Generator, src: BranchSource) -> Drafted:
+        if not isinstance(src, BranchSource):
+            raise TypeError("METHOD+lookup needs acceptance.kind=traces (its lookup chains are replayed)")
+        i = int(rng.integers(src.chains.size.size))
+        size = int(min(src.chains.size[i], self.nodes, self.budget))
+        correct = int(min(src.chains.correct[i], size))
+        d = self._at(self.budget - size).draft(rng, src.rm)
+        return graft_chain(d, size, correct, self.search_ms)  # the search runs whether it matches or not
