@@ -14,6 +14,15 @@ the traces saw less often (or never, deeper than the served trees): the acceptan
 observations there, so those predictions lean more on its prior. A ``METHOD+lookup`` row's budget
 is the whole tree's, lookup's branch included (served: the drafter's budget plus the branch's 3
 nodes); its chains are replayed from the row's traces (``specblock/sim/lookup.py``).
+``--lookup-nodes`` also moves the branch's share: the row's own traces hold chains only as long as
+the served branch, so longer ones need ``--chains-from lookup``, the chains of the bench's plain
+``lookup`` row (the same n-gram rule and, the outputs being identical, the same text; up to its
+depth, 8, and at the positions that method visited rather than the branch's).
+
+    python experiments/budget_sweep_sim.py --bench experiments/results/bench_smollm2_packed_fastlookup.json \
+        --traces runs/traces_smollm2_packed --latency specblock/sim/data/latency_cpu_smollm2_packed_fp16.json \
+        --methods specblock+lookup --budgets 4,6,8,10 --lookup-nodes 2,3,4,6 --chains-from lookup \
+        --out experiments/results/budget_sweep_sim_lookup_nodes
 
     python experiments/budget_sweep_sim.py --bench experiments/results/bench_smollm2_compiled_traced.json \\
         --traces runs/traces_smollm2_compiled --latency specblock/sim/data/latency_cpu_smollm2_packed_fp16_compiled.json \\
@@ -23,6 +32,7 @@ nodes); its chains are replayed from the row's traces (``specblock/sim/lookup.py
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -37,7 +47,8 @@ from specblock.sim.latency import load_measurements  # noqa: E402
 
 
 def sweep(bench_path: Path, trace_dir: Path, latency_path: Path, budgets: list[int], requests: int,
-          n_seeds: int, tree_pool: int) -> dict:
+          n_seeds: int, tree_pool: int, methods: list[str] | None = None, lookup_nodes: list[int] | None = None,
+          chains_from: str | None = None) -> dict:
     bench = json.loads(bench_path.read_text())
     cfg = bench["config"]
     rows_in = {(r["method"], r["domain"]): r for r in bench["rows"]}
@@ -51,32 +62,55 @@ def sweep(bench_path: Path, trace_dir: Path, latency_path: Path, budgets: list[i
         # what pins the cost per node (fitted on the served 3-5-node trees alone, larger trees came free)
         sf.trace_latencies(jobs, trace_dir, meas_lat, prompts, Path(td), warnings)
         jobs = [j for j in jobs if j["method_cfg"]["name"] != "lookup"]  # a replay: no budget to move
+        if methods:
+            jobs = [j for j in jobs if j["method"] in methods]
+            if not jobs:
+                raise ValueError(f"--methods {','.join(methods)}: no such row with traces in the bench")
         for method in dict.fromkeys(j["method"] for j in jobs):
             mine = [j for j in jobs if j["method"] == method]
-            served = mine[0]["method_cfg"]["budget"]
-            for b in budgets:
-                moved = [dict(j, method_cfg=dict(j["method_cfg"], budget=b)) for j in mine]
+            served, served_nodes = mine[0]["method_cfg"]["budget"], mine[0]["method_cfg"].get("lookup_nodes")
+            if served_nodes and chains_from:
+                mine = [dict(j, lookup_traces=[_chains(trace_dir, chains_from, j["domain"], prompts, Path(td))]) for j in mine]
+            for nodes, b in itertools.product(lookup_nodes if served_nodes and lookup_nodes else [served_nodes], budgets):
+                moved = [dict(j, method_cfg=dict(j["method_cfg"], budget=b, **({"lookup_nodes": nodes} if nodes else {})))
+                         for j in mine]
                 rows = sf._simulate(moved, rows_in, latency_path, meas_lat, Path(td), skipped, sim)
-                out.append({"method": method, "budget": b, "served": b == served,
+                out.append({"method": method, "lookup_nodes": nodes, "budget": b, "served": b == served and nodes == served_nodes,
                             "spd_sim": round(float(np.mean([r["spd_sim"] for r in rows])), 4),
                             "tau_sim": round(float(np.mean([r["tau_sim"] for r in rows])), 4),
                             "tree_sim": round(float(np.mean([r["tree_sim"] for r in rows])), 2),
                             "spd_meas_served": round(float(np.mean([r["spd_meas"] for r in rows])), 4),
                             "baseline": mine[0]["baseline"], "domains": [r["domain"] for r in rows]})
-                print(f"{method} budget {b}: Spd {out[-1]['spd_sim']:.3f}x tau {out[-1]['tau_sim']:.2f}", flush=True)
+                print(f"{_label(out[-1])} budget {b}: Spd {out[-1]['spd_sim']:.3f}x tau {out[-1]['tau_sim']:.2f}", flush=True)
     return {"inputs": {"bench": str(bench_path), "traces": str(trace_dir), "latency": str(latency_path),
-                       "budgets": budgets, "requests": requests, "n_seeds": n_seeds, "tree_pool": tree_pool},
+                       "budgets": budgets, "requests": requests, "n_seeds": n_seeds, "tree_pool": tree_pool,
+                       "methods": methods, "lookup_nodes": lookup_nodes, "chains_from": chains_from},
             "rows": out, "warnings": warnings, "skipped": [s["method"] + "/" + s["domain"] for s in skipped]}
+
+
+def _chains(trace_dir: Path, method: str, domain: str, prompts: int, tmp: Path) -> Path:
+    """The last ``prompts`` generations of ``method``'s traces in ``domain`` (a bench appends)."""
+    src = trace_dir / f"{method}.{domain}.jsonl"
+    if not src.is_file():
+        raise FileNotFoundError(f"--chains-from {method}: no traces at {src}")
+    dst = tmp / f"chains.{method}.{domain}.jsonl"
+    dst.write_text("\n".join(sf.read_generations(src, prompts)[0]) + "\n")
+    return dst
+
+
+def _label(r: dict) -> str:
+    return r["method"] if not r.get("lookup_nodes") else f"{r['method']} ({r['lookup_nodes']} lookup nodes)"
 
 
 def markdown(res: dict, cmd: str) -> str:
     budgets = res["inputs"]["budgets"]
-    methods = list(dict.fromkeys(r["method"] for r in res["rows"]))
-    get = {(r["method"], r["budget"]): r for r in res["rows"]}
+    methods = list(dict.fromkeys(_label(r) for r in res["rows"]))
+    get = {(_label(r), r["budget"]): r for r in res["rows"]}
     base = sorted({r["baseline"] for r in res["rows"]})
     lines = [f"Node budgets in the simulator, fitted on `{res['inputs']['bench']}`'s traces (`{cmd}`). Cells: simulated "
              f"decode-loop Spd over {', '.join(base)} / tau, mean of the domains; * the served budget, whose measured "
-             "Spd is in the last column.", "",
+             "Spd is in the last column." + (f" Lookup's chains from the `{res['inputs']['chains_from']}` row's traces."
+                                              if res["inputs"].get("chains_from") else ""), "",
              "| method | " + " | ".join(f"budget {b}" for b in budgets) + " | measured at the served budget |",
              "|---" * (len(budgets) + 2) + "|"]
     for m in methods:
@@ -98,16 +132,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--n-seeds", type=int, default=3)
     ap.add_argument("--tree-pool", type=int, default=1024)
+    ap.add_argument("--methods", default=None, help="only these bench methods (comma-separated)")
+    ap.add_argument("--lookup-nodes", default=None, help="METHOD+lookup rows: also move the branch's share (comma-separated)")
+    ap.add_argument("--chains-from", default=None, help="METHOD+lookup rows: lookup's chains from this bench method's "
+                    "traces (e.g. lookup, whose chains run deeper than the branch's) instead of the row's own")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     budgets = [int(x) for x in a.budgets.split(",")]
+    nodes = [int(x) for x in a.lookup_nodes.split(",")] if a.lookup_nodes else None
     try:
-        res = sweep(a.bench, a.traces, a.latency, budgets, a.requests, a.n_seeds, a.tree_pool)
+        res = sweep(a.bench, a.traces, a.latency, budgets, a.requests, a.n_seeds, a.tree_pool,
+                    a.methods.split(",") if a.methods else None, nodes, a.chains_from)
     except (FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
-    cmd = ("python experiments/budget_sweep_sim.py --bench " f"{a.bench} --traces {a.traces} --latency {a.latency} "
-           f"--budgets {a.budgets} --out {a.out}")
+    cmd = (f"python experiments/budget_sweep_sim.py --bench {a.bench} --traces {a.traces} --latency {a.latency}"
+           f"{f' --methods {a.methods}' if a.methods else ''} --budgets {a.budgets}"
+           f"{f' --lookup-nodes {a.lookup_nodes}' if a.lookup_nodes else ''}"
+           f"{f' --chains-from {a.chains_from}' if a.chains_from else ''} --out {a.out}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
     a.out.with_suffix(".md").write_text(markdown(res, cmd))

@@ -320,7 +320,8 @@ def _simulate(jobs: list[dict], rows_in: dict, latency_path: Path, meas_lat, tmp
         tokens = max(int(round(r["new_tokens"] / prompts)), 1)
         sc = SimConfig.model_validate({
             "preset": "cpu-calibrated", "latency_file": str(j.get("lat_file", latency_path)), "method": j["method_cfg"],
-            "acceptance": {"kind": "traces", "traces": [str(fitted)], "benchmark": domain},
+            "acceptance": {"kind": "traces", "traces": [str(fitted)], "benchmark": domain,
+                           "lookup_traces": [str(x) for x in j.get("lookup_traces", [])]},
             "workload": {"requests": sim["requests"], "tokens": tokens, "prompt_len": max(int(round(ts["ctx"] - tokens / 2)), 0)},
             "seed": sim["seed"], "n_seeds": sim["n_seeds"], "tree_pool": sim["tree_pool"]})
         try:

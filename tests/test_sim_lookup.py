@@ -17,7 +17,8 @@ TABLE = {"t1_ms": 10.0, "verify_ms": 10.0, "n_ref": 1, "slope_ms_per_token": 0.5
 
 def write_lookup_trace(path, n: int = 300, seed: int = 0, depth: int = 8) -> tuple[float, float]:
     """Lookup-like records: no match (root only) 40% of the time, else a chain of 1..depth tokens
-    of which a geometric prefix is correct. Returns the records' tau and mean draft ms."""
+    of which a geometric prefix is correct; rank -1 at every node, as the runtime logs lookup's.
+    Returns the records' tau and mean draft ms."""
     rng = np.random.default_rng(seed)
     lines, acc, draft = [], [], []
     for i in range(n):
@@ -28,7 +29,7 @@ def write_lookup_trace(path, n: int = 300, seed: int = 0, depth: int = 8) -> tup
         lines.append(json.dumps({
             "iter": i, "ctx": 100 + i, "tree_size": length + 1, "depth": length, "accepted": a, "draft_s": d_s,
             "verify_s": 0.01, "commit_s": 0.0005, "domain": "code",
-            "nodes": {"parent": list(range(-1, length)), "depth": list(range(length + 1)), "rank": [-1] + [0] * length,
+            "nodes": {"parent": list(range(-1, length)), "depth": list(range(length + 1)), "rank": [-1] * (length + 1),
                       "bucket": [-1] * (length + 1), "block": [-1] + [0] * length, "correct": correct}}))
         acc.append(a)
         draft.append(1e3 * d_s)

@@ -168,3 +168,61 @@ def test_the_split_check_recovers_every_logged_acceptance(tmp_path, capsys):
     # the drafter is never right here, so pairing the parts at random changes nothing
     assert row["tau_paired"] == pytest.approx(row["tau_logged"]) and row["tau_paired_same_size"] == pytest.approx(row["tau_logged"])
     assert mod.main([str(tmp_path / "none")]) == 2 and "no *+lookup*" in capsys.readouterr().err
+
+
+def test_fidelity_and_the_budget_sweep_simulate_a_branch_row(tmp_path):
+    """A ``specblock+lookup`` bench row written by the sim itself (its drafter fitted from the
+    bench's SpecBlock traces, lookup's chains from the bench's lookup traces): sim_fidelity fits it
+    back within the goal, and the budget sweep moves the branch's share with chains from ``lookup``."""
+    from test_sim_fidelity import LATENCY, METHOD, PROMPTS, TOKENS, _make_inputs, sf
+
+    bench, traces, lat = _make_inputs(tmp_path)
+    lat_file = tmp_path / "lat_true.json"
+    lat_file.write_text(json.dumps(LATENCY))
+    cfg = SimConfig.model_validate({
+        "preset": "cpu-calibrated", "latency_file": str(lat_file), "method": dict(METHOD, lookup_nodes=3),
+        "acceptance": {"kind": "traces", "traces": [str(traces / "specblock.code.jsonl")],
+                       "lookup_traces": [str(traces / "lookup.code.jsonl")]},
+        "workload": {"requests": PROMPTS, "tokens": TOKENS, "prompt_len": 100}, "tree_pool": 0, "seed": 12})
+    res = simulate(cfg, trace_out=str(traces / "specblock+lookup.code.jsonl"))
+    b = json.loads(bench.read_text())
+    b["config"]["set"].append("specblock+lookup:widths=2,4,6,4")  # as for the specblock row: --set is per method
+    b["rows"].append({"method": "specblock+lookup", "domain": "code", "speedup": round(res["speedup"], 4),
+                      "speedup_decode": round(res["speedup"], 4), "tau": round(res["tau"], 4), "draft_share": 0.1,
+                      "mean_tree_size": round(res["tree_size"], 2), "new_tokens": PROMPTS * TOKENS})
+    bench.write_text(json.dumps(b))
+    out = tmp_path / "fid"
+    assert sf.main(["--bench", str(bench), "--traces", str(traces), "--latency", str(lat), "--requests", "20",
+                    "--n-seeds", "1", "--tree-pool", "256", "--out", str(out)]) == 0
+    row = next(r for r in json.loads(out.with_suffix(".json").read_text())["rows"] if r["method"] == "specblock+lookup")
+    assert row["sim_method"]["lookup_nodes"] == 3 and row["sim_method"]["budget"] == 24  # the bench gave 24: the whole tree's
+    assert abs(row["tau_err"]) <= 0.05 and abs(row["spd_err"]) <= 0.10
+
+    spec = importlib.util.spec_from_file_location("budget_sweep_sim", ROOT / "experiments" / "budget_sweep_sim.py")
+    bs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bs)
+    sweep = tmp_path / "sweep"
+    assert bs.main(["--bench", str(bench), "--traces", str(traces), "--latency", str(lat), "--methods", "specblock+lookup",
+                    "--budgets", "8,24", "--lookup-nodes", "1,3,8", "--chains-from", "lookup", "--requests", "20",
+                    "--n-seeds", "1", "--tree-pool", "256", "--out", str(sweep)]) == 0
+    rows = {(r["lookup_nodes"], r["budget"]): r for r in json.loads(sweep.with_suffix(".json").read_text())["rows"]}
+    assert set(rows) == {(n, b) for n in (1, 3, 8) for b in (8, 24)}
+    assert [k for k, r in rows.items() if r["served"]] == [(3, 24)]
+    assert rows[1, 24]["tau_sim"] < rows[8, 24]["tau_sim"]  # lookup's traces hold chains up to 8 long
+    assert "specblock+lookup (8 lookup nodes)" in sweep.with_suffix(".md").read_text()
+    assert bs.main(["--bench", str(bench), "--traces", str(traces), "--latency", str(lat), "--methods", "medusa",
+                    "--out", str(sweep)]) == 2
+
+
+def test_the_cli_runs_a_branch_from_a_config_file(tmp_path, capsys):
+    from specblock.sim.__main__ import main
+
+    p = tmp_path / "sps+lookup.code.jsonl"
+    share = _write_branch_trace(p)
+    conf = tmp_path / "c.json"
+    conf.write_text(_cfg(p, lookup_nodes=3).model_dump_json())
+    assert main(["run", "--config", str(conf), "--requests", "20"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("table sps+lookup (3 nodes) mean: ")
+    tau = float(out.split("tau ")[1].split()[0])
+    assert tau == pytest.approx(1 + 3 * share, rel=0.05)

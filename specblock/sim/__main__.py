@@ -117,7 +117,7 @@ def _run(a) -> int:
         print(json.dumps(res))
     else:
         ci = lambda k: f" [{res[k + '_ci95'][0]:.3f}, {res[k + '_ci95'][1]:.3f}]" if k + "_ci95" in res else ""
-        m = cfg.method.name
+        m = cfg.method.name + (f"+lookup ({cfg.method.lookup_nodes} nodes)" if cfg.method.lookup_nodes else "")
         print(f"{cfg.preset} {m} {cfg.acceptance.benchmark}: Spd {res['speedup']:.3f}x{ci('speedup')}  "
               f"tau {res['tau']:.3f}{ci('tau')}  T_D {100 * res['draft_share']:.1f}%  "
               f"{res['tokens_per_s']:.1f} tok/s  TPOT {res['tpot_ms']:.2f} ms  ({res['iterations']} iterations)")
