@@ -19,9 +19,9 @@ the served branch, so longer ones need ``--chains-from lookup``, the chains of t
 ``lookup`` row (the same n-gram rule and, the outputs being identical, the same text; up to its
 depth, 8, and at the positions that method visited rather than the branch's).
 
-    python experiments/budget_sweep_sim.py --bench experiments/results/bench_smollm2_packed_fastlookup.json \
-        --traces runs/traces_smollm2_packed --latency specblock/sim/data/latency_cpu_smollm2_packed_fp16.json \
-        --methods specblock+lookup --budgets 4,6,8,10 --lookup-nodes 2,3,4,6 --chains-from lookup \
+    python experiments/budget_sweep_sim.py --bench experiments/results/bench_smollm2_packed_fastlookup.json \\
+        --traces runs/traces_smollm2_packed --latency specblock/sim/data/latency_cpu_smollm2_packed_fp16.json \\
+        --methods specblock+lookup,eagle3+lookup --budgets 3,4,6,8,10 --lookup-nodes 2,3,4,6,8 --chains-from lookup \\
         --out experiments/results/budget_sweep_sim_lookup_nodes
 
     python experiments/budget_sweep_sim.py --bench experiments/results/bench_smollm2_compiled_traced.json \\

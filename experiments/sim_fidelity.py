@@ -28,6 +28,9 @@ Choices, and why:
   construction, so its row tests the latency side only (verify cost of the replayed trees, the
   measured n-gram search time, glue); a method the sim has no model for, or whose drafter the
   latency JSON lacks, is skipped with the reason;
+* ``METHOD+lookup`` rows are the drafter's model with lookup's branch (``method.lookup_nodes``):
+  the drafter fitted on the row's traces without the chain's nodes, the chains replayed from the
+  same traces, the whole budget as the bench's engine set it (``sim_fidelity_settings.sim_method``);
 * SpecBlock traces written before the runtime logged rank-head cuts (commit 3dfd240) cannot show
   how often the rank head ends a branch: the fit then grows trees that are too large (warned);
 * drafting cost: the latency JSON prices each block forward; calibrate times the bare network

@@ -166,6 +166,8 @@ def depthwise_forwards(rec: TraceRecord, method_cfg: dict) -> int:
     if method_cfg["name"] == "medusa":
         return 1
     rec, method_cfg = drafter_share(rec, method_cfg)
+    if method_cfg.get("budget") is not None and method_cfg["budget"] < 1:  # lookup's chain took every node
+        return 0
     if method_cfg["name"] == "eagle3" and method_cfg.get("depth"):
         return expanded_depth(method_cfg)
     return max(int(rec.depth), 1)
