@@ -296,7 +296,7 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
         "frozen": (args.frozen_variant, {"options": FROZEN_CPU_OPTIONS}),  # frozen graphs are not saved
         "unfrozen": (args.unfrozen_variant, {"options": CPU_OPTIONS}),
         str(args.options_variant): (args.options_variant, {"options": json.loads(args.options_variant or "{}")}),
-        "dynamic": (args.dynamic_variant, {"dynamic": None}),  # meant as one graph past bucket 1; it was not (README)
+        "dynamic": (args.dynamic_variant, {"dynamic": None}),  # meant as one graph past bucket 1; it was not (docs/compiled.md)
         "unfused": (args.unfused_baseline, {"fuse": False}),
         str(args.also_dtype): (args.also_dtype, {"dtype": args.also_dtype}),  # e.g. q4 beside packed-fp16
     }

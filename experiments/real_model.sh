@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The real target (SmolLM2-135M-Instruct, issue 13): every method that needs no training, its
 # latency curve and the acceptance the drafters must reach. Run from the repo root on a quiet
-# machine; each step writes experiments/results/*_smollm2.* (the figures in the README).
+# machine; each step writes experiments/results/*_smollm2.* (the figures in the README and docs/real_model.md).
 set -euo pipefail
 # The published tables are bf16: every bench and calibrate pins --dtype bfloat16 (the default is auto).
 PY=${PY:-.venv/bin/python}

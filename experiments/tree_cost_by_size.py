@@ -1,5 +1,5 @@
 """Median verify ms by tree size, from a bench's run-1 traces: how a tree's cost grows with its size
-in the decode loop itself (the README's eager-against-compiled comparison uses prompt lookup, whose
+in the decode loop itself (docs/real_model.md's eager-against-compiled comparison uses prompt lookup, whose
 trees are 1 node when nothing matches and up to its chain plus one when something does).
 
     python experiments/tree_cost_by_size.py runs/traces_smollm2_packed/lookup.*.jsonl

@@ -12,7 +12,7 @@ in float32, one matmul against the values. Inductor fuses the mask and softmax i
 calls a BLAS matmul for the rest. The profile overstated the gain: calls interleaved against SDPA
 (``KERNELS["sdpa"]``, the previous default: grouped heads in place with ``enable_gqa`` up to 4
 rows, ``repeat_kv`` past that) were level at 1, 4 and 8 rows and 4% faster at 6
-(``experiments/attention_kernels.py``, README). It stays for the copies it never makes.
+(``experiments/attention_kernels.py``, docs/compiled.md). It stays for the copies it never makes.
 
 Scope: registered under its own name and switched on by the compiled CPU target only, and only
 while dynamo traces: eager forwards of the same model (prefill, the eager target that shares its

@@ -57,9 +57,9 @@ MIN_SPAN = 256
 #: constants, the linears on prepacked oneDNN weights): it turns off the AOT-autograd cache that
 #: saved graphs need (``compiled/precompile.py``), so a frozen graph's warm start re-ran AOT tracing.
 #: ``compiled_speed.py --frozen-variant`` times ``FROZEN_CPU_OPTIONS`` beside the default: on the
-#: real model it was worth 0-6% of T(n) at packed-fp16 and nothing at bf16 (README).
+#: real model it was worth 0-6% of T(n) at packed-fp16 and nothing at bf16 (docs/compiled.md).
 #: ``cpp_wrapper_build_separate`` compiles the wrapper (-O1) apart from the kernels (-O3): a cold
-#: bucket compiled in 46.5 s instead of 60.7 s, T(n) no slower (``--options-variant``, README).
+#: bucket compiled in 46.5 s instead of 60.7 s, T(n) no slower (``--options-variant``, docs/compiled.md).
 CPU_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 FROZEN_CPU_OPTIONS = {"freezing": True, "cpp_wrapper": True}
 #: Regions: the weights are graph inputs (shared by every layer) in either case.
@@ -86,7 +86,7 @@ class StaticTarget(TargetModel):
     ``saved`` False neither loads nor saves graphs for later starts (``compiled/precompile.py``);
     ``dynamic`` is ``torch.compile``'s. None was tried so that one graph would serve every bucket past
     1: each tree size still compiled its own graph (the model code specializes the sizes), at the
-    same speed (``compiled_speed.py --dynamic-variant``, README), so the default stays False;
+    same speed (``compiled_speed.py --dynamic-variant``, docs/compiled.md), so the default stays False;
     ``skip_guards`` False evaluates all of dynamo's guards on every call (see ``step_fns``)."""
 
     def __init__(
