@@ -2,6 +2,7 @@
 tracing, a fresh process still compiles new shapes beside them, and nothing loaded ever changes a
 result: other weights, other packed-linear keys and a damaged entry all give the eager logits."""
 
+import contextlib
 import pickle
 import subprocess
 import sys
@@ -226,7 +227,7 @@ def test_a_failed_save_warns_and_the_run_goes_on(monkeypatch):
         precompile.save()
 
 
-def test_the_vector_isa_check_is_recorded_once_per_machine(tmp_path, monkeypatch):
+def test_the_vector_isa_check_is_recorded_once_per_machine(tmp_path):
     """Inductor checks in every process which vector instruction sets it can build and load (test
     libraries ``dlopen``ed in child Pythons, 0.9 s of a later start). The first process records the
     sets that passed; a later one skips the check when taking every set the CPU reports gives the
@@ -238,9 +239,12 @@ def test_the_vector_isa_check_is_recorded_once_per_machine(tmp_path, monkeypatch
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the record is kept on x86 only")
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+    # torch's own patch, not monkeypatch: pytest undoes a setattr on an object without that name in
+    # its __dict__ by deleting it, and a deleted inductor option then reads as missing for the rest
+    # of the process (test_compiled_sps failed after this test in the same worker)
+    before = config.cpp.vec_isa_ok
     cpu_vec_isa.valid_vec_isa_list.cache_clear()
-    try:
+    with config.patch({"cpp.vec_isa_ok": None}), _clearing(cpu_vec_isa.valid_vec_isa_list):
         checked = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
         precompile.remember_vec_isa(tmp_path)  # no record: checks (cached here) and records
         record = tmp_path / "vec_isa.json"
@@ -251,5 +255,12 @@ def test_the_vector_isa_check_is_recorded_once_per_machine(tmp_path, monkeypatch
         record.write_text(json.dumps({"torch": torch.__version__, "valid": ["no such set"]}))
         precompile.remember_vec_isa(tmp_path)  # a record that does not match this CPU: checked again
         assert config.cpp.vec_isa_ok is None and json.loads(record.read_text())["valid"] == checked
+    assert config.cpp.vec_isa_ok is before  # restored, and readable
+
+
+@contextlib.contextmanager
+def _clearing(cached):
+    try:
+        yield
     finally:
-        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+        cached.cache_clear()
