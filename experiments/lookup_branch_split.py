@@ -9,7 +9,10 @@ per file:
   equals the logged one (the split loses nothing if all do);
 * mean tau as logged, and with the parts paired at random: over all records, and within records
   whose chain took the same number of nodes (the drafter then had the same budget, as in the sim,
-  which drafts at the budget the chain leaves). The gap is what the independence costs.
+  which drafts at the budget the chain leaves). The gap is what the independence costs;
+* median drafting ms of iterations where the drafter proposed nodes and where lookup's chain left
+  it none (a budget no larger than the chain): whether a drafter with nothing to draft still pays
+  for its first forward (it does; ``LookupBranchModel._drafted``).
 
     python experiments/lookup_branch_split.py runs/traces_smollm2_packed [--out experiments/results/lookup_branch_split]
 """
@@ -32,6 +35,8 @@ def split(path: Path) -> dict:
     chains = np.array([chain_of(r) for r in recs], dtype=np.int64).reshape(-1, 2)
     own = np.array([drafter_part(r).accepted for r in recs])
     logged = np.array([r.accepted for r in recs])
+    draft_ms = np.array([1e3 * r.draft_s for r in recs])
+    none = np.array([drafter_part(r).tree_size == 1 for r in recs])
     size, right = chains[:, 0], chains[:, 1]
     paired = float(np.maximum(own[:, None], right[None, :]).mean())
     by_size = []  # within one chain size: the drafter drafted at one budget
@@ -42,17 +47,26 @@ def split(path: Path) -> dict:
             "tau_logged": round(1 + float(logged.mean()), 4), "tau_paired": round(1 + paired, 4),
             "tau_paired_same_size": round(1 + float(sum(by_size)) / len(recs), 4),
             "chain_share": round(float((size > 0).mean()), 3), "drafter_accepted": round(float(own.mean()), 4),
-            "chain_right": round(float(right.mean()), 4)}
+            "chain_right": round(float(right.mean()), 4),
+            "draft_ms_drafted": round(float(np.median(draft_ms[~none])), 3) if (~none).any() else None,
+            "draft_ms_no_node": round(float(np.median(draft_ms[none])), 3) if none.any() else None,
+            "no_node_records": int(none.sum())}
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def markdown(rows: list[dict], cmd: str) -> str:
     out = [f"`{cmd}`", "",
-           "| traces | records | split == logged | tau logged | paired at random | same chain size | chain share |",
-           "|---|---|---|---|---|---|---|"]
+           "| traces | records | split == logged | tau logged | paired at random | same chain size | chain share | "
+           "draft ms: drafted / no node left (records) |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = lambda k: f"{r[k]:.3f} ({r[k] / r['tau_logged'] - 1:+.1%})"
         out.append(f"| {r['file']} | {r['records']} | {r['split_equals_logged']} | {r['tau_logged']:.3f} | "
-                   f"{err('tau_paired')} | {err('tau_paired_same_size')} | {r['chain_share']:.2f} |")
+                   f"{err('tau_paired')} | {err('tau_paired_same_size')} | {r['chain_share']:.2f} | "
+                   f"{_ms(r['draft_ms_drafted'])} / {_ms(r['draft_ms_no_node'])} ({r['no_node_records']}) |")
     return "\n".join(out) + "\n"
 
 

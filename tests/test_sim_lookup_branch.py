@@ -167,6 +167,7 @@ def test_the_split_check_recovers_every_logged_acceptance(tmp_path, capsys):
     assert row["tau_logged"] == pytest.approx(1 + 3 * share) and row["chain_share"] == pytest.approx(share, abs=1e-3)
     # the drafter is never right here, so pairing the parts at random changes nothing
     assert row["tau_paired"] == pytest.approx(row["tau_logged"]) and row["tau_paired_same_size"] == pytest.approx(row["tau_logged"])
+    assert row["draft_ms_drafted"] == pytest.approx(2.0) and row["draft_ms_no_node"] is None  # SpS always drafted here
     assert mod.main([str(tmp_path / "none")]) == 2 and "no *+lookup*" in capsys.readouterr().err
 
 
@@ -226,3 +227,14 @@ def test_the_cli_runs_a_branch_from_a_config_file(tmp_path, capsys):
     assert out.startswith("table sps+lookup (3 nodes) mean: ")
     tau = float(out.split("tau ")[1].split()[0])
     assert tau == pytest.approx(1 + 3 * share, rel=0.05)
+
+
+def test_a_drafter_left_no_node_still_runs_its_first_forward(tmp_path):
+    """Where lookup's chain takes the whole budget, SpS (like SpecBlock and EAGLE-3) still feeds the
+    committed tokens through its first forward, as the runtime's propose does; it drafts no node."""
+    p = tmp_path / "sps+lookup.code.jsonl"
+    share = _write_branch_trace(p)
+    res = simulate(_cfg(p, gamma=2, budget=3, lookup_nodes=3))  # a chain of 3 leaves SpS nothing
+    assert res["tree_size"] == pytest.approx(1 + 3 * share + 2 * (1 - share), rel=0.05)
+    # 1 ms a forward (TABLE): 2 forwards without a chain, the first one alone with it
+    assert res["t_draft_ms"] == pytest.approx(2 * (1 - share) + 1 * share, rel=0.05)
