@@ -26,18 +26,19 @@ from pathlib import Path
 
 import numpy as np
 
-from specblock.sim.lookup import chain_of, drafter_part
+from specblock.sim.lookup import Chains, drafter_part
 from specblock.sim.traces import read_traces
 
 
 def split(path: Path) -> dict:
     recs = read_traces(path)
-    chains = np.array([chain_of(r) for r in recs], dtype=np.int64).reshape(-1, 2)
-    own = np.array([drafter_part(r).accepted for r in recs])
+    chains = Chains.from_records(recs)
+    parts = [drafter_part(r) for r in recs]
+    own = np.array([p.accepted for p in parts])
     logged = np.array([r.accepted for r in recs])
     draft_ms = np.array([1e3 * r.draft_s for r in recs])
-    none = np.array([drafter_part(r).tree_size == 1 for r in recs])
-    size, right = chains[:, 0], chains[:, 1]
+    none = np.array([p.tree_size == 1 for p in parts])
+    size, right = chains.size, chains.correct
     paired = float(np.maximum(own[:, None], right[None, :]).mean())
     by_size = []  # within one chain size: the drafter drafted at one budget
     for s in np.unique(size):

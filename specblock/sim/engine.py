@@ -81,8 +81,8 @@ class AcceptanceSource:
             if mc.lookup_nodes:  # the drafter's own nodes for its fit, the chains replayed beside it
                 from specblock.sim.lookup import BranchSource, Chains, drafter_part
 
+                chains = Chains.from_traces(a.lookup_traces) if a.lookup_traces else Chains.from_records(recs)
                 recs = [drafter_part(r) for r in recs]
-                chains = Chains.from_traces(a.lookup_traces or a.traces)
             if m == "specblock" and mc.branching == "rank" and 0 in mc.widths and not has_cuts(recs):
                 self.notes.append("traces have no rank-head cuts (written before the runtime logged them): "
                                   "P(b3) is unseen, so simulated trees and tau come out too large")

@@ -179,9 +179,13 @@ class Chains:
     correct: np.ndarray
 
     @classmethod
-    def from_traces(cls, paths) -> "Chains":
-        pairs = np.array([chain_of(r) for r in read_traces(paths)], dtype=np.int64).reshape(-1, 2)
+    def from_records(cls, recs: list[TraceRecord]) -> "Chains":
+        pairs = np.array([chain_of(r) for r in recs], dtype=np.int64).reshape(-1, 2)
         return cls(size=pairs[:, 0], correct=pairs[:, 1])
+
+    @classmethod
+    def from_traces(cls, paths) -> "Chains":
+        return cls.from_records(read_traces(paths))
 
 
 @dataclass
