@@ -35,7 +35,7 @@ from specblock.runtime.config import validate
 from specblock.runtime.drafters.base import ARDrafter
 from specblock.runtime.engine import Engine
 from specblock.runtime.packed import PackedLinear
-from specblock.runtime.q4 import Int4Linear
+from specblock.runtime.q4 import Int4Linear, Int8Linear
 from specblock.runtime.calibrate import _random_tree as random_tree  # calibrate's trees and rewind: the same T(n)
 from specblock.runtime.calibrate import rewind
 from specblock.runtime.target import DTYPE_CHOICES, TargetModel, resolve_dtype
@@ -62,10 +62,10 @@ def bandwidth_gbs(device: str, mb: int = 512, reps: int = 7) -> float:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes one forward reads. Packed-fp16 linears read their fp16 copy (2 bytes a weight), q4
-    linears their 4-bit values and their kernel's scales and offsets, not the fp32 ``weight`` either keeps; an
-    embedding whose head is packed is read one row at a time."""
+    linears their 4-bit (or the head's 8-bit) values and their kernel's scales and offsets, not the fp32
+    ``weight`` either keeps; an embedding whose head is packed or quantized is read one row at a time."""
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    int4 = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     if not packed and not int4:
         return sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
     skip = {id(m.weight) for m in packed + int4} | {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding)
@@ -73,6 +73,17 @@ def weight_bytes(model: torch.nn.Module) -> int:
     read = sum(2 * m.weight.numel() for m in packed)
     read += sum(m.nbytes() for m in int4)
     return read + sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+
+
+def packed_fp16_head(model: torch.nn.Module) -> None:
+    """q4's Q8_0 head (``Int8Linear``) back to a packed fp16 one over the same weight values: the
+    head q4 had before it read the GGUF's 8-bit head."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, Int8Linear):
+        raise SystemExit("--fp16-head-baseline needs --dtype q4 on a model whose q4 file holds its Q8_0 head")
+    lin = torch.nn.Linear(head.in_features, head.out_features, bias=False)
+    lin.weight = head.weight
+    model.set_output_embeddings(PackedLinear(lin))
 
 
 def time_trees(targets: dict[str, TargetModel], ctx: int, sizes: list[int], reps: int, seed: int = 0,
@@ -286,8 +297,11 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
     compiled = {f"compiled {m}": StaticTarget.wrap(eager, compile=True, regions=m == "regions")  # same weights
                 for m in args.mode_list}
 
-    def second(dtype: str = args.dtype, **kw) -> StaticTarget:  # a second copy: attention, kernel and options are per copy
-        return StaticTarget.wrap(TargetModel.load(path, dtype, args.device), compile=True, **kw)
+    def second(dtype: str = args.dtype, fp16_head: bool = False, **kw) -> StaticTarget:  # a second copy: attention, kernel and options are per copy
+        t = TargetModel.load(path, dtype, args.device)
+        if fp16_head:
+            packed_fp16_head(t.model)
+        return StaticTarget.wrap(t, compile=True, **kw)
 
     variants = {  # label: (asked for, StaticTarget arguments)
         "repeat_kv": (args.repeat_kv_baseline, {"gqa": False}),
@@ -298,6 +312,7 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
         str(args.options_variant): (args.options_variant, {"options": json.loads(args.options_variant or "{}")}),
         "dynamic": (args.dynamic_variant, {"dynamic": None}),  # meant as one graph past bucket 1; it was not (docs/compiled.md)
         "unfused": (args.unfused_baseline, {"fuse": False}),
+        "fp16 head": (args.fp16_head_baseline, {"fp16_head": True}),
         str(args.also_dtype): (args.also_dtype, {"dtype": args.also_dtype}),  # e.g. q4 beside packed-fp16
     }
     compiled.update({f"compiled whole, {label}": second(**kw) for label, (asked, kw) in variants.items() if asked})
@@ -345,6 +360,7 @@ def markdown(results: list[dict], args) -> str:
              f"{' --sdpa-gqa-baseline' if args.sdpa_gqa_baseline else ''}"
              f"{' --python-kernel-baseline' if args.python_kernel_baseline else ''}"
              f"{' --unfused-baseline' if args.unfused_baseline else ''}"
+             f"{' --fp16-head-baseline' if args.fp16_head_baseline else ''}"
              f"{' --frozen-variant' if args.frozen_variant else ''}"
              f"{' --unfrozen-variant' if args.unfrozen_variant else ''}"
              f"{' --dynamic-variant' if args.dynamic_variant else ''}"
@@ -424,6 +440,8 @@ def main() -> None:
                     help="also time a compiled target with dynamic=None (tried for one graph per size past 1; it did not)")
     ap.add_argument("--unfused-baseline", action="store_true",
                     help="also time a compiled target without q/k/v and gate/up fusion (before compiled/fuse.py)")
+    ap.add_argument("--fp16-head-baseline", action="store_true",
+                    help="q4: also time a compiled target whose LM head is packed fp16 (before the GGUF's Q8_0 head)")
     ap.add_argument("--also-dtype", choices=DTYPE_CHOICES, help="also time a compiled copy of the target in this dtype")
     ap.add_argument("--hf-also-dtypes", default="",
                     help="HF generate also on copies of the model in these dtypes (e.g. bfloat16: the issue's reference)")

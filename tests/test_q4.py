@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specblock.errors import SpecBlockError
-from specblock.q4file import GROUP, Q4_FILE, decode_gguf_q4_1, dequantize_q4_1, pack_nibbles, quantize_q4_1, save_q4
+from specblock.q4file import (GROUP, Q4_FILE, decode_gguf_q4_1, decode_gguf_q8_0, dequantize_q4_1, dequantize_q8_0,
+                              pack_nibbles, quantize_q4_1, quantize_q8_0, save_q4)
 from specblock.runtime import packed, q4, q4_kernel
 from specblock.runtime.drafters import LookupDrafter, RandomDrafter
 from specblock.runtime.engine import Engine
@@ -90,6 +91,52 @@ def test_each_row_is_its_own_dot_products(rows, seed, kernel):
     assert torch.equal(together, alone)
 
 
+def q8_linear(n: int = 48, k: int = 64, seed: int = 0) -> tuple[q4.Int8Linear, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=False)
+    q, d = quantize_q8_0(lin.weight)
+    return q4.Int8Linear(lin, q, d), (q, d)
+
+
+@needs_ours
+def test_the_q8_head_multiplies_by_the_exact_q8_weights_in_fp32():
+    lin, (q, d) = q8_linear(n=96, k=128)
+    w = dequantize_q8_0(q, d)
+    assert torch.equal(lin.weight, w)  # what drafters copy is what the kernel multiplies by
+    assert torch.equal(lin(torch.eye(128)).t(), w)
+    x = torch.randn(3, 7, 128)
+    got = lin(x)
+    assert got.shape == (3, 7, 96) and "q8_0" in repr(lin)
+    assert torch.allclose(got, (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-5)
+    assert lin.nbytes() == 96 * 128 + 96 * 4 * 4  # a byte a weight, an fp32 scale per 32
+    with pytest.raises(SpecBlockError, match="do not fit"):
+        q4.Int8Linear(torch.nn.Linear(128, 96, bias=False), q[:, :64], d[:, :2])
+
+
+@needs_ours
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_each_q8_row_is_its_own_dot_products(rows, seed):
+    lin, _ = q8_linear(seed=seed % 5)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(lin(x), torch.cat([lin(x[i:i + 1]) for i in range(rows)]))
+
+
+@needs_ours
+def test_prefetching_moves_no_result():
+    lin, _ = q4_linear(n=256, k=128, kernel="fp32")
+    head, _ = q8_linear(n=256, k=128)
+    x = torch.randn(6, 128)
+    try:
+        outs = []
+        for ahead in (0, 1, 3):
+            torch.ops.specblock_q4.set_prefetch(ahead)
+            outs.append((lin(x), head(x), lin(x[:2])))
+    finally:
+        torch.ops.specblock_q4.set_prefetch(1)
+    assert all(torch.equal(a, b) for out in outs[1:] for a, b in zip(outs[0], out))
+
+
 def test_gguf_blocks_decode_and_quantize_round_trips():
     rng = np.random.default_rng(0)
     q = rng.integers(0, 16, (4, 64)).astype(np.uint8)
@@ -102,7 +149,15 @@ def test_gguf_blocks_decode_and_quantize_round_trips():
     raw[..., 4:] = blocks[..., :16] | (blocks[..., 16:] << 4)  # ggml: low nibbles 0..15, high 16..31
     got_q, got_d, got_m = decode_gguf_q4_1(raw.reshape(4, 40))
     assert np.array_equal(got_q, q) and np.array_equal(got_d, d) and np.array_equal(got_m, m)
+    q8 = rng.integers(-128, 128, (4, 64)).astype(np.int8)
+    raw8 = np.zeros((4, 2, 34), np.uint8)
+    raw8[..., 0:2] = d.view(np.uint8).reshape(4, 2, 2)
+    raw8[..., 2:] = q8.view(np.uint8).reshape(4, 2, 32)
+    got_q8, got_d8 = decode_gguf_q8_0(raw8.reshape(4, 68))
+    assert np.array_equal(got_q8, q8) and np.array_equal(got_d8, d)
     w = torch.randn(16, 64)
+    q8t, d8 = quantize_q8_0(w)
+    assert q8t.dtype == torch.int8 and (dequantize_q8_0(q8t, d8) - w).abs().max() <= d8.float().max() * 0.51 + 1e-3
     qs, d4, m4 = quantize_q4_1(w)
     assert torch.equal(pack_nibbles(torch.stack([qs & 0xF, qs >> 4], -1).reshape(16, 64)), qs)
     assert (dequantize_q4_1(qs, d4, m4) - w).abs().max() <= d4.float().max() * 0.51 + 1e-3
@@ -126,13 +181,20 @@ def test_write_q4_reads_a_gguf_in_the_checkpoints_row_order(tmp_path):
         raws[kind] = raw
         w.add_tensor(f"blk.0.{kind}.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
     w.add_tensor("blk.0.attn_norm.weight", np.ones(k, np.float32))
+    embd = rng.integers(0, 256, (V, k // 32 * 34), dtype=np.uint8)
+    embd.reshape(V, -1, 34)[..., 0:2] = np.frombuffer(np.float16([0.01]).tobytes(), np.uint8)
+    w.add_tensor("token_embd.weight", embd, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": heads,
-                                                       "num_key_value_heads": kv_heads}))
-    assert write_q4(tmp_path / "m.gguf", tmp_path) == 3
+    cfg = {"model_type": "llama", "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert write_q4(tmp_path / "m.gguf", tmp_path) == (3, False)  # an untied head is not the embedding
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    assert write_q4(tmp_path / "m.gguf", tmp_path) == (3, True)
     from safetensors.torch import load_file
 
     got = load_file(str(tmp_path / Q4_FILE))
+    want_q8, want_d8 = decode_gguf_q8_0(embd)
+    assert np.array_equal(got["lm_head.q8"].numpy(), want_q8) and np.array_equal(got["lm_head.d8"].numpy(), want_d8)
     for kind, hf in (("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("ffn_up", "mlp.up_proj")):
         q, d, m = decode_gguf_q4_1(raws[kind])
         stored = dequantize_q4_1(torch.from_numpy(q[:, 0::2] | (q[:, 1::2] << 4)), torch.from_numpy(d), torch.from_numpy(m))
@@ -147,12 +209,14 @@ def test_write_q4_reads_a_gguf_in_the_checkpoints_row_order(tmp_path):
         assert np.array_equal(ours, want), kind
 
 
-def save_tiny_q4(path, **kw):
-    """A tiny llama with a Q4_1 file for its block linears (no GGUF: ``quantize_q4_1`` of its weights)."""
+def save_tiny_q4(path, head: bool = True, **kw):
+    """A tiny llama with a Q4_1 file for its block linears and a Q8_0 head (no GGUF:
+    ``quantize_q4_1`` / ``quantize_q8_0`` of its weights)."""
     save_tiny(path, "llama", vocab=V, hidden=64, **kw)
     model = TargetModel.load(path, "float32", "cpu").model
     save_q4(path / Q4_FILE, {name: quantize_q4_1(mod.weight) for name, mod in model.named_modules()
-                             if isinstance(mod, torch.nn.Linear) and name != "lm_head"})
+                             if isinstance(mod, torch.nn.Linear) and name != "lm_head"},
+            {"lm_head": quantize_q8_0(model.lm_head.weight)} if head else None)
     return path
 
 
@@ -198,7 +262,8 @@ def test_load_and_every_method_match_the_q4_models_greedy(tmp_path, capsys, kern
     target = TargetModel.load(path, "q4", "cpu")
     mods = list(target.model.modules())
     assert sum(isinstance(m, q4.Int4Linear) and m.kernel == kernel for m in mods) == 3 * 7
-    assert isinstance(target.model.lm_head, packed.PackedLinear) and target.packed
+    # the Q8_0 head in our kernel; torch's has none, so there the head is packed fp16
+    assert isinstance(target.model.lm_head, q4.Int8Linear if kernel == "fp32" else packed.PackedLinear)
     assert not any(type(m) is torch.nn.Linear for m in mods)
     rng = np.random.default_rng(3)
     accepted, equal, runs = 0, 0, 0

@@ -54,16 +54,21 @@ def test_q4_file_holds_the_ggufs_weights_in_the_checkpoints_order(real):
     checkpoint, bit for bit, for all 210 decoder linears (q/k rows un-permuted as transformers does)."""
     from safetensors import safe_open
 
-    from specblock.q4file import Q4_FILE, dequantize_q4_1
+    from specblock.q4file import Q4_FILE, dequantize_q4_1, dequantize_q8_0
 
     path, target, tok, stops = real
     mods = dict(target.model.named_modules())
+    facts = json.loads((path / "specblock_model.json").read_text())
     with safe_open(str(path / Q4_FILE), framework="pt") as f:
-        names = sorted({k.rsplit(".", 1)[0] for k in f.keys()})
-        assert len(names) == 7 * 30 == json.loads((path / "specblock_model.json").read_text())["q4_linears"]
+        names = sorted({k.rsplit(".", 1)[0] for k in f.keys() if k.endswith(".qs")})
+        assert len(names) == 7 * 30 == facts["q4_linears"]
         for name in names:
             w = dequantize_q4_1(f.get_tensor(f"{name}.qs"), f.get_tensor(f"{name}.d"), f.get_tensor(f"{name}.m"))
             assert torch.equal(w.bfloat16().float(), mods[name].weight), name
+        # the tied head (and embedding): the GGUF's Q8_0 token embedding
+        assert facts["q8_head"] and {k for k in f.keys() if not k.endswith((".qs", ".d", ".m"))} == {"lm_head.q8", "lm_head.d8"}
+        head = dequantize_q8_0(f.get_tensor("lm_head.q8"), f.get_tensor("lm_head.d8"))
+        assert torch.equal(head.bfloat16().float(), mods["lm_head"].weight)
 
 
 @pytest.mark.parametrize("method", ["ar", "lookup", "random"])

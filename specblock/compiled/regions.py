@@ -30,6 +30,7 @@ from transformers import PreTrainedModel
 
 from specblock.errors import SpecBlockError
 from specblock.runtime.packed import PackedLinear
+from specblock.runtime.q4 import Int4Linear, Int8Linear
 
 
 class _LayerCache:
@@ -87,10 +88,10 @@ def check_regional(model: PreTrainedModel) -> None:
     if inner is None or not hasattr(model, "lm_head") or any(not hasattr(inner, p) for p in parts):
         raise SpecBlockError(f"{type(model).__name__}: regional compilation needs model.{{{','.join(parts)}}} and "
                              "lm_head; use the whole-model compile mode")
-    if any(isinstance(m, PackedLinear) for m in model.modules()):
-        # Each packed linear names its weights by an int key (packed.packed_linear), which dynamo
-        # specialises: one shared layer step would compile once per layer.
-        raise SpecBlockError("regional compilation does not support --dtype packed-fp16; use --compile-mode whole")
+    if any(isinstance(m, (PackedLinear, Int4Linear, Int8Linear)) for m in model.modules()):
+        # Each packed or q4 linear names its weights by an int key (packed.packed_linear,
+        # q4_kernel.linear_key), which dynamo specialises: one shared layer step would compile once per layer.
+        raise SpecBlockError("regional compilation does not support --dtype packed-fp16 or q4; use --compile-mode whole")
     cfg = model.config
     for extra in ("final_logit_softcapping", "logit_scale", "embedding_multiplier", "logits_scaling"):
         if getattr(cfg, extra, None) not in (None, 1, 1.0):

@@ -117,21 +117,23 @@ _LLAMA_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "a
                   "ffn_down": "mlp.down_proj"}
 
 
-def write_q4(gguf: Path, out: Path) -> int:
+def write_q4(gguf: Path, out: Path) -> tuple[int, bool]:
     """The GGUF's Q4_1 linears, as they are, into ``out/q4_1.safetensors`` for ``--dtype q4``
-    (``runtime/q4.py``); returns how many. Rows in the checkpoint's order: llama.cpp stores q/k rows
-    permuted for its rotary layout and transformers un-permutes them on load, so the same is done
-    here (the test compares against the dequantized checkpoint). Other tensor types, and
-    architectures other than llama, are left out: ``--dtype q4`` then packs them as fp16."""
+    (``runtime/q4.py``), and its LM head where that is Q8_0 (``output.weight``, or the token
+    embedding it is tied to); returns how many Q4_1 linears and whether the head is there. Rows in
+    the checkpoint's order: llama.cpp stores q/k rows permuted for its rotary layout and
+    transformers un-permutes them on load, so the same is done here (the test compares against the
+    dequantized checkpoint). Other tensor types, and architectures other than llama, are left out:
+    ``--dtype q4`` then packs them as fp16."""
     import gguf as _gguf
     import torch
 
-    from specblock.q4file import Q4_FILE, decode_gguf_q4_1, pack_nibbles, save_q4
+    from specblock.q4file import Q4_FILE, decode_gguf_q4_1, decode_gguf_q8_0, pack_nibbles, save_q4
 
     reader = _gguf.GGUFReader(str(gguf))
     cfg = json.loads((out / "config.json").read_text())
     if cfg.get("model_type") != "llama":
-        return 0
+        return 0, False
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg.get("num_key_value_heads") or cfg["num_attention_heads"]}
     tensors = {}
     for t in reader.tensors:
@@ -146,9 +148,17 @@ def write_q4(gguf: Path, out: Path) -> int:
             q, d, m = q[rows], d[rows], m[rows]
         tensors[f"model.layers.{parts[1]}.{_LLAMA_LINEARS[parts[2]]}"] = (
             pack_nibbles(torch.from_numpy(q)), torch.from_numpy(d.copy()), torch.from_numpy(m.copy()))
+    by_name = {t.name: t for t in reader.tensors}
+    head = by_name.get("output.weight")
+    if head is None and cfg.get("tie_word_embeddings"):
+        head = by_name.get("token_embd.weight")
+    q8 = {}
+    if head is not None and head.tensor_type == _gguf.GGMLQuantizationType.Q8_0:
+        q, d = decode_gguf_q8_0(np.asarray(head.data))
+        q8["lm_head"] = (torch.from_numpy(q), torch.from_numpy(d))
     if tensors:
-        save_q4(out / Q4_FILE, tensors)
-    return len(tensors)
+        save_q4(out / Q4_FILE, tensors, q8)
+    return len(tensors), bool(tensors and q8)
 
 
 def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
@@ -181,7 +191,7 @@ def build_model(spec: ModelSpec, dest: Path) -> Path:
             _say(f"2/3 dequantizing {gguf.name} to bf16 safetensors")
             out = tmp / "model"
             facts = dequantize(gguf, spec.source.architecture, out)
-            facts["q4_linears"] = write_q4(gguf, out)
+            facts["q4_linears"], facts["q8_head"] = write_q4(gguf, out)
             _say("3/3 checking and writing the model card")
             facts.update(name=spec.name, source=f"{spec.source.package}=={spec.source.version}",
                          wheel_sha256=spec.source.wheel_sha256, gguf_sha256=spec.source.gguf_sha256,
@@ -213,6 +223,7 @@ transfer exactly.
 - End-of-sequence / end-of-turn token ids: {facts['eos_token_ids']}.
 - License: {spec.license} (the model and the wheel).
 - `q4_1.safetensors`: the GGUF's {facts.get('q4_linears', 0)} Q4_1 decoder linears as stored (4-bit values,
-  fp16 scales and offsets) for `--dtype q4`, which runs them in torch's int4 kernel.
+  fp16 scales and offsets){" and its Q8_0 LM head (8-bit values, fp16 scales)" if facts.get('q8_head') else ""} for
+  `--dtype q4` (`specblock/runtime/q4.py`).
 - Built by `specblock.models.convert` in {facts['build_seconds']} s.
 """

@@ -87,13 +87,15 @@ def is_built(name: str) -> bool:
 
 def build_complete(spec: "ModelSpec", path: Path) -> bool:
     """A built model's directory is complete once its card records everything today's build writes:
-    a directory from before ``q4_1.safetensors`` (``--dtype q4``) is rebuilt once, whole."""
+    a directory from before ``q4_1.safetensors`` (``--dtype q4``), or from before that file held the
+    GGUF's Q8_0 head, is rebuilt once, whole."""
     if not (path / "config.json").is_file():
         return False
     if spec.source is None:
         return True
     try:
-        return "q4_linears" in json.loads((path / "specblock_model.json").read_text())
+        facts = json.loads((path / "specblock_model.json").read_text())
+        return "q4_linears" in facts and "q8_head" in facts
     except (OSError, ValueError):
         return False
 

@@ -20,8 +20,10 @@ Two kernels (``Int4Linear.kernel``):
 
 Either way every method, plain decoding included, runs the same q4 model and is compared with that
 model's own greedy decoding. The rest of the model (norms, attention, residuals) computes in fp32,
-as at packed-fp16. Linears the Q4_1 file does not hold (the tied LM head: Q8_0 in the GGUF) are
-packed fp16.
+as at packed-fp16. The LM head, which the GGUF keeps as Q8_0, runs from those 8-bit values in the
+same kernel (``Int8Linear``: half an fp16 head's bytes, and with our kernel only); with a tied
+embedding, the embedding rows take the same exact values, so the q4 model is the GGUF's model. Any
+other linear the file does not hold is packed fp16.
 
 Where the weights come from: ``models/convert.py`` writes ``q4_1.safetensors`` (``specblock/q4file.py``)
 beside the converted checkpoint when it builds a named model from its GGUF.
@@ -35,7 +37,7 @@ import torch
 from torch import nn
 
 from specblock.errors import SpecBlockError
-from specblock.q4file import GROUP, Q4_FILE, unpack_nibbles
+from specblock.q4file import GROUP, Q4_FILE, dequantize_q8_0, unpack_nibbles
 from specblock.runtime import q4_kernel
 
 Q4 = "q4"
@@ -124,6 +126,52 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 q4_1, {self.kernel} kernel"
 
 
+class Int8Linear(nn.Module):
+    """An ``nn.Linear`` on Q8_0 weights (``d * q``) in our kernel: the GGUF's LM head. ``weight``
+    stays for code that reads weights (drafters copy the target's head), holding the same exact
+    values the kernel multiplies by."""
+
+    kernel = "fp32"
+
+    def __init__(self, lin: nn.Linear, q: torch.Tensor, d: torch.Tensor) -> None:
+        super().__init__()
+        n, k = lin.out_features, lin.in_features
+        if lin.bias is not None:
+            raise SpecBlockError(f"--dtype {Q4} has no bias term; this model's head has one: use packed-fp16")
+        if tuple(q.shape) != (n, k) or tuple(d.shape) != (n, k // GROUP) or not fits(n, k):
+            raise SpecBlockError(f"Q8_0 weights of shape {tuple(q.shape)} do not fit a {k} -> {n} linear")
+        self.in_features, self.out_features = k, n
+        self.weight = lin.weight
+        with torch.no_grad():
+            self.weight.copy_(dequantize_q8_0(q, d))  # exact (and a tied embedding with it)
+        self._q4 = q4_kernel.layout_q8(q, d)
+        self._register()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float()
+        if torch.compiler.is_compiling():
+            y = q4_kernel.linear_key(x2, self._key, self.out_features)
+        else:
+            y = q4_kernel.linear(x2, *self._q4)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def _register(self) -> None:
+        self._key = q4_kernel.register(*self._q4, self)
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy gets a key of its own (as ``Int4Linear``'s does)."""
+        super().__setstate__(state)
+        if isinstance(getattr(self, "_q4", None), tuple) and all(isinstance(t, torch.Tensor) for t in self._q4):
+            self._register()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._q4)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 q8_0, fp32 kernel"
+
+
 def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None) -> int:
     """Replace each ``nn.Linear`` of an fp32 CPU model that ``path/q4_1.safetensors`` holds; returns
     how many. ``kernel`` None: :func:`default_kernel`."""
@@ -140,9 +188,10 @@ def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None) -> i
         raise SpecBlockError(f"--dtype {Q4} runs on an fp32 CPU model (loaded as {p.dtype} on {p.device.type}); use bfloat16 on CUDA")
     kernel = kernel or default_kernel()
     with safe_open(str(f), framework="pt") as st:
-        names = {k.rsplit(".", 1)[0] for k in st.keys()}
+        names = {k.rsplit(".", 1)[0] for k in st.keys() if k.endswith(".qs")}
+        q8 = {k.rsplit(".", 1)[0] for k in st.keys() if k.endswith(".q8")} if kernel == "fp32" else set()
         mods = dict(model.named_modules())
-        unknown = sorted(n for n in names if not isinstance(mods.get(n), nn.Linear))
+        unknown = sorted(n for n in names | q8 if not isinstance(mods.get(n), nn.Linear))
         if unknown:
             raise SpecBlockError(f"{f} holds weights for {unknown[0]}, which is no linear of this model "
                                  f"({len(unknown)} such); rebuild the model or use packed-fp16")
@@ -153,4 +202,10 @@ def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None) -> i
             lin.weight.requires_grad_(False)
             setattr(owner, attr, Int4Linear(lin, st.get_tensor(f"{name}.qs"), st.get_tensor(f"{name}.d"),
                                             st.get_tensor(f"{name}.m"), kernel))
-    return len(names)
+        for name in sorted(q8):  # torch's int4 kernel has no Q8_0: there the head is packed fp16
+            parent, _, attr = name.rpartition(".")
+            owner = mods[parent] if parent else model
+            lin = getattr(owner, attr)
+            lin.weight.requires_grad_(False)
+            setattr(owner, attr, Int8Linear(lin, st.get_tensor(f"{name}.q8"), st.get_tensor(f"{name}.d8")))
+    return len(names) + len(q8)

@@ -25,7 +25,7 @@ from specblock.runtime.attention import attention_layout, tree_masks
 from specblock.runtime.grouped_rows import use_grouped_rows
 from specblock.runtime.packed import PACKED_FP16, PackedLinear, pack_linears
 from specblock.runtime.packed import available as packed_available
-from specblock.runtime.q4 import Q4, use_q4_linears
+from specblock.runtime.q4 import Q4, Int4Linear, Int8Linear, use_q4_linears
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 #: What every ``--dtype`` flag offers; packed-fp16 (CPU: fp16 weights packed for fbgemm, fp32
@@ -112,7 +112,8 @@ class TargetModel:
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.packed = any(isinstance(m, PackedLinear) for m in model.modules())  # --dtype packed-fp16
+        # --dtype packed-fp16 or q4 (fp32 arithmetic on compact weights): drafters are packed beside it
+        self.packed = any(isinstance(m, (PackedLinear, Int4Linear, Int8Linear)) for m in model.modules())
         # Trained drafters run in this dtype: the target's where bf16 is native, else fp32 (their
         # weights are small, and on an AVX2 CPU a bf16 linear ran 1.7x slower than fp32 at 1 row
         # and 3.5-6x at 8-256 rows). Verification by the target keeps the output lossless either way.
