@@ -21,7 +21,7 @@ Two kernels (``Int4Linear.kernel``):
 Either way every method, plain decoding included, runs the same q4 model and is compared with that
 model's own greedy decoding. The rest of the model (norms, attention, residuals) computes in fp32,
 as at packed-fp16. The LM head, which the GGUF keeps as Q8_0, runs from those 8-bit values in the
-same kernel (``Int8Linear``: half an fp16 head's bytes, and with our kernel only); with a tied
+same kernel (``Int8Linear``: about half an fp16 head's bytes; with our kernel only); with a tied
 embedding, the embedding rows take the same exact values, so the q4 model is the GGUF's model. Any
 other linear the file does not hold is packed fp16.
 
@@ -59,6 +59,17 @@ def fits(out_features: int, in_features: int) -> bool:
     return in_features % GROUP == 0 and out_features % 16 == 0
 
 
+def _ours(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``mod``'s weights (``_q4``, or ``_key`` inside a compiled graph) in our kernel."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).float()
+    if torch.compiler.is_compiling():  # by key: 2 x 211 weight tensors as graph inputs cost 1.4 ms of guards a call
+        y = q4_kernel.linear_key(x2, mod._key, mod.out_features)
+    else:
+        y = q4_kernel.linear(x2, *mod._q4)
+    return y.to(x.dtype).reshape(*shape[:-1], mod.out_features)
+
+
 class Int4Linear(nn.Module):
     """An ``nn.Linear`` whose forward runs an int4 kernel on Q4_1 weights (``kernel``: see the
     module docstring).
@@ -94,14 +105,9 @@ class Int4Linear(nn.Module):
                              persistent=False)  # [K/32, N, 2], the kernel's layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
         if self.kernel == "fp32":
-            x2 = x.reshape(-1, shape[-1]).float()
-            if torch.compiler.is_compiling():  # by key: 2 x 210 weight tensors as graph inputs cost 1.4 ms of guards a call
-                y = q4_kernel.linear_key(x2, self._key, self.out_features)
-            else:
-                y = q4_kernel.linear(x2, *self._q4)
-            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+            return _ours(self, x)
+        shape = x.shape
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight, GROUP,
                                                        self.scale_zero)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
@@ -148,13 +154,7 @@ class Int8Linear(nn.Module):
         self._register()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).float()
-        if torch.compiler.is_compiling():
-            y = q4_kernel.linear_key(x2, self._key, self.out_features)
-        else:
-            y = q4_kernel.linear(x2, *self._q4)
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return _ours(self, x)
 
     def _register(self) -> None:
         self._key = q4_kernel.register(*self._q4, self)
