@@ -168,7 +168,6 @@ class Adapter(Drafter):
         self.names = [n for n, _ in self.theta_0.named_parameters() if n != "embed.weight"]
         self.master = {n: p.detach().clone() for n, p in self.theta_0.named_parameters() if n in self.names}
         c = self.cfg
-        arms = tuple(c.arms)
         self.bandit, self.rollback = adaptation_policies(c)
         self.buffer: deque[QueryRecord] = deque(maxlen=c.buffer)
         self._lock = threading.Lock()

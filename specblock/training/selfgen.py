@@ -15,7 +15,6 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
