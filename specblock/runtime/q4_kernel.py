@@ -18,9 +18,11 @@ Layout (``layout``): per block of 4 output features and group of 32 inputs, 64 b
 (byte ``i`` of a feature: input ``i`` low, input ``i + 16`` high, ggml's own order) and
 ``(d, m)`` per feature as fp32; a pass reads one block's bytes in order. The LM head, which a
 Q4_1 GGUF keeps as Q8_0 (``d * q``, a signed byte per weight: also exact in fp32), goes through
-the same passes with 128 bytes and one ``d`` per block (``layout_q8``): half the bytes of an fp16
-head. Up to 4 rows go through
-a block in one pass (4 x 4 accumulators); more rows go 8 at a time over half a block.
+the same passes with 128 bytes and one ``d`` per block (``layout_q8``): about half the bytes of an
+fp16 head. Up to 4 rows go through a block in one pass (4 x 4 accumulators); more rows go 8 at a
+time over half a block. While a block is computed the next one is prefetched: a forward reads each
+weight once, in short streams the hardware prefetcher meets late (``experiments/q4_prefetch.py``:
+compiled T(1) 14.05 -> 10.30 ms, T(4) 24.18 -> 14.84 on a Xeon).
 
 Built on first use with the C++ compiler torch's extensions use (once per machine and torch
 version, under ``$SPECBLOCK_HOME/extensions``, about 8 s); the instructions are chosen per
