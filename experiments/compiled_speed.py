@@ -80,7 +80,8 @@ def packed_fp16_head(model: torch.nn.Module) -> None:
     head q4 had before it read the GGUF's 8-bit head."""
     head = model.get_output_embeddings()
     if not isinstance(head, Int8Linear):
-        raise SystemExit("--fp16-head-baseline needs --dtype q4 on a model whose q4 file holds its Q8_0 head")
+        raise SystemExit("an fp16 head baseline needs --dtype q4 on a model whose q4 file holds its Q8_0 head "
+                         "(rebuild it: `python -m specblock.runtime models --build NAME`)")
     lin = torch.nn.Linear(head.in_features, head.out_features, bias=False)
     lin.weight = head.weight
     model.set_output_embeddings(PackedLinear(lin))

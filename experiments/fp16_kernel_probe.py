@@ -21,10 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from linear_streams import SHAPES, H, I, fbgemm_linears, random_weights  # the same forward's linears
 from specblock.runtime import packed
-
-H, I, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
-LAYER = [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I)]  # (out, in): q, k, v, o, gate, up, down
 
 SOURCE = r"""
 #include <torch/library.h>
@@ -127,13 +125,9 @@ def main() -> None:
     build()
     op = torch.ops.specblock_fp16_probe.linear
     g = torch.Generator().manual_seed(0)
-    shapes = LAYER * LAYERS + [(VOCAB, H)]
-    ws = [torch.randn(n, k, generator=g) * 0.05 for n, k in shapes]
-    fbgemm, ours = [], [layout(w) for w in ws]
-    for w in ws:
-        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).requires_grad_(False)
-        lin.weight.copy_(w)
-        fbgemm.append(packed.PackedLinear(lin))
+    shapes = SHAPES
+    ws = random_weights(g)
+    fbgemm, ours = fbgemm_linears(ws), [layout(w) for w in ws]
     x8 = torch.randn(8, H, generator=g)
     one = op(x8, ours[4], 1)
     alone = torch.cat([op(x8[i:i + 1], ours[4], 1) for i in range(8)])

@@ -25,6 +25,21 @@ from specblock.runtime import packed, q4_kernel
 
 H, I, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
 LAYER = [(H, H), (KV, H), (KV, H), (H, H), (I, H), (I, H), (H, I)]  # (out, in): q, k, v, o, gate, up, down
+SHAPES = LAYER * LAYERS + [(VOCAB, H)]  # one forward's linears in order, the head last
+
+
+def random_weights(g: torch.Generator) -> list[torch.Tensor]:
+    return [torch.randn(n, k, generator=g) * 0.05 for n, k in SHAPES]
+
+
+def fbgemm_linears(ws: list[torch.Tensor]) -> list[packed.PackedLinear]:
+    """Each weight as packed-fp16 serves it (fbgemm's packed fp16)."""
+    out = []
+    for w in ws:
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).requires_grad_(False)
+        lin.weight.copy_(w)
+        out.append(packed.PackedLinear(lin))
+    return out
 
 
 def main() -> None:
@@ -38,13 +53,9 @@ def main() -> None:
     if not (packed.available() and q4_kernel.load()):
         raise SystemExit("needs fbgemm and our q4 kernel (AVX512F/BW)")
     g = torch.Generator().manual_seed(0)
-    shapes = LAYER * LAYERS + [(VOCAB, H)]
-    ws = [torch.randn(n, k, generator=g) * 0.05 for n, k in shapes]
-    fp16 = []
-    for w in ws:
-        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).requires_grad_(False)
-        lin.weight.copy_(w)
-        fp16.append(packed.PackedLinear(lin))
+    shapes = SHAPES
+    ws = random_weights(g)
+    fp16 = fbgemm_linears(ws)
     q4 = [q4_kernel.layout(*quantize_q4_1(w)) for w in ws[:-1]] + [q4_kernel.layout_q8(*quantize_q8_0(ws[-1]))]
     nbytes = {"packed-fp16": sum(2 * w.numel() for w in ws),
               "q4": sum(t.numel() * t.element_size() for pair in q4 for t in pair)}

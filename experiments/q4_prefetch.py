@@ -20,23 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from compiled_speed import packed_fp16_head  # the head q4 had before its Q8_0 one, as compiled_speed's baseline
 from specblock.compiled.target import StaticTarget
 from specblock.policies.tree import DraftTree
 from specblock.runtime import q4_kernel
 from specblock.runtime.config import validate
-from specblock.runtime.packed import PackedLinear
-from specblock.runtime.q4 import Int8Linear
 from specblock.runtime.target import TargetModel
-
-
-def packed_fp16_head(model: torch.nn.Module) -> None:
-    """The Q8_0 head back to a packed fp16 one over the same weight values."""
-    head = model.get_output_embeddings()
-    if not isinstance(head, Int8Linear):
-        raise SystemExit("this model's q4 file has no Q8_0 head: rebuild it (`python -m specblock.runtime models --build NAME`)")
-    lin = torch.nn.Linear(head.in_features, head.out_features, bias=False)
-    lin.weight = head.weight
-    model.set_output_embeddings(PackedLinear(lin))
 
 
 def main() -> None:

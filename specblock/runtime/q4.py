@@ -59,18 +59,41 @@ def fits(out_features: int, in_features: int) -> bool:
     return in_features % GROUP == 0 and out_features % 16 == 0
 
 
-def _ours(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``mod``'s weights (``_q4``, or ``_key`` inside a compiled graph) in our kernel."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).float()
-    if torch.compiler.is_compiling():  # by key: 2 x 211 weight tensors as graph inputs cost 1.4 ms of guards a call
-        y = q4_kernel.linear_key(x2, mod._key, mod.out_features)
-    else:
-        y = q4_kernel.linear(x2, *mod._q4)
-    return y.to(x.dtype).reshape(*shape[:-1], mod.out_features)
+class _OursLinear(nn.Module):
+    """What a linear on our kernel shares: its weights (``_q4``: ``qb``, ``dm``) kept under a key
+    for compiled graphs, the forward, copies and the bytes a forward reads. ``kernel`` is "fp32"
+    (ours) unless a subclass runs another."""
+
+    kernel = "fp32"
+    out_features: int
+    _q4: tuple[torch.Tensor, torch.Tensor]
+
+    def _ours(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float()
+        if torch.compiler.is_compiling():  # by key: 2 x 211 weight tensors as graph inputs cost 1.4 ms of guards a call
+            y = q4_kernel.linear_key(x2, self._key, self.out_features)
+        else:
+            y = q4_kernel.linear(x2, *self._q4)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def _register(self) -> None:
+        self._key = q4_kernel.register(*self._q4, self)
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (deepcopy, pickle) gets a key of its own, as ``PackedLinear``'s does; one without
+        the weights (dynamo's saved guards leave tensors out) registers nothing."""
+        super().__setstate__(state)
+        if self.kernel == "fp32" and isinstance(getattr(self, "_q4", None), tuple) \
+                and all(isinstance(t, torch.Tensor) for t in self._q4):
+            self._register()
+
+    def nbytes(self) -> int:
+        """Bytes a forward reads: the kernel's own weights (quantized values, scales and offsets)."""
+        return sum(t.numel() * t.element_size() for t in self._q4)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_OursLinear):
     """An ``nn.Linear`` whose forward runs an int4 kernel on Q4_1 weights (``kernel``: see the
     module docstring).
 
@@ -106,38 +129,25 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "fp32":
-            return _ours(self, x)
+            return self._ours(x)
         shape = x.shape
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight, GROUP,
                                                        self.scale_zero)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
-    def _register(self) -> None:
-        self._key = q4_kernel.register(*self._q4, self)
-
-    def __setstate__(self, state: dict) -> None:
-        """A copy (deepcopy, pickle) gets a key of its own, as ``PackedLinear``'s does; one without
-        the weights (dynamo's saved guards leave tensors out) registers nothing."""
-        super().__setstate__(state)
-        if self.kernel == "fp32" and isinstance(getattr(self, "_q4", None), tuple) \
-                and all(isinstance(t, torch.Tensor) for t in self._q4):
-            self._register()
-
     def nbytes(self) -> int:
-        """Bytes a forward reads: the kernel's own weights (4-bit values, scales and offsets)."""
-        ts = self._q4 if self.kernel == "fp32" else (self.qweight, self.scale_zero)
-        return sum(t.numel() * t.element_size() for t in ts)
+        if self.kernel == "fp32":
+            return super().nbytes()
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale_zero))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 q4_1, {self.kernel} kernel"
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_OursLinear):
     """An ``nn.Linear`` on Q8_0 weights (``d * q``) in our kernel: the GGUF's LM head. ``weight``
     stays for code that reads weights (drafters copy the target's head), holding the same exact
     values the kernel multiplies by."""
-
-    kernel = "fp32"
 
     def __init__(self, lin: nn.Linear, q: torch.Tensor, d: torch.Tensor) -> None:
         super().__init__()
@@ -154,19 +164,7 @@ class Int8Linear(nn.Module):
         self._register()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ours(self, x)
-
-    def _register(self) -> None:
-        self._key = q4_kernel.register(*self._q4, self)
-
-    def __setstate__(self, state: dict) -> None:
-        """A copy gets a key of its own (as ``Int4Linear``'s does)."""
-        super().__setstate__(state)
-        if isinstance(getattr(self, "_q4", None), tuple) and all(isinstance(t, torch.Tensor) for t in self._q4):
-            self._register()
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._q4)
+        return self._ours(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 q8_0, fp32 kernel"
