@@ -7,13 +7,15 @@ Three targets share one process: compiled q4 (its Q8_0 head), and a second compi
 packed fp16 over the same values (the head q4 had before). The kernel's prefetch distance
 (``specblock_q4::set_prefetch``, in blocks of 4 output features) is a process-wide setting, so each
 timed forward sets it first. A first call of each size compiles or loads its graph and is not timed.
-Also checks that every setting gives the same logits (prefetching moves no arithmetic).
+Also checks that every setting gives the same logits (prefetching moves no arithmetic). It measures
+the fp32 kernel (``SPECBLOCK_Q4_KERNEL=fp32``, set here): the int8 kernel's prefetch is its own.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -39,6 +41,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("experiments/results/q4_prefetch"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    os.environ["SPECBLOCK_Q4_KERNEL"] = "fp32"  # set_prefetch is this kernel's
     if not q4_kernel.load():
         raise SystemExit("our q4 kernel cannot run on this CPU (AVX512F/BW needed)")
     path = validate({"target": args.target}).target_dir

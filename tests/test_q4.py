@@ -1,5 +1,6 @@
-"""``--dtype q4``: a model's own Q4_1 GGUF weights. Our fp32 kernel (AVX512): lossless like fp32;
-torch's int4 kernel (the fallback): lossless like bf16, up to near-ties."""
+"""``--dtype q4``: a model's own Q4_1 GGUF weights. Our kernels, int8 (AVX512-VNNI: int8 activations)
+and fp32 (AVX512): row-independent, so lossless like fp32; torch's int4 kernel (the fallback):
+lossless like bf16, up to near-ties."""
 
 import json
 
@@ -22,9 +23,11 @@ pytestmark = pytest.mark.skipif(not (q4.available() and packed.available()),
                                 reason="torch without the CPU int4 kernel or fbgemm (not an x86 build)")
 V = 48
 OURS = q4_kernel.cpu_supports() and q4_kernel.load()
-#: The kernels this machine runs: torch's everywhere, ours where the CPU has AVX512.
-KERNELS = ["bf16"] + (["fp32"] if OURS else [])
+VNNI = OURS and q4_kernel.vnni_supports()
+#: The kernels this machine runs: torch's everywhere, ours where the CPU has AVX512 (int8: and VNNI).
+KERNELS = ["bf16"] + (["fp32"] if OURS else []) + (["int8"] if VNNI else [])
 needs_ours = pytest.mark.skipif(not OURS, reason="the fp32 q4 kernel needs AVX512F/AVX512BW (torch's kernel runs instead)")
+needs_vnni = pytest.mark.skipif(not VNNI, reason="the int8 q4 kernel needs AVX512-VNNI")
 
 
 def q4_linear(n: int = 48, k: int = 64, seed: int = 0, kernel: str = "bf16") -> tuple[q4.Int4Linear, torch.Tensor]:
@@ -67,6 +70,36 @@ def test_our_kernel_multiplies_by_the_exact_q4_weights_in_fp32():
     assert lin(x[:0].reshape(0, 128)).shape == (0, 96)
 
 
+def quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """What the int8 kernel multiplies by: each row's groups of 32 as ``dx * round(x / dx)`` with
+    ``dx = amax / 127`` (ggml's Q8_1)."""
+    g = x.reshape(x.shape[0], -1, GROUP)
+    amax = g.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(g * scale) * (amax / 127)).reshape(x.shape)
+
+
+@needs_vnni
+@pytest.mark.parametrize("head", [False, True])
+def test_int8_kernel_multiplies_int8_rows_by_the_exact_weights(head):
+    """Q4_1 (and the Q8_0 head) against activations rounded to int8 per row and group of 32: close
+    to that product in fp64, and visibly not the fp32 kernel's product (the rounding is real)."""
+    lin, (qs, d, m) = q4_linear(n=96, k=128, kernel="int8") if not head else (None, (None, None, None))
+    if head:
+        lin, (q, dd) = q8_linear(n=96, k=128, kernel="int8")
+        w = dequantize_q8_0(q, dd)
+    else:
+        w = dequantize_q4_1(qs, d, m)
+    assert "int8 kernel" in repr(lin)
+    x = torch.randn(9, 128)
+    got = lin(x)
+    want = (quantized_rows(x).double() @ w.double().t()).float()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(got, (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-4)
+    assert torch.equal(lin(torch.zeros(2, 128)), torch.zeros(2, 96))  # an all-zero group quantizes to zero
+    assert lin(x[:0]).shape == (0, 96)
+
+
 @needs_ours
 def test_our_kernel_checks_its_inputs():
     _, (qs, d, m) = q4_linear(kernel="bf16")
@@ -77,6 +110,14 @@ def test_our_kernel_checks_its_inputs():
         q4_kernel.linear(torch.randn(2, 64).double(), qb, dm)
     with pytest.raises(ValueError, match="does not fit the q4 kernel"):
         q4_kernel.layout(qs[:6], d[:6], m[:6])
+    with pytest.raises(ValueError, match="does not fit the int8 kernel"):
+        q4_kernel.layout8(qs[:8], d[:8], m[:8])
+    if VNNI:
+        w = q4_kernel.layout8(qs[:32], d[:32], m[:32])
+        with pytest.raises(RuntimeError, match="inputs"):
+            q4_kernel.linear8(torch.randn(2, 96), w)
+        with pytest.raises(RuntimeError, match="uint8"):
+            q4_kernel.linear8(torch.randn(2, 64), w[..., :300].contiguous())
 
 
 @settings(max_examples=25, deadline=None)
@@ -91,11 +132,11 @@ def test_each_row_is_its_own_dot_products(rows, seed, kernel):
     assert torch.equal(together, alone)
 
 
-def q8_linear(n: int = 48, k: int = 64, seed: int = 0) -> tuple[q4.Int8Linear, tuple[torch.Tensor, torch.Tensor]]:
+def q8_linear(n: int = 48, k: int = 64, seed: int = 0, kernel: str = "fp32") -> tuple[q4.Int8Linear, tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(seed)
     lin = torch.nn.Linear(k, n, bias=False)
     q, d = quantize_q8_0(lin.weight)
-    return q4.Int8Linear(lin, q, d), (q, d)
+    return q4.Int8Linear(lin, q, d, kernel), (q, d)
 
 
 @needs_ours
@@ -115,9 +156,9 @@ def test_the_q8_head_multiplies_by_the_exact_q8_weights_in_fp32():
 
 @needs_ours
 @settings(max_examples=15, deadline=None)
-@given(rows=st.integers(1, 40), seed=st.integers(0, 2**16))
-def test_each_q8_row_is_its_own_dot_products(rows, seed):
-    lin, _ = q8_linear(seed=seed % 5)
+@given(rows=st.integers(1, 40), seed=st.integers(0, 2**16), kernel=st.sampled_from([k for k in KERNELS if k != "bf16"]))
+def test_each_q8_row_is_its_own_dot_products(rows, seed, kernel):
+    lin, _ = q8_linear(seed=seed % 5, kernel=kernel)
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed))
     assert torch.equal(lin(x), torch.cat([lin(x[i:i + 1]) for i in range(rows)]))
 
@@ -127,13 +168,17 @@ def test_prefetching_moves_no_result():
     lin, _ = q4_linear(n=256, k=128, kernel="fp32")
     head, _ = q8_linear(n=256, k=128)
     x = torch.randn(6, 128)
+    lin8, _ = (q4_linear(n=256, k=128, kernel="int8") if VNNI else (None, None))
+    head8, _ = (q8_linear(n=256, k=128, kernel="int8") if VNNI else (None, None))
     try:
         outs = []
         for ahead in (0, 1, 3):
             torch.ops.specblock_q4.set_prefetch(ahead)
-            outs.append((lin(x), head(x), lin(x[:2])))
+            torch.ops.specblock_q4.set_prefetch8(3 * ahead)
+            outs.append((lin(x), head(x), lin(x[:2])) + ((lin8(x), head8(x), lin8(x[:2])) if VNNI else ()))
     finally:
         torch.ops.specblock_q4.set_prefetch(1)
+        torch.ops.specblock_q4.set_prefetch8(8)
     assert all(torch.equal(a, b) for out in outs[1:] for a, b in zip(outs[0], out))
 
 
@@ -241,7 +286,7 @@ def first_parting(model, prompt, got: list[int], ref: list[int]) -> float | None
 
 def check_parting(kernel: str, gap: float | None, what) -> None:
     """Ours: identical (lossless like fp32). torch's: identical or parted at a near-tie (like bf16)."""
-    if kernel == "fp32":
+    if kernel in q4.OURS:
         assert gap is None, (what, gap)
     else:
         assert gap is None or abs(gap) < NEAR_TIE, (what, gap)
@@ -262,8 +307,8 @@ def test_load_and_every_method_match_the_q4_models_greedy(tmp_path, capsys, kern
     target = TargetModel.load(path, "q4", "cpu")
     mods = list(target.model.modules())
     assert sum(isinstance(m, q4.Int4Linear) and m.kernel == kernel for m in mods) == 3 * 7
-    # the Q8_0 head in our kernel; torch's has none, so there the head is packed fp16
-    assert isinstance(target.model.lm_head, q4.Int8Linear if kernel == "fp32" else packed.PackedLinear)
+    # the Q8_0 head in our kernels; torch's has none, so there the head is packed fp16
+    assert isinstance(target.model.lm_head, q4.Int8Linear if kernel in q4.OURS else packed.PackedLinear)
     assert not any(type(m) is torch.nn.Linear for m in mods)
     rng = np.random.default_rng(3)
     accepted, equal, runs = 0, 0, 0
@@ -281,7 +326,7 @@ def test_load_and_every_method_match_the_q4_models_greedy(tmp_path, capsys, kern
                              "--prompt", "abcabcabc", "--max-new-tokens", "12", "--compare", "ar", "--json")
     assert code == 0, err
     identical = json.loads(out)["identical_to_ar"]
-    assert identical is True if kernel == "fp32" else isinstance(identical, bool)
+    assert identical is True if kernel in q4.OURS else isinstance(identical, bool)
 
 
 def test_compiled_q4_target_matches_its_greedy(tmp_path, kernel):
@@ -314,3 +359,14 @@ def test_refusals_are_one_line(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(SpecBlockError, match="no CUDA device"):
             TargetModel.load(path, "q4", "cuda")
+
+
+def test_the_default_kernel_is_the_fastest_that_runs_and_the_variable_picks_another(monkeypatch):
+    monkeypatch.delenv("SPECBLOCK_Q4_KERNEL", raising=False)
+    assert q4.default_kernel() == ("int8" if VNNI else "fp32" if OURS else "bf16")
+    for k in KERNELS:
+        monkeypatch.setenv("SPECBLOCK_Q4_KERNEL", k)
+        assert q4.default_kernel() == k
+    monkeypatch.setenv("SPECBLOCK_Q4_KERNEL", "int4")
+    with pytest.raises(SpecBlockError, match="no q4 kernel; choose one of int8, fp32, bf16"):
+        q4.default_kernel()
