@@ -76,7 +76,7 @@ def main() -> None:
     args.out.with_suffix(".json").write_text(json.dumps(out, indent=1))
     lines = [f"Compiled target, grouped attention kernels, {args.dtype}, {args.threads} threads, context {args.ctx}, "
              f"{args.reps} interleaved calls per size (`python experiments/attention_kernels.py --dtype {args.dtype} "
-             f"--sizes {args.sizes} --reps {args.reps} --threads {args.threads} --out {args.out}`).", "",
+             f"--kernels {args.kernels} --sizes {args.sizes} --reps {args.reps} --threads {args.threads} --out {args.out}`).", "",
              "| n | " + " | ".join(f"{k} ms" for k in kernels) + " | " + " | ".join(f"{k} / {base} (paired)" for k in kernels[1:])
              + " | max logit diff |", "|---" * (2 * len(kernels) + 1) + "|"]
     for n in sizes:

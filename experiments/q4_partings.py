@@ -1,4 +1,4 @@
-"""Which shipped drafters part from plain decoding at q4, per kernel: ours (fp32) against torch's (bf16).
+"""Which shipped drafters part from plain decoding at q4, per kernel: ours (int8, fp32) against torch's (bf16).
 
 Why: ``tests/test_real_model.py`` asserts that on our kernel every shipped drafter, at its serving
 settings, equals the q4 model's plain decoding on its two chat questions. This shows the same runs
@@ -58,13 +58,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernels", default=None, help="comma-separated (default: every kernel this CPU runs)")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/q4_partings"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_target(NAME)
-    kernels = (["fp32"] if q4.q4_kernel.load() else []) + ["bf16"]
+    ours = q4.q4_kernel.load()
+    kernels = args.kernels.split(",") if args.kernels else \
+        (["int8"] if ours and q4.q4_kernel.vnni_supports() else []) + (["fp32"] if ours else []) + ["bf16"]
     res = {k: run(k, path, args.tokens) for k in kernels}
-    lines = [f"`python experiments/q4_partings.py --tokens {args.tokens} --threads {args.threads} --out {args.out}`: "
+    picked = f" --kernels {args.kernels}" if args.kernels else ""
+    lines = [f"`python experiments/q4_partings.py --tokens {args.tokens} --threads {args.threads}{picked} --out {args.out}`: "
              f"each shipped drafter at its serving settings against plain decoding, the q4 model, {args.tokens} new tokens, "
              "identical or not per question:", "",
              "| drafter | " + " | ".join(f"{k} kernel: " + " / ".join(q.split()[0] + "..." for q in QUESTIONS) for k in res) + " |",

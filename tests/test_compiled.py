@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from specblock.compiled import tree_attention
 from specblock.compiled.target import BUCKETS, StaticTarget, bucket_of, span_of
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters import ARDrafter, LookupDrafter, RandomDrafter
@@ -266,12 +267,16 @@ def test_features_step_is_one_graph_on_a_fresh_model():
         assert explained.graph_count == graphs, (compile, explained.break_reasons)
 
 
-@pytest.mark.parametrize("kernel", ["math", "sdpa"])
+FUSED = tree_attention.load()
+
+
+@pytest.mark.parametrize("kernel", ["math", "sdpa"] + (["fused"] if FUSED else []))
 @pytest.mark.parametrize("rows", [1, 4, 8, 13])
 def test_gqa_attention_equals_repeat_kv(rows, kernel, monkeypatch):
-    """Both grouped attentions of compiled CPU graphs give HF's ``repeat_kv`` result on a tree mask
-    (additive or boolean), at one row and at several; outside a trace, and for the SDPA one past
-    ``SDPA_MAX_ROWS`` rows, they are HF's own function."""
+    """Every grouped attention of compiled CPU graphs gives HF's ``repeat_kv`` result on a tree mask
+    (additive or boolean) over keys read in place from a longer cache, at one row and at several;
+    outside a trace, and for the SDPA one past ``SDPA_MAX_ROWS`` rows, they are HF's own function.
+    The fused op computes each row alone (the same result whatever the other rows)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from specblock.compiled.gqa import KERNELS, SDPA_MAX_ROWS
@@ -281,32 +286,37 @@ def test_gqa_attention_equals_repeat_kv(rows, kernel, monkeypatch):
     g = torch.Generator().manual_seed(rows)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 3, True
-    q = torch.randn(1, 6, rows, 8, generator=g)
-    k, v = torch.randn(2, 1, 2, 40, 8, generator=g)
+    q = torch.randn(1, 6, rows, 16, generator=g)
+    k, v = torch.randn(2, 1, 2, 64, 16, generator=g)[:, :, :, :40]  # the static cache's first 40 slots
     visible = torch.rand(rows, 40, generator=g) > 0.4
     visible[:, 0] = True
     mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)[None, None]
-    ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=8**-0.5)
-    same, _ = forward(module, q, k, v, mask, scaling=8**-0.5)
-    assert torch.equal(same, sdpa_rows_forward(module, q, k, v, mask, scaling=8**-0.5)[0])  # not tracing: the eager path
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=16**-0.5)
+    same, _ = forward(module, q, k, v, mask, scaling=16**-0.5)
+    assert torch.equal(same, sdpa_rows_forward(module, q, k, v, mask, scaling=16**-0.5)[0])  # not tracing: the eager path
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    out, _ = forward(module, q, k, v, mask, scaling=8**-0.5)
-    assert out.shape == ref.shape == (1, rows, 6, 8)
+    out, _ = forward(module, q, k, v, mask, scaling=16**-0.5)
+    assert out.shape == ref.shape == (1, rows, 6, 16)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
     if kernel == "sdpa" and rows > SDPA_MAX_ROWS:
         assert torch.equal(out, ref)  # traced: HF's repeat_kv path
-    if kernel == "math":
-        out, _ = forward(module, q, k, v, visible[None, None], scaling=8**-0.5)  # a boolean mask: True is visible
+    if kernel == "fused":
+        assert torch.equal(out, tree_attention.tree_attention(q, k, v, mask, 16**-0.5))  # the op ran
+        alone = torch.cat([forward(module, q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], scaling=16**-0.5)[0]
+                           for i in range(rows)], 1)
+        assert torch.equal(out, alone)
+    if kernel in ("math", "fused"):  # the fused one hands these to the math kernel
+        out, _ = forward(module, q, k, v, visible[None, None], scaling=16**-0.5)  # a boolean mask: True is visible
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
-        half, _ = forward(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.bfloat16(), scaling=8**-0.5)
+        half, _ = forward(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.bfloat16(), scaling=16**-0.5)
         assert half.dtype == torch.bfloat16
         torch.testing.assert_close(half.float(), ref, atol=2e-2, rtol=2e-2)
         if rows > 1:  # several rows without a mask: HF's causal flag, so HF's function
-            eager, _ = sdpa_rows_forward(module, q, k, v, None, scaling=8**-0.5)
-            assert torch.equal(forward(module, q, k, v, None, scaling=8**-0.5)[0], eager)
+            eager, _ = sdpa_rows_forward(module, q, k, v, None, scaling=16**-0.5)
+            assert torch.equal(forward(module, q, k, v, None, scaling=16**-0.5)[0], eager)
 
 
-@pytest.mark.parametrize("kernel", ["math", "sdpa"])
+@pytest.mark.parametrize("kernel", ["math", "sdpa"] + (["fused"] if FUSED else []))
 def test_gqa_attention_only_where_it_applies(kernel):
     """Switched on by compiled CPU targets of SDPA models with grouped heads, and it reaches the
     graph (math: matmuls and no SDPA call; sdpa: an SDPA call with ``enable_gqa`` up to its row
@@ -336,6 +346,9 @@ def test_gqa_attention_only_where_it_applies(kernel):
         if kernel == "math":
             matmuls = [nd for nd in graph.graph.nodes if nd.target is torch.matmul]
             assert not sdpa and len(matmuls) == 4, n  # two layers, two matmuls each
+        elif kernel == "fused":
+            ops = [nd for nd in graph.graph.nodes if "tree_attention" in str(nd.target)]
+            assert not sdpa and len(ops) == 2, n  # one op a layer
         else:
             assert len(sdpa) == 2 and all(bool(nd.kwargs.get("enable_gqa")) == (n <= SDPA_MAX_ROWS) for nd in sdpa), n
 

@@ -27,11 +27,13 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from specblock.compiled import tree_attention
 from specblock.runtime import grouped_rows
 from specblock.runtime.grouped_rows import sdpa_rows_forward, use_sdpa_variant
 
 NAME = "specblock_math_gqa"
 SDPA_NAME = "specblock_sdpa_gqa"
+FUSED_NAME = "specblock_fused_gqa"
 #: ``sdpa``'s limit: query rows up to which it read grouped heads in place (``compiled_speed_gqa.md``:
 #: T(1) / T(2) / T(4) 6% / 6% / 3% faster than ``repeat_kv``, T(8) 4% slower).
 SDPA_MAX_ROWS = 4
@@ -102,15 +104,43 @@ def sdpa_gqa_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def fused_gqa_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """One C++ op a layer (``compiled/tree_attention.py``) where it applies (fp32, an additive
+    mask); elsewhere the math kernel."""
+    if _traced_plain(query, key, attention_mask, kwargs) or dropout or not tree_attention.applies(query, key, attention_mask):
+        return math_gqa_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return tree_attention.tree_attention(query, key, value, attention_mask, scale), None
+
+
 #: ``StaticTarget(gqa_kernel=...)``: the registered attention name and its function.
-KERNELS = {"math": (NAME, math_gqa_forward), "sdpa": (SDPA_NAME, sdpa_gqa_forward)}
+KERNELS = {"math": (NAME, math_gqa_forward), "sdpa": (SDPA_NAME, sdpa_gqa_forward),
+           "fused": (FUSED_NAME, fused_gqa_forward)}
 
 
-def use_gqa_attention(model: PreTrainedModel, kernel: str = "math") -> bool:
+def default_kernel() -> str:
+    """The fused op where it runs (its library built, an AVX512 CPU), else the math kernel."""
+    return "fused" if tree_attention.load() else "math"
+
+
+def use_gqa_attention(model: PreTrainedModel, kernel: str | None = None) -> bool:
     """Switch an SDPA model on CPU with grouped key/value heads (HF's, the eager target's grouped
-    rows, which its eager calls keep, or the other kernel's) to ``KERNELS[kernel]``."""
+    rows, which its eager calls keep, or another kernel's) to ``KERNELS[kernel]`` (None: the default)."""
+    kernel = kernel or default_kernel()
     if kernel not in KERNELS:
         raise ValueError(f"unknown grouped-attention kernel {kernel!r}; choose one of {sorted(KERNELS)}")
+    if kernel == "fused" and not tree_attention.load():  # it warned why
+        kernel = "math"
     name, forward = KERNELS[kernel]
     others = tuple(n for n, _ in KERNELS.values() if n != name)
     return use_sdpa_variant(model, name, forward, (grouped_rows.NAME, *others))

@@ -18,13 +18,11 @@ the Python kernel and says so once: slower, same results.
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 
 import torch
 
-from specblock.models.registry import specblock_home
-from specblock.runtime import packed
+from specblock.runtime import cext, packed
 
 SOURCE = r"""
 #include <torch/library.h>
@@ -135,19 +133,8 @@ TORCH_LIBRARY_IMPL(specblock_native, CPU, m) {
 _STATE: dict[str, object] = {}
 
 
-def build_name() -> str:
-    """One build per source and torch version: a new torch gets a fresh build, not a stale .so."""
-    digest = hashlib.sha256((SOURCE + torch.__version__).encode()).hexdigest()[:12]
-    return f"specblock_native_{digest}"
-
-
 def _build() -> None:
-    from torch.utils.cpp_extension import load_inline
-
-    where = specblock_home() / "extensions" / build_name()
-    where.mkdir(parents=True, exist_ok=True)
-    load_inline(build_name(), cpp_sources=[SOURCE], is_python_module=False, build_directory=str(where),
-                extra_cflags=["-O2"], verbose=False, no_implicit_headers=True)
+    cext.build("specblock_native", SOURCE, ["-O2"])
     torch.library.register_fake("specblock_native::packed_linear", _fake)
     torch.library.register_fake("specblock_native::packed_linear_cat", _fake)
 

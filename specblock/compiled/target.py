@@ -80,7 +80,8 @@ class StaticTarget(TargetModel):
     identical padded step eagerly (the tests' cheap way to check the padding); ``regions`` picks
     one compiled layer step for all layers (True) or one compiled whole forward (False); ``gqa``
     False keeps HF's ``repeat_kv`` attention in the graph (the baseline of ``compiled_speed.py``),
-    ``gqa_kernel`` picks the grouped attention otherwise (``compiled/gqa.py``'s ``KERNELS``);
+    ``gqa_kernel`` picks the grouped attention otherwise (``compiled/gqa.py``'s ``KERNELS``; None:
+    the fused C++ op where it runs, else the math kernel);
     ``native`` False keeps packed linears' Python kernel in the graph, ``fuse`` False their separate
     calls (the baselines of ``compiled_speed.py --python-kernel-baseline`` / ``--unfused-baseline``);
     ``saved`` False neither loads nor saves graphs for later starts (``compiled/precompile.py``);
@@ -99,7 +100,7 @@ class StaticTarget(TargetModel):
         options: dict | None = None,
         regions: bool = False,
         gqa: bool = True,
-        gqa_kernel: str = "math",
+        gqa_kernel: str | None = None,
         native: bool = True,
         fuse: bool = True,
         saved: bool = True,

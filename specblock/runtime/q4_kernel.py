@@ -26,8 +26,9 @@ int8 (``layout8``): each row's groups of 32 are rounded to int8 as ggml's Q8_1 d
 8-bit) weights are exact in int32 (VNNI: 64 multiply-adds an instruction, 4x fp32's), then scaled
 in fp32: ``acc += float(sum q xq) * (d dx)`` and ``acc += m * (dx sum xq)`` per group in order.
 This is llama.cpp's arithmetic for a Q4_1 model, so it is another model than the fp32 kernel's
-(``experiments/q4_int8.py``: top-1 agreement with it 97% over the bench's chat prompts), and as
-lossless against its own greedy decoding. One output feature per 32-bit lane, 16 a block, so no
+(``experiments/q4_int8.py``: top-1 agreement with it 97% over the bench's chat prompts). Its rows
+are independent too, but its rounding makes the model lossless only like bf16 (``q4.py``), so it
+is opt-in (``SPECBLOCK_Q4_KERNEL=int8``). One output feature per 32-bit lane, 16 a block, so no
 horizontal sum; per block and group 256 bytes of nibbles and the GGUF's fp16 ``d``, ``m`` (320
 bytes; the Q8_0 head: ``q + 128`` as unsigned bytes and ``d``, 544), groups prefetched 8 ahead.
 Rows go 8 to a pass. Compiled on the real model: T(1) 9.23 against 11.02 ms, T(8) 16.65 against
@@ -42,7 +43,6 @@ VNNI is missing, to the fp32 kernel (``q4.default_kernel``).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import warnings
@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from specblock.q4file import GROUP, unpack_nibbles
+from specblock.runtime import cext
 
 NB = 4  # output features per stored block
 SOURCE = (Path(__file__).parent / "q4_kernel.cpp").read_text()  # built once per text and torch version
@@ -61,36 +62,16 @@ _STATE: dict[str, object] = {}
 
 def cpu_supports() -> bool:
     """AVX512F, AVX512BW and FMA (the extension checks again before running)."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-    return {"avx512f", "avx512bw", "fma"} <= flags
+    return {"avx512f", "avx512bw", "fma"} <= cext.cpu_flags()
 
 
 def vnni_supports() -> bool:
     """AVX512-VNNI besides (the int8 kernel's integer multiply-adds)."""
-    try:
-        return cpu_supports() and "avx512_vnni" in set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-
-
-def build_name() -> str:
-    digest = hashlib.sha256((SOURCE + torch.__version__).encode()).hexdigest()[:12]
-    return f"specblock_q4_{digest}"
+    return cpu_supports() and "avx512_vnni" in cext.cpu_flags()
 
 
 def _build() -> None:
-    from torch.utils.cpp_extension import load_inline
-
-    from specblock.models.registry import specblock_home
-
-    where = specblock_home() / "extensions" / build_name()
-    where.mkdir(parents=True, exist_ok=True)
-    # -fopenmp: at::parallel_for is an OpenMP region compiled into this library (without it, one thread)
-    load_inline(build_name(), cpp_sources=[SOURCE], is_python_module=False, build_directory=str(where),
-                extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False, no_implicit_headers=True)
+    cext.build("specblock_q4", SOURCE, *cext.OPENMP)
     torch.library.register_fake("specblock_q4::linear", _fake)
     torch.library.register_fake("specblock_q4::linear_key", _fake_key)
     torch.library.register_fake("specblock_q4::linear8", _fake8)

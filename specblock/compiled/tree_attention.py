@@ -1,0 +1,74 @@
+"""The compiled CPU target's attention as one C++ op: ``specblock_attention::tree_attention``.
+
+Why: at a tree's few query rows attention is tiny (the real model: 9 heads x 64 dims over a
+256-slot span, about 0.3 M multiply-adds a row and layer), yet the graph of ``compiled/gqa.py``'s
+math kernel spends it in three calls a layer (two BLAS matmuls and inductor's fused mask and
+softmax): 2.3 ms of a one-token forward and 4.2 ms of an 8-token one in inductor's kernel profile
+of compiled q4 (``experiments/compiled_profile.py``), mostly per-call cost. One op a layer does the
+same work in a single parallel pass: per query head and row, scores against the visible slots
+(the additive mask's 0; its finfo.min slots are skipped, as softmax weighs them exactly 0), a
+16-lane exp (Cephes' expf, about 1 ulp), the weighted sum of values, one division.
+
+Each row is computed by the same operations whatever the call's other rows, in fp32, so a tree's
+logits stay those of its tokens alone up to the order of the visible slots, as with the matmuls
+(``tests/test_compiled.py`` checks it against HF's attention and every method against plain
+decoding). fp32 models only (packed-fp16 and q4 are fp32 inside); a bf16 graph keeps the math
+kernel.
+
+Built on first use like q4's kernel (``runtime/cext.py``, AVX512 instructions chosen per function,
+the CPU checked before use); where it cannot run, the math kernel stays, with one warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from specblock.runtime import cext
+
+SOURCE = (Path(__file__).parent / "tree_attention.cpp").read_text()
+_STATE: dict[str, bool] = {}
+
+
+def cpu_supports() -> bool:
+    return {"avx512f", "avx512dq", "fma"} <= cext.cpu_flags()
+
+
+def load() -> bool:
+    """Build (or load) the op once per process; False, with one warning, where it cannot run."""
+    if "ok" not in _STATE:
+        why = None
+        if not cpu_supports():
+            why = "this CPU has no AVX512F/DQ"
+        else:
+            try:
+                cext.build("specblock_attention", SOURCE, *cext.OPENMP)
+                torch.library.register_fake("specblock_attention::tree_attention", _fake)
+            except Exception as exc:  # a missing compiler or headers: the math kernel, same results
+                lines = str(exc).strip().splitlines()
+                why = f"it could not be built ({type(exc).__name__}: {lines[-1] if lines else exc!r})"
+        _STATE["ok"] = why is None
+        if why is not None:
+            warnings.warn(f"specblock: compiled graphs keep the matmul attention, not the fused one ({why})", stacklevel=2)
+    return _STATE["ok"]
+
+
+def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    return q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
+
+
+def applies(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """fp32 throughout, one batch row, an additive fp32 mask of one head, head dims up to 256. (That
+    the op is built, ``use_gqa_attention`` checks before it switches a model to it: a traced check of
+    ``_STATE`` would be a guard that dynamo's saved graphs cannot keep.)"""
+    return (mask is not None and query.shape[0] == 1 and query.dtype == key.dtype == mask.dtype == torch.float32
+            and mask.dim() == 4 and mask.shape[1] == 1 and query.shape[-1] <= 256
+            and query.device.type == "cpu")
+
+
+def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """``query [1, H, n, d]``, ``key``/``value [1, H_kv, span, d]``, ``mask [1, 1, n, span]`` -> ``[1, n, H, d]``."""
+    return torch.ops.specblock_attention.tree_attention(query, key, value, mask, scale)

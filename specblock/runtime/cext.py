@@ -1,0 +1,44 @@
+"""Our C++ op libraries, built on first use: one build per source text and torch version, under
+``$SPECBLOCK_HOME/extensions`` (a new torch or a changed source gets a fresh build, never a stale .so).
+
+Why one helper: three libraries (q4's kernels, packed-fp16's compiled linear, the compiled tree
+attention) build the same way. ``no_implicit_headers`` keeps ``load_inline`` from adding
+``torch/extension.h`` (all of libtorch's C++ API and pybind11): 7.1 s instead of 26.9 s a build
+(``experiments/native_build_time.py``). Each library registers its ops with ``TORCH_LIBRARY``, so
+nothing is imported as a Python module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+#: at::parallel_for is an OpenMP region compiled into the library: without these, one thread.
+OPENMP = (["-O3", "-fopenmp"], ["-fopenmp"])
+
+
+def build_name(prefix: str, source: str) -> str:
+    return f"{prefix}_{hashlib.sha256((source + torch.__version__).encode()).hexdigest()[:12]}"
+
+
+def build(prefix: str, source: str, cflags: list[str], ldflags: list[str] | None = None) -> None:
+    """Compile (or load the saved build of) ``source`` and register its ops in this process."""
+    from torch.utils.cpp_extension import load_inline
+
+    from specblock.models.registry import specblock_home
+
+    name = build_name(prefix, source)
+    where = specblock_home() / "extensions" / name
+    where.mkdir(parents=True, exist_ok=True)
+    load_inline(name, cpp_sources=[source], is_python_module=False, build_directory=str(where),
+                extra_cflags=cflags, extra_ldflags=ldflags or [], verbose=False, no_implicit_headers=True)
+
+
+def cpu_flags() -> set[str]:
+    """The flags of ``/proc/cpuinfo`` (empty where it cannot be read: no AVX512 kernels then)."""
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
