@@ -5,7 +5,8 @@
         [--reps 15] [--runs 3] [--threads 2] [--impls hf,rows] [--out experiments/results/tree_attention]
 
 ``--impls`` may add ``rows_per_layer``: grouped rows with the mask tiled in every layer, as before
-the tiled mask was shared across a forward's layers.
+the tiled mask was shared across a forward's layers; and ``rows_sdpa``: grouped rows without the fused
+op (``runtime/tree_attention.py``) that fp32 forwards take since, i.e. SDPA on the folded heads.
 
 Each run times every size under both functions in turn (medians of ``--reps`` forwards, then the
 median over ``--runs``); the logits of one tree per size are compared between the two.
@@ -31,12 +32,13 @@ from specblock.runtime import grouped_rows  # noqa: E402
 from specblock.runtime.grouped_rows import use_grouped_rows, use_hf_sdpa  # noqa: E402
 from specblock.runtime.target import TargetModel  # noqa: E402
 
-IMPLS = ("hf", "rows", "rows_per_layer")
+IMPLS = ("hf", "rows", "rows_per_layer", "rows_sdpa")
 SHARED_TILE = grouped_rows.tiled_mask
 
 
 def switch(target: TargetModel, impl: str) -> None:
     grouped_rows.tiled_mask = SHARED_TILE if impl != "rows_per_layer" else grouped_rows._tile
+    grouped_rows.USE_FUSED = impl == "rows"
     if impl.startswith("rows"):
         assert use_grouped_rows(target.model), "grouped rows need an SDPA CPU model with grouped key/value heads"
     else:
@@ -88,8 +90,9 @@ def main(argv: list[str]) -> int:
             for impl in impls for ctx in ctxs for n in sizes]
     cmd = "python experiments/tree_attention.py " + " ".join(argv)
     md = [f"T(n) in ms, {a.dtype}, {a.threads} threads, medians of {a.reps} forwards, median of {a.runs} interleaved "
-          f"runs (`{cmd.strip()}`). hf: HF's SDPA function (`repeat_kv` under a tree mask); rows: grouped rows; "
-          "rows_per_layer: grouped rows, the mask tiled in every layer.", "",
+          f"runs (`{cmd.strip()}`). hf: HF's SDPA function (`repeat_kv` under a tree mask); rows: grouped rows (fp32: "
+          "the fused op); rows_per_layer: grouped rows, the mask tiled in every layer; rows_sdpa: grouped rows "
+          "without the fused op.", "",
           "| ctx | attention | " + " | ".join(f"T({n})" for n in sizes) + " |",
           "|---|---|" + "---|" * len(sizes)]
     for ctx in ctxs:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from specblock.compiled import tree_attention
+from specblock.runtime import tree_attention
 from specblock.compiled.target import BUCKETS, StaticTarget, bucket_of, span_of
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters import ARDrafter, LookupDrafter, RandomDrafter

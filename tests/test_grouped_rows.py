@@ -89,9 +89,11 @@ def test_other_models_are_left_alone():
 
 def test_the_mask_is_tiled_once_a_forward(monkeypatch):
     """All layers of a forward share one tiled mask; a new forward, or a mask changed in place,
-    tiles again (a stale tile would give wrong logits, which the hypothesis test above checks)."""
+    tiles again (a stale tile would give wrong logits, which the hypothesis test above checks).
+    The fold is the path of forwards the fused op does not take (bf16, a CPU without AVX512)."""
     import specblock.runtime.grouped_rows as gr
 
+    monkeypatch.setattr(gr, "USE_FUSED", False)
     tiles = []
     real = gr._tile
     monkeypatch.setattr(gr, "_tile", lambda m, g: tiles.append(1) or real(m, g))
@@ -107,3 +109,29 @@ def test_the_mask_is_tiled_once_a_forward(monkeypatch):
     again = gr.tiled_mask(mask, 3)
     assert again is not first and len(tiles) == 3 and torch.equal(again[0, 0, :3], mask[0, 0])
     assert torch.equal(gr.tiled_mask(mask, 2), mask.repeat(1, 1, 2, 1))
+
+
+def test_fp32_forwards_take_the_fused_op_one_row_included(monkeypatch):
+    """Where the op runs, every layer of an fp32 forward calls it: trees and lone tokens alike (so a
+    token's bits are the same in both), and the logits stay HF's."""
+    import specblock.runtime.grouped_rows as gr
+    from specblock.runtime import tree_attention
+
+    if not tree_attention.load():
+        pytest.skip("the fused attention op needs AVX512F/DQ")
+    calls = []
+    real = tree_attention.tree_attention
+    monkeypatch.setattr(tree_attention, "tree_attention", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    target = TargetModel(MODELS["llama"])
+    layers = target.model.config.num_hidden_layers
+    target.prefill(np.arange(5))
+    tree = random_tree(np.random.default_rng(0), 6)
+    got = target.tree_forward(tree).logits
+    target.reset()
+    target.prefill(np.arange(5))
+    target.tree_forward(random_tree(np.random.default_rng(1), 1))
+    assert calls == [6] * layers + [1] * layers
+    monkeypatch.setattr(gr, "USE_FUSED", False)
+    target.reset()
+    target.prefill(np.arange(5))
+    torch.testing.assert_close(got, target.tree_forward(tree).logits, atol=1e-5, rtol=1e-5)

@@ -344,33 +344,37 @@ def test_compiled_q4_target_matches_its_greedy(tmp_path, kernel):
 
 
 @needs_ours
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("kernel", [k for k in KERNELS if k in q4.OURS])
-def test_compiled_q4_gives_a_token_the_same_logits_in_any_tree(tmp_path, kernel, monkeypatch):
-    """Our kernels and the fused attention (``compiled/tree_attention.py``): a chain's logits are the
-    same bits alone, in a larger tree (other slots, another bucket's graph) and one token at a time,
-    so compiled verification is lossless without relying on margins, on the int8 kernel too. (With
-    the matmul attention they differ by a few 1e-7.)"""
-    from specblock.compiled import tree_attention
+def test_q4_gives_a_token_the_same_logits_in_any_tree(tmp_path, kernel, compiled, monkeypatch):
+    """Our kernels and the fused attention (``runtime/tree_attention.py``), eager and compiled: a
+    chain's logits are the same bits alone, in a larger tree (other slots; compiled, another
+    bucket's graph) and one token at a time, so verification is lossless without relying on margins,
+    on the int8 kernel too. (With SDPA or the matmul attention they differ by a few 1e-7, which
+    int8 rounding can turn into another token: ``experiments/results/q4_partings_int8.md``.)"""
     from specblock.compiled.target import StaticTarget
     from specblock.policies.tree import DraftTree
+    from specblock.runtime import tree_attention
 
     if not tree_attention.load():
         pytest.skip("the fused attention op needs AVX512F/DQ")
     monkeypatch.setattr(q4, "default_kernel", lambda: kernel)
     path = save_tiny_q4(tmp_path / "t", layers=2)
-    model = TargetModel.load(path, "q4", "cpu").model
-    target = StaticTarget(model, compile=True, buckets=(1, 4, 8), saved=False)
-    assert model.config._attn_implementation == "specblock_fused_gqa"
+    target = TargetModel.load(path, "q4", "cpu")
+    if compiled:
+        target = StaticTarget(target.model, compile=True, buckets=(1, 4, 8), saved=False)
+    assert target.model.config._attn_implementation == ("specblock_fused_gqa" if compiled else "specblock_sdpa_rows")
     prompt = np.random.default_rng(2).integers(2, V, 12)
     chain = np.array([5, 9, 17, 3])
-    target.prefill(prompt)
-    alone = target.tree_forward(DraftTree.from_parents(chain, np.array([-1, 0, 1, 2]))).logits
-    target.past_len = len(prompt)
-    mixed = target.tree_forward(DraftTree.from_parents(np.array([5, 30, 9, 31, 17, 3]), np.array([-1, 0, 0, 2, 2, 4]))).logits
-    target.past_len = len(prompt)
-    first = target.tree_forward(DraftTree.from_parents(chain[:1], np.array([-1]))).logits
-    assert torch.equal(alone, mixed[[0, 2, 4, 5]])
-    assert torch.equal(alone[:1], first)
+    outs = []
+    for tokens, parents, pick in ((chain, [-1, 0, 1, 2], [0, 1, 2, 3]),
+                                  (np.array([5, 30, 9, 31, 17, 3]), [-1, 0, 0, 2, 2, 4], [0, 2, 4, 5]),
+                                  (chain[:1], [-1], [0])):
+        target.reset()
+        target.prefill(prompt)
+        outs.append(target.tree_forward(DraftTree.from_parents(tokens, np.array(parents))).logits[pick])
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0][:1], outs[2])
 
 
 def test_refusals_are_one_line(tmp_path):

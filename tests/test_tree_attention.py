@@ -1,4 +1,4 @@
-"""The compiled target's fused attention op (``compiled/tree_attention.py``): HF's attention result,
+"""The compiled target's fused attention op (``runtime/tree_attention.py``): HF's attention result,
 each row alone, and the same bits wherever a row's visible keys sit (same order)."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specblock.compiled import tree_attention
+from specblock.runtime import tree_attention
 
 pytestmark = pytest.mark.skipif(not tree_attention.load(), reason="the fused attention op needs AVX512F/DQ and a compiler")
 MIN = torch.finfo(torch.float32).min

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from specblock.compiled import tree_attention
+from specblock.runtime import tree_attention
 from specblock.runtime import grouped_rows
 from specblock.runtime.grouped_rows import sdpa_rows_forward, use_sdpa_variant
 
@@ -115,7 +115,7 @@ def fused_gqa_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """One C++ op a layer (``compiled/tree_attention.py``) where it applies (fp32, an additive
+    """One C++ op a layer (``runtime/tree_attention.py``) where it applies (fp32, an additive
     mask); elsewhere the math kernel."""
     if _traced_plain(query, key, attention_mask, kwargs) or dropout or not tree_attention.applies(query, key, attention_mask):
         return math_gqa_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)

@@ -12,6 +12,11 @@ Scope: eager CPU forwards of an SDPA model with grouped heads, up to ``MAX_ROWS`
 (measured: ``experiments/tree_attention.py``); anything else (one row, a per-head mask, softcap,
 position bias, tracing) goes through HF's own function unchanged. ``tests/test_grouped_rows.py``
 holds the outputs to HF's path at fp32.
+
+fp32 forwards (packed-fp16, q4, float32) take our fused op instead where it runs
+(``runtime/tree_attention.py``, the compiled graphs' attention too), one row included: a row's
+result then does not depend on which slots its visible keys sit in, so a tree's rows are their
+tokens' own (q4's int8 kernel needs that to be lossless).
 """
 
 from __future__ import annotations
@@ -22,7 +27,12 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from specblock.runtime import tree_attention
+
 NAME = "specblock_sdpa_rows"
+#: fp32 forwards through the fused op where it runs (False: SDPA, the baseline of
+#: ``experiments/tree_attention.py --impls rows_sdpa``).
+USE_FUSED = True
 #: Query rows up to which trees are folded onto the key/value heads.
 MAX_ROWS = 64
 
@@ -57,8 +67,12 @@ def sdpa_rows_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """HF's SDPA attention, except that a masked forward of 2..``MAX_ROWS`` rows folds the
+    """HF's SDPA attention, except that fp32 rows go through our fused op where it runs
+    (``runtime/tree_attention.py``) and a masked forward of 2..``MAX_ROWS`` other rows folds the
     query heads of each key/value head into its rows."""
+    fused = _fused(query, key, value, attention_mask, dropout, scaling, kwargs)
+    if fused is not None:
+        return fused, None
     b, h, n, d = query.shape
     g = h // key.shape[1]
     fold = (
@@ -72,6 +86,27 @@ def sdpa_rows_forward(
     q = query.reshape(b, h // g, g * n, d)
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=tiled_mask(attention_mask, g), dropout_p=dropout, scale=scaling)
     return out.reshape(out.shape[0], h, n, d).transpose(1, 2).contiguous(), None
+
+
+def _fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, dropout: float,
+           scaling: float | None, kwargs: dict) -> torch.Tensor | None:
+    """The fused op's output for an eager forward it applies to (fp32, one batch row, a mask, or one
+    row without one), else None. The same op as compiled graphs, so eager trees are as
+    layout-invariant as compiled ones."""
+    n = query.shape[2]
+    if not USE_FUSED or dropout or torch.compiler.is_compiling() or any(kwargs.get(k) is not None for k in ("softcap", "position_bias")):
+        return None
+    if mask is None:
+        if n != 1:  # several rows without a mask: HF's causal flag
+            return None
+        mask = query.new_zeros(1, 1, 1, key.shape[2])
+    else:
+        mask = mask[:, :, :, : key.shape[2]]
+        if mask.dtype == torch.bool:
+            mask = torch.where(mask, 0.0, torch.finfo(torch.float32).min).to(query.dtype)
+    if not (tree_attention.applies(query, key, mask) and tree_attention.load()):
+        return None
+    return tree_attention.tree_attention(query, key, value, mask, query.shape[-1] ** -0.5 if scaling is None else scaling)
 
 
 def use_sdpa_variant(model: PreTrainedModel, name: str, forward, replaces: tuple[str, ...]) -> bool:

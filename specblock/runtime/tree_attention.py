@@ -1,4 +1,5 @@
-"""The compiled CPU target's attention as one C++ op: ``specblock_attention::tree_attention``.
+"""The CPU target's attention as one C++ op: ``specblock_attention::tree_attention``, for compiled
+graphs (``compiled/gqa.py``) and eager fp32 forwards (``runtime/grouped_rows.py``).
 
 Why: at a tree's few query rows attention is tiny (the real model: 9 heads x 64 dims over a
 256-slot span, about 0.3 M multiply-adds a row and layer), yet the graph of ``compiled/gqa.py``'s
@@ -9,14 +10,16 @@ same work in a single parallel pass: per query head and row, scores against the 
 (the additive mask's 0; its finfo.min slots are skipped, as softmax weighs them exactly 0), a
 16-lane exp (Cephes' expf, about 1 ulp), the weighted sum of values, one division.
 
-Each row is computed by the same operations whatever the call's other rows, in fp32, so a tree's
-logits stay those of its tokens alone up to the order of the visible slots, as with the matmuls
-(``tests/test_compiled.py`` checks it against HF's attention and every method against plain
-decoding). fp32 models only (packed-fp16 and q4 are fp32 inside); a bf16 graph keeps the math
-kernel.
+Each row is computed by the same operations whatever the call's other rows, in fp32, and its
+visible weights are summed, and its values weighted, in slot order over the visible slots alone:
+so a row's bits do not depend on which slots its keys sit in, only on their order (the committed
+tokens, then a node's ancestors, parents before children). With row-independent linears (q4) a
+tree's logits are then its tokens' own, bit for bit (``tests/test_q4.py``; the matmuls differed by
+a few 1e-7). ``tests/test_tree_attention.py`` checks the op against HF's attention. fp32 models
+only (packed-fp16 and q4 are fp32 inside); bf16 keeps the math kernel (compiled) or SDPA (eager).
 
 Built on first use like q4's kernel (``runtime/cext.py``, AVX512 instructions chosen per function,
-the CPU checked before use); where it cannot run, the math kernel stays, with one warning.
+the CPU checked before use); where it cannot run, the math kernel and SDPA stay, with one warning.
 """
 
 from __future__ import annotations
