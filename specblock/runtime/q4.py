@@ -13,11 +13,14 @@ Three kernels (``Int4Linear.kernel``; ``SPECBLOCK_Q4_KERNEL`` picks one):
   method equals plain decoding token for token (``tests/test_q4.py``).
 - ``int8`` (opt-in, AVX512-VNNI): ours too. Activations rounded to int8 per row and group of 32,
   exact integer dot products, fp32 scaling: llama.cpp's own arithmetic for this file, and faster
-  (compiled T(8) 1.5x, T(1) 1.2x: ``experiments/q4_int8.py``). Its rows are independent too, but
-  the rounding turns the fp32 parts' tiny differences between tree shapes (attention over other
-  slots, about 1e-7) into whole int8 steps, logit moves of a few tenths: **lossless only like
-  bf16**. On the real model 5 of the 6 shipped drafters part from plain decoding on one of the
-  two questions of ``tests/test_real_model.py`` (``experiments/q4_partings.py``), none on fp32.
+  (compiled T(8) 1.62x, T(1) 1.28x: ``experiments/q4_int8.py``). Its rows are independent too, but
+  the rounding turns any last-bit difference elsewhere in a forward into whole int8 steps, logit
+  moves of a few tenths. With the fused attention (``runtime/tree_attention.py``) a token's logits
+  are the same bits in any tree, eager or compiled, and no shipped drafter parts from plain decoding
+  on the same path (``q4_partings_int8_fused.md``); but eager and compiled forwards still differ in
+  their last bits (inductor's norms and activations against ATen's), so compiled decoding parts from
+  eager decoding at near-ties (``bench_smollm2_compiled_q4_int8.md``): lossless only like bf16
+  across the two paths, hence not the default.
 - ``bf16``: torch's ``_weight_int4pack_mm_for_cpu`` (where ours cannot run, or with
   ``SPECBLOCK_Q4_KERNEL=bf16``). It computes ``(q - 8) * scale + zero`` with bf16 ``scale = d``
   and ``zero = m + 8 d``, rounds its input to bf16 and returns bf16. Its rows are independent

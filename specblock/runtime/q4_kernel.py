@@ -27,12 +27,12 @@ int8 (``layout8``): each row's groups of 32 are rounded to int8 as ggml's Q8_1 d
 in fp32: ``acc += float(sum q xq) * (d dx)`` and ``acc += m * (dx sum xq)`` per group in order.
 This is llama.cpp's arithmetic for a Q4_1 model, so it is another model than the fp32 kernel's
 (``experiments/q4_int8.py``: top-1 agreement with it 97% over the bench's chat prompts). Its rows
-are independent too, but its rounding makes the model lossless only like bf16 (``q4.py``), so it
-is opt-in (``SPECBLOCK_Q4_KERNEL=int8``). One output feature per 32-bit lane, 16 a block, so no
+are independent too, but its rounding turns last-bit differences elsewhere into whole steps
+(``q4.py``), so it is opt-in (``SPECBLOCK_Q4_KERNEL=int8``). One output feature per 32-bit lane, 16 a block, so no
 horizontal sum; per block and group 256 bytes of nibbles and the GGUF's fp16 ``d``, ``m`` (320
 bytes; the Q8_0 head: ``q + 128`` as unsigned bytes and ``d``, 544), groups prefetched 8 ahead.
-Rows go 8 to a pass. Compiled on the real model: T(1) 9.23 against 11.02 ms, T(8) 16.65 against
-25.08 (``q4_int8.md``, a Xeon).
+Rows go 8 to a pass. Compiled on the real model: T(1) 7.71 against 9.86 ms, T(8) 13.64 against
+22.08 (``q4_int8.md``, a Xeon).
 
 Built on first use with the C++ compiler torch's extensions use (once per machine and torch
 version, under ``$SPECBLOCK_HOME/extensions``, about 8 s); the instructions are chosen per
