@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from specblock.runtime import tree_attention
-from specblock.runtime import grouped_rows
+from specblock.runtime import grouped_rows, tree_attention
 from specblock.runtime.grouped_rows import sdpa_rows_forward, use_sdpa_variant
 
 NAME = "specblock_math_gqa"
@@ -47,7 +46,7 @@ def _hf(module, query, key, value, attention_mask, dropout, scaling, is_causal, 
 def _traced_plain(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, kwargs: dict) -> bool:
     """Whether this call keeps HF's function: not traced, ungrouped heads, extras we do not model."""
     return (not torch.compiler.is_compiling() or query.shape[1] == key.shape[1]
-            or any(kwargs.get(k) is not None for k in ("softcap", "position_bias"))
+            or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "s_aux"))
             or (mask is not None and (mask.dim() != 4 or mask.shape[1] != 1)))
 
 

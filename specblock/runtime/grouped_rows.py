@@ -94,7 +94,8 @@ def _fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     row without one), else None. The same op as compiled graphs, so eager trees are as
     layout-invariant as compiled ones."""
     n = query.shape[2]
-    if not USE_FUSED or dropout or torch.compiler.is_compiling() or any(kwargs.get(k) is not None for k in ("softcap", "position_bias")):
+    if not USE_FUSED or dropout or torch.compiler.is_compiling() \
+            or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "cache", "s_aux")):
         return None
     if mask is None:
         if n != 1:  # several rows without a mask: HF's causal flag
