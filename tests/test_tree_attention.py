@@ -57,6 +57,14 @@ def test_a_rows_bits_do_not_depend_on_where_its_keys_sit(n_visible, span, seed):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+def test_a_row_that_sees_nothing_averages_every_slot_as_softmax_does():
+    q, k, v = torch.randn(1, 3, 2, 16), torch.randn(1, 1, 9, 16), torch.randn(1, 1, 9, 16)
+    mask = torch.full((1, 1, 2, 9), MIN)
+    mask[0, 0, 1, 4] = 0.0
+    out = tree_attention.tree_attention(q, k, v, mask, 0.25)
+    torch.testing.assert_close(out, hf(q, k, v, mask, 0.25), atol=2e-6, rtol=2e-6)
+
+
 def test_refuses_what_it_does_not_compute():
     q, k = torch.randn(1, 6, 2, 16), torch.randn(1, 2, 10, 16)
     mask = torch.zeros(1, 1, 2, 10)

@@ -76,6 +76,13 @@ SPECBLOCK_AVX512 void one_row(const float* q, const float* k, int64_t ks, const 
     cnt += __builtin_popcount(static_cast<unsigned>(live));
     slot = _mm512_add_epi32(slot, step);
   }
+  if (cnt == 0) {  // a row that sees nothing: softmax over finfo.min everywhere weighs every slot alike
+    for (int64_t j = 0; j < span; ++j) {
+      e[j] = 1.0f;
+      idx[j] = static_cast<int32_t>(j);
+    }
+    cnt = span;
+  }
   __m512 zsum = _mm512_setzero_ps();
   for (int64_t t = 0; t < cnt; t += 16) {
     const __mmask16 in = cnt - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (cnt - t)) - 1u);
