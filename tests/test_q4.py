@@ -350,7 +350,7 @@ def test_q4_gives_a_token_the_same_logits_in_any_tree(tmp_path, kernel, compiled
     """Our kernels and the fused attention (``runtime/tree_attention.py``), eager and compiled: a
     chain's logits are the same bits alone, in a larger tree (other slots; compiled, another
     bucket's graph) and one token at a time, so verification is lossless without relying on margins,
-    on the int8 kernel too. (With SDPA or the matmul attention they differ by a few 1e-7, which
+    on the int8 kernel too. (With SDPA or the matmul attention they differ in their last bits, which
     int8 rounding can turn into another token: ``experiments/results/q4_partings_int8.md``.)"""
     from specblock.compiled.target import StaticTarget
     from specblock.policies.tree import DraftTree

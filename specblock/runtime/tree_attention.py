@@ -16,7 +16,7 @@ visible weights are summed, and its values weighted, in slot order over the visi
 so a row's bits do not depend on which slots its keys sit in, only on their order (the committed
 tokens, then a node's ancestors, parents before children). With row-independent linears (q4) a
 tree's logits are then its tokens' own, bit for bit (``tests/test_q4.py``; the matmuls differed by
-a few 1e-7). ``tests/test_tree_attention.py`` checks the op against HF's attention. fp32 models
+their last bits). ``tests/test_tree_attention.py`` checks the op against HF's attention. fp32 models
 only (packed-fp16 and q4 are fp32 inside); bf16 keeps the math kernel (compiled) or SDPA (eager).
 
 Built on first use like q4's kernel (``runtime/cext.py``, AVX512 instructions chosen per function,
