@@ -15,7 +15,7 @@ Each row is computed by the same operations whatever the call's other rows, in f
 visible weights are summed, and its values weighted, in slot order over the visible slots alone:
 so a row's bits do not depend on which slots its keys sit in, only on their order (the committed
 tokens, then a node's ancestors, parents before children). With row-independent linears (q4) a
-tree's logits are then its tokens' own, bit for bit (``tests/test_q4.py``; the matmuls differed by
+tree's logits are then its tokens' own, bit for bit (``tests/test_q4.py``; the matmuls differed in
 their last bits). ``tests/test_tree_attention.py`` checks the op against HF's attention. fp32 models
 only (packed-fp16 and q4 are fp32 inside); bf16 keeps the math kernel (compiled) or SDPA (eager).
 
