@@ -84,12 +84,12 @@ def quantized_rows(x: torch.Tensor) -> torch.Tensor:
 def test_int8_kernel_multiplies_int8_rows_by_the_exact_weights(head):
     """Q4_1 (and the Q8_0 head) against activations rounded to int8 per row and group of 32: close
     to that product in fp64, and visibly not the fp32 kernel's product (the rounding is real)."""
-    lin, (qs, d, m) = q4_linear(n=96, k=128, kernel="int8") if not head else (None, (None, None, None))
     if head:
-        lin, (q, dd) = q8_linear(n=96, k=128, kernel="int8")
-        w = dequantize_q8_0(q, dd)
+        lin, (q, d) = q8_linear(n=96, k=128, kernel="int8")
+        w = dequantize_q8_0(q, d)
     else:
-        w = dequantize_q4_1(qs, d, m)
+        lin, quantized = q4_linear(n=96, k=128, kernel="int8")
+        w = dequantize_q4_1(*quantized)
     assert "int8 kernel" in repr(lin)
     x = torch.randn(9, 128)
     got = lin(x)

@@ -118,8 +118,7 @@ def fused_gqa_forward(
     mask); elsewhere the math kernel."""
     if _traced_plain(query, key, attention_mask, kwargs) or dropout or not tree_attention.applies(query, key, attention_mask):
         return math_gqa_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return tree_attention.tree_attention(query, key, value, attention_mask, scale), None
+    return tree_attention.tree_attention(query, key, value, attention_mask, scaling), None
 
 
 #: ``StaticTarget(gqa_kernel=...)``: the registered attention name and its function.

@@ -10,6 +10,7 @@ nothing is imported as a Python module.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -36,9 +37,11 @@ def build(prefix: str, source: str, cflags: list[str], ldflags: list[str] | None
                 extra_cflags=cflags, extra_ldflags=ldflags or [], verbose=False, no_implicit_headers=True)
 
 
-def cpu_flags() -> set[str]:
-    """The flags of ``/proc/cpuinfo`` (empty where it cannot be read: no AVX512 kernels then)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The flags of ``/proc/cpuinfo``, read once a process (every q4 linear asks at load); empty where
+    it cannot be read: no AVX512 kernels then."""
     try:
-        return set(Path("/proc/cpuinfo").read_text().split())
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return set()
+        return frozenset()

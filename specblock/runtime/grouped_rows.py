@@ -107,7 +107,7 @@ def _fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
             mask = torch.where(mask, 0.0, torch.finfo(torch.float32).min).to(query.dtype)
     if not (tree_attention.applies(query, key, mask) and tree_attention.load()):
         return None
-    return tree_attention.tree_attention(query, key, value, mask, query.shape[-1] ** -0.5 if scaling is None else scaling)
+    return tree_attention.tree_attention(query, key, value, mask, scaling)
 
 
 def use_sdpa_variant(model: PreTrainedModel, name: str, forward, replaces: tuple[str, ...]) -> bool:

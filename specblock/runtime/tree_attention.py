@@ -73,6 +73,8 @@ def applies(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -
 
 
 def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """``query [1, H, n, d]``, ``key``/``value [1, H_kv, span, d]``, ``mask [1, 1, n, span]`` -> ``[1, n, H, d]``."""
-    return torch.ops.specblock_attention.tree_attention(query, key, value, mask, scale)
+                   scale: float | None = None) -> torch.Tensor:
+    """``query [1, H, n, d]``, ``key``/``value [1, H_kv, span, d]``, ``mask [1, 1, n, span]`` -> ``[1, n, H, d]``;
+    ``scale`` None: ``d ** -0.5``, as HF's attention takes it."""
+    return torch.ops.specblock_attention.tree_attention(query, key, value, mask,
+                                                        query.shape[-1] ** -0.5 if scale is None else scale)
