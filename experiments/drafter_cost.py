@@ -47,6 +47,8 @@ from specblock.runtime.bench import Targets, build_engine  # noqa: E402
 from specblock.runtime.bench_config import method_options  # noqa: E402
 from specblock.runtime.cli import load_tokenizer  # noqa: E402
 from specblock.models import resolve_target  # noqa: E402
+from specblock.runtime import drafters  # noqa: E402
+from specblock.runtime.q4 import Int8Linear, default_kernel as q4_kernel  # noqa: E402
 from specblock.runtime.target import TargetModel  # noqa: E402
 
 
@@ -93,7 +95,10 @@ def measure(method: str, targets: Targets, prompts: list[list[int]], tokens: int
         times["propose"].append(1e3 * draft / it)
         times["verify"].append(1e3 * verify / it)
         times["accept"].append(1e3 * glue / it)
-    row = {"method": method, "budget": budget_n, "tau": round(statistics.mean(taus), 3)}
+    net = getattr(eng.drafter, "inner", eng.drafter)
+    net = getattr(net, "net", None) or getattr(net, "model", None)
+    int8 = sum(isinstance(m, Int8Linear) for m in net.modules()) if isinstance(net, torch.nn.Module) else 0
+    row = {"method": method, "budget": budget_n, "tau": round(statistics.mean(taus), 3), "int8_linears": int8}
     compiled = eng.target is targets._compiled or getattr(getattr(eng.drafter, "inner", eng.drafter), "compiled", False)
     if compiled:
         for phase in ("propose", "verify", "accept"):
@@ -122,9 +127,13 @@ def measure(method: str, targets: Targets, prompts: list[list[int]], tokens: int
     return row
 
 
+def _kernel(meta: dict) -> str:
+    return f" ({meta['q4_kernel']} kernel)" if meta.get("q4_kernel") else ""
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Per decode iteration, {meta['prompts']} prompts x {meta['domains']}, {meta['tokens']} new tokens, "
-             f"{meta.get('dtype', 'bfloat16')}, {meta['threads']} threads; ms: median of {meta['reps']} runs. "
+             f"{meta.get('dtype', 'bfloat16')}{_kernel(meta)}, {meta['threads']} threads; ms: median of {meta['reps']} runs. "
              "ops: aten ops dispatched.", "",
              "| method | budget | tau | propose ops | propose ms | verify ops | verify ms | accept ops | accept ms "
              "| us/op propose | us/op verify |", "|---" * 11 + "|"]
@@ -150,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE")
     ap.add_argument("--compile", action="store_true", help="every method on the compiled target (as the bench's)")
+    ap.add_argument("--packed-drafters", action="store_true",
+                    help="beside a q4 target on the int8 kernel, also time each drafter with packed fp16 linears "
+                         "(the row 'METHOD [packed]'), the baseline of its int8 ones")
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "drafter_cost")
     args = ap.parse_args(argv)
     try:
@@ -163,13 +175,22 @@ def main(argv: list[str] | None = None) -> int:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         engine_args = argparse.Namespace(set=args.set, method_options=method_options(args.set, methods), drafter_dir=None,
                                          compile=args.compile, budget=None if args.budget == "serving" else int(args.budget))
-        rows = [measure(m, targets, prompts, args.tokens, args.reps, engine_args) for m in methods]
+        rows = []
+        for m in methods:
+            rows.append(measure(m, targets, prompts, args.tokens, args.reps, engine_args))
+            if args.packed_drafters and rows[-1].get("int8_linears"):
+                drafters.INT8_BESIDE_INT8 = False
+                try:
+                    rows.append(measure(m, targets, prompts, args.tokens, args.reps, engine_args) | {"method": f"{m} [packed]"})
+                finally:
+                    drafters.INT8_BESIDE_INT8 = True
     except (SpecBlockError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     meta = {"prompts": args.prompts, "domains": args.domains, "tokens": args.tokens, "reps": args.reps,
             "threads": torch.get_num_threads(), "budget": args.budget, "target": args.target, "dtype": args.dtype,
-            "set": args.set, "compile": args.compile}
+            "set": args.set, "compile": args.compile, "packed_drafters": args.packed_drafters,
+            "q4_kernel": q4_kernel() if args.dtype == "q4" else None}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = markdown(rows, meta)

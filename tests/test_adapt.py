@@ -17,7 +17,9 @@ from specblock.runtime.adapt import Adapter, AdaptSettings, block1_rows
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
 from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
 from specblock.runtime.engine import Engine
-from specblock.runtime import packed
+from specblock.q4file import quantize_q8_0
+from specblock.runtime import packed, q4, q4_kernel
+from specblock.runtime.drafters import pack_drafter
 from specblock.runtime.target import TargetModel, default_taps
 from specblock.training.specblock_step import first_block, target_pass
 from tiny import hf_greedy, save_tiny, tiny_model
@@ -42,9 +44,9 @@ def setup(seed=0, clock=time.perf_counter, pack=False, **kw):
     model = tiny_model("llama", vocab=V, seed=seed, layers=3)
     target = TargetModel(model)
     net = make_net(model, target.tap_layers, seed)
-    if pack:  # as drafters.build packs it beside a packed-fp16 target
-        packed.pack_linears(net)
     drafter = SpecBlockDrafter(net, policy=RankBucketBranching((2, 4, 10, 0)))
+    if pack:  # as drafters.build packs it beside a packed-fp16 target ("int8": beside a q4 one on the int8 kernel)
+        pack_drafter(drafter, int8=pack == "int8")
     settings = AdaptSettings(**{"window": 3, "steps": 1, "batch": 2, "buffer": 8, "max_ctx": 64, "top_k": 8, **kw})
     adapter = Adapter(drafter, settings, clock=clock)
     return model, target, adapter, Engine(target, adapter, budget=16)
@@ -118,14 +120,19 @@ def test_greedy_output_unchanged_while_updates_land_mid_query(arms):
 
 
 @pytest.mark.skipif(not packed.available(), reason="torch has no fbgemm on this machine")
-def test_a_packed_drafter_trains_plain_copies_and_serves_each_update_repacked():
+@pytest.mark.parametrize("kind", ["fp16", pytest.param("int8", marks=pytest.mark.skipif(
+    not (q4_kernel.load() and q4_kernel.vnni_supports()), reason="the int8 kernel needs AVX512-VNNI"))])
+def test_a_packed_drafter_trains_plain_copies_and_serves_each_update_repacked(kind):
     """Beside a packed-fp16 target the adapting drafter serves packed (it used to serve unpacked fp32
     weights, a fifth slower per step on the real model); its training copies are plain linears (a
-    packed forward has no gradient), and an update that lands is packed again before it serves."""
-    model, target, adapter, engine = setup(arms=("heads",), pack=True)
-    assert isinstance(adapter.theta_inf.lm_head, packed.PackedLinear)
+    packed forward has no gradient), and an update that lands is packed again before it serves.
+    "int8": the same for a drafter on the int8 kernel (beside a q4 target on it): each update is
+    rounded to Q8_0 again, under the same key."""
+    model, target, adapter, engine = setup(arms=("heads",), pack=kind)
+    served = packed.PackedLinear if kind == "fp16" else q4.Int8Linear
+    assert isinstance(adapter.theta_inf.lm_head, served)
     for net in (adapter.theta_0, adapter.theta_train):
-        assert not any(isinstance(m, packed.PackedLinear) for m in net.modules())
+        assert not any(isinstance(m, (packed.PackedLinear, q4.Int8Linear)) for m in net.modules())
     for p in prompts(4):
         assert engine.generate(p, 30, on_tokens=lambda _: adapter.wait(10)).token_ids == hf_greedy(model, p, 30)
     adapter.close()
@@ -133,7 +140,13 @@ def test_a_packed_drafter_trains_plain_copies_and_serves_each_update_repacked():
     head = adapter.theta_inf.lm_head
     assert not torch.equal(head.weight.float(), adapter.theta_0.lm_head.weight)  # the update moved it
     x = torch.randn(5, head.in_features)
-    torch.testing.assert_close(head(x), torch.nn.functional.linear(x, head.weight, head.bias), atol=2e-3, rtol=2e-3)
+    if kind == "fp16":
+        torch.testing.assert_close(head(x), torch.nn.functional.linear(x, head.weight, head.bias), atol=2e-3, rtol=2e-3)
+        return
+    fresh = torch.nn.Linear(head.in_features, head.out_features, bias=False)
+    fresh.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    assert torch.equal(head(x), q4.Int8Linear(fresh, *quantize_q8_0(fresh.weight), kernel="int8")(x))  # served what it holds
+    assert torch.equal(fresh.weight, head.weight)  # which was already its own Q8_0 rounding
 
 
 def test_crashed_update_is_reported_once_and_serving_goes_on(monkeypatch, caplog):

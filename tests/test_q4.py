@@ -404,3 +404,57 @@ def test_the_default_kernel_is_the_lossless_one_that_runs_and_the_variable_picks
     monkeypatch.setenv("SPECBLOCK_Q4_KERNEL", "int4")
     with pytest.raises(SpecBlockError, match="no q4 kernel; choose one of int8, fp32, bf16"):
         q4.default_kernel()
+
+
+@needs_vnni
+def test_int8_linears_round_a_copy_and_multiply_by_it():
+    """``use_int8_linears``: each bias-free linear that fits runs on its own Q8_0 rounding; biased
+    or misfit ones stay (for packing), and a weight shared with someone else is left as it was."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False), torch.nn.Linear(48, 32, bias=True),
+                              torch.nn.Linear(40, 16, bias=False)).requires_grad_(False)
+    shared = net[0].weight
+    before = shared.clone()
+    assert q4.use_int8_linears(net) == 1
+    assert isinstance(net[0], q4.Int8Linear) and net[0].kernel == "int8"
+    assert type(net[1]) is torch.nn.Linear and type(net[2]) is torch.nn.Linear
+    assert torch.equal(shared, before) and net[0].weight.data_ptr() != shared.data_ptr()
+    q, d = quantize_q8_0(before)
+    assert torch.equal(net[0].weight, dequantize_q8_0(q, d))
+    x = torch.randn(5, 64)
+    assert torch.equal(net[0](x), q4_kernel.linear8(x, q4_kernel.layout8_q8(q, d)))
+
+
+@needs_vnni
+def test_drafters_beside_an_int8_target_run_int8_and_stay_lossless(tmp_path, monkeypatch):
+    """``drafters.build`` puts a drafter's linears on the int8 kernel beside a q4 target on it (and
+    packs them beside one on the fp32 kernel); the drafts move, the output is the target's."""
+    from specblock.runtime import drafters
+    from specblock.runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Net
+    from tiny import perturb
+
+    path = save_tiny_q4(tmp_path / "t", layers=3)
+    for kernel in ("fp32", "int8"):
+        monkeypatch.setattr(q4, "default_kernel", lambda: kernel)
+        target = TargetModel.load(path, "q4", "cpu")
+        assert drafters._int8_target(target) == (kernel == "int8")
+        torch.manual_seed(1)
+        net = Eagle3Net(Eagle3Config(vocab_size=V, hidden_size=64, num_heads=4, intermediate_size=128,
+                                     tap_layers=target.tap_layers, top_k=4))
+        net.tie_to_target(target.model)
+        perturb(net, 0.3)
+        drafter = Eagle3Drafter(net.eval())
+        monkeypatch.setitem(drafters.METHODS, "eagle3", lambda t, opt: drafter)
+        assert drafters.build("eagle3", target, {}) is drafter
+        mods = list(net.modules())
+        assert not any(type(m) is torch.nn.Linear for m in mods)
+        assert any(isinstance(m, q4.Int8Linear) for m in mods) == (kernel == "int8")
+        rng = np.random.default_rng(4)
+        accepted = 0
+        for trial in range(3):
+            prompt = rng.integers(2, V, int(rng.integers(2, 12)))
+            res = Engine(target, drafter, budget=6).generate(prompt, 20)
+            check_parting(kernel, first_parting(target.model, prompt, res.token_ids, hf_greedy(target.model, prompt, 20)),
+                          trial)
+            accepted += sum(res.stats.accepted)
+        assert accepted > 0

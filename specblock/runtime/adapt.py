@@ -61,7 +61,7 @@ from specblock.runtime.drafters.base import DraftRequest, Drafter
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
 from specblock.runtime.adapt_signal import QueryRecord, Sample, block1_rows
 from specblock.runtime.drafters.specblock_net import SpecBlockNet
-from specblock.runtime.packed import PackedLinear, unpack_linears
+from specblock.runtime.packed import served, unpack_linears
 from specblock.runtime.target import TargetOutput
 from specblock.runtime.verify import Verdict
 from specblock.training.losses import bucket_of, rank_of
@@ -271,7 +271,7 @@ class Adapter(Drafter):
             for n, t in state.items():
                 params[n].copy_(t)
         for name, mod in self.theta_inf.named_modules():
-            if isinstance(mod, PackedLinear) and (f"{name}.weight" in state or f"{name}.bias" in state):
+            if served(mod) and (f"{name}.weight" in state or f"{name}.bias" in state):
                 mod.repack()
         self._rebuild = True
 

@@ -152,14 +152,21 @@ def prepack(lin: nn.Linear) -> torch.ScriptObject:
     return torch.ops.quantized.linear_prepack_fp16(lin.weight.detach().float().contiguous(), bias)
 
 
+def served(module: nn.Module) -> bool:
+    """A linear served from a compact copy of its fp32 ``weight`` that ``repack`` rebuilds: a
+    ``PackedLinear``, or a drafter's int8 one (``q4.Int8Linear``)."""
+    return callable(getattr(module, "repack", None)) and isinstance(getattr(module, "weight", None), torch.Tensor)
+
+
 def unpack_linears(model: nn.Module) -> int:
-    """Each ``PackedLinear`` of ``model`` back to an ``nn.Linear`` on the same fp32 weight and bias,
-    in place (a copy to train: the packed forward has no gradient); returns how many."""
+    """Each served linear of ``model`` (``served``) back to an ``nn.Linear`` on the same fp32
+    weight and bias, in place (a copy to train: a packed forward has no gradient); returns how many."""
     found = [(mod, name, child) for mod in list(model.modules()) for name, child in mod.named_children()
-             if isinstance(child, PackedLinear)]
+             if served(child)]
     for mod, name, child in found:
-        lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
-        lin.weight, lin.bias = child.weight, child.bias
+        bias = getattr(child, "bias", None)
+        lin = nn.Linear(child.in_features, child.out_features, bias=bias is not None, device="meta")
+        lin.weight, lin.bias = child.weight, bias
         setattr(mod, name, lin)
     return len(found)
 

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from specblock.errors import SpecBlockError
-from specblock.q4file import GROUP, Q4_FILE, dequantize_q8_0, unpack_nibbles
+from specblock.q4file import GROUP, Q4_FILE, dequantize_q8_0, quantize_q8_0, unpack_nibbles
 from specblock.runtime import q4_kernel
 
 Q4 = "q4"
@@ -194,8 +194,44 @@ class Int8Linear(_OursLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._ours(x)
 
+    def repack(self) -> None:
+        """Round ``weight`` to Q8_0 again after it changed (an adapting drafter's update) and keep
+        the new values under the same key, so compiled graphs that name it read them too."""
+        q, d = quantize_q8_0(self.weight)
+        with torch.no_grad():
+            self.weight.copy_(dequantize_q8_0(q, d))
+        self._q4 = q4_kernel.layout_q8(q, d) if self.kernel == "fp32" else (q4_kernel.layout8_q8(q, d),)
+        q4_kernel.register(self._q4, self, self._key)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 q8_0, {self.kernel} kernel"
+
+
+def int8_kernel_of(model: nn.Module) -> bool:
+    """Whether ``model`` (a target's HF model) runs its q4 linears on the int8 kernel."""
+    return any(isinstance(m, Int4Linear) and m.kernel == "int8" for m in model.modules())
+
+
+def use_int8_linears(model: nn.Module) -> int:
+    """Replace each bias-free ``nn.Linear`` of an fp32 CPU model that fits the kernel by an
+    ``Int8Linear`` on its own weights rounded to Q8_0 (the int8 kernel); returns how many.
+
+    For drafters beside a target on the int8 kernel: a drafter's forward is a dozen linears over a
+    few rows, where packed fp16's fbgemm call costs several times the int8 kernel's
+    (``experiments/drafter_linears.py``). Only the drafts move (Q8_0 rounding: about 0.4% of a
+    weight group's largest value); verification, and so the output, is the target's. Each module
+    gets its own copy of the weight: a drafter's linear may share storage with the target's
+    tensors, which the rounding must not touch."""
+    if not (q4_kernel.load() and q4_kernel.vnni_supports()):
+        raise SpecBlockError("int8 linears need our q4 kernels and AVX512-VNNI; pack the drafter instead")
+    found = [(mod, name, child) for mod in list(model.modules()) for name, child in mod.named_children()
+             if type(child) is nn.Linear and child.bias is None and fits(child.out_features, child.in_features)
+             and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"]
+    for mod, name, child in found:
+        lin = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+        lin.weight = nn.Parameter(child.weight.detach().clone(), requires_grad=False)
+        setattr(mod, name, Int8Linear(lin, *quantize_q8_0(lin.weight), kernel="int8"))
+    return len(found)
 
 
 def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None) -> int:

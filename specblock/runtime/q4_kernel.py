@@ -187,14 +187,16 @@ def linear(x: torch.Tensor, qb: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
 _KEYS = itertools.count()
 
 
-def register(weights: tuple[torch.Tensor, ...], owner: object) -> int:
+def register(weights: tuple[torch.Tensor, ...], owner: object, key: int | None = None) -> int:
     """Keep a linear's weights (the fp32 kernel's ``(qb, dm)`` or the int8 kernel's ``(w,)``) under
     a new key until ``owner`` is collected: what a compiled graph calls ``linear_key`` with (ints
-    are cheap to guard, tensors are not)."""
-    key = next(_KEYS)
+    are cheap to guard, tensors are not). ``key``: replace the weights under ``owner``'s own key."""
+    new = key is None
+    key = next(_KEYS) if new else key
     qb, dm = weights if len(weights) == 2 else (weights[0], torch.empty(0))
     torch.ops.specblock_q4.put(key, qb, dm)
-    weakref.finalize(owner, _drop, key)
+    if new:
+        weakref.finalize(owner, _drop, key)
     return key
 
 

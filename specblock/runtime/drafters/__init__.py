@@ -90,10 +90,16 @@ def register(name: str, factory: Callable) -> None:
     METHODS[name] = factory
 
 
+#: Beside a q4 target on the int8 kernel, drafters' linears run on it too (``pack_drafter``).
+#: False keeps them packed fp16: the baseline of ``experiments/drafter_cost.py --packed-drafters``.
+INT8_BESIDE_INT8 = True
+
+
 def build(name: str, target, options: dict | None = None) -> Drafter:
-    """The drafter ``name`` for ``target``. Beside a packed-fp16 target its linears are packed too
-    (half the bytes of its fp32 weights per forward); an adapting drafter trains unpacked copies
-    and repacks the served net when an update lands (``runtime/adapt.py``)."""
+    """The drafter ``name`` for ``target``. Beside a packed-fp16 or q4 target its linears are packed
+    too (half the bytes of its fp32 weights per forward), or in int8 beside a q4 target on the int8
+    kernel; an adapting drafter trains unpacked copies and repacks the served net when an update
+    lands (``runtime/adapt.py``)."""
     if name not in METHODS:
         raise SpecBlockError(f"unknown method {name!r}; choose one of {', '.join(sorted(METHODS))}")
     options = {k: v for k, v in (options or {}).items() if v is not None}  # None: not set, the default holds
@@ -101,12 +107,21 @@ def build(name: str, target, options: dict | None = None) -> Drafter:
         user_policies(name, options)  # a policy named for a method without one: refused
     drafter = METHODS[name](target, options)
     if getattr(target, "packed", False):
-        pack_drafter(drafter)
+        pack_drafter(drafter, int8=INT8_BESIDE_INT8 and _int8_target(target))
     return drafter
 
 
-def pack_drafter(drafter: Drafter) -> int:
-    """Pack the linears of a drafter's network (``net``, or an SpS draft ``model``); returns how many."""
+def _int8_target(target) -> bool:
+    from specblock.runtime.q4 import int8_kernel_of
+
+    model = getattr(target, "model", None)
+    return model is not None and int8_kernel_of(model)
+
+
+def pack_drafter(drafter: Drafter, int8: bool = False) -> int:
+    """Pack the linears of a drafter's network (``net``, or an SpS draft ``model``); returns how many.
+    ``int8``: those that fit the int8 kernel run on their Q8_0 rounding instead (``q4.use_int8_linears``:
+    several times faster than fbgemm's fp16 call at a drafter's few rows), the rest are packed."""
     import torch
 
     from specblock.runtime.packed import pack_linears
@@ -114,7 +129,14 @@ def pack_drafter(drafter: Drafter) -> int:
     nets = [m for m in (getattr(drafter, "net", None), getattr(drafter, "model", None)) if isinstance(m, torch.nn.Module)]
     if not nets or not any(type(m) is torch.nn.Linear for m in nets[0].modules()):
         return 0
-    return pack_linears(nets[0])
+    done = 0
+    if int8:
+        from specblock.runtime.q4 import use_int8_linears
+
+        done = use_int8_linears(nets[0])
+    if any(type(m) is torch.nn.Linear for m in nets[0].modules()):
+        done += pack_linears(nets[0])
+    return done
 
 
 #: The engine's node budget when neither the user nor the drafter's serving.json sets one.
