@@ -7,9 +7,16 @@ math kernel spends it in three calls a layer (two BLAS matmuls and inductor's fu
 softmax): about 2.3 ms of a one-token forward and 4.2 ms of an 8-token one in inductor's kernel
 profile of compiled q4 (``experiments/compiled_profile.py``; docs/compiled.md), mostly per-call cost.
 Measured against it, the op saves about 1 ms a compiled forward (``attention_kernels_fused*.md``). One op a layer does the
-same work in a single parallel pass: per query head and row, scores against the visible slots
-(the additive mask's 0; its finfo.min slots are skipped, as softmax weighs them exactly 0), a
-16-lane exp (Cephes' expf, about 1 ulp), the weighted sum of values, one division.
+same work in a single parallel pass. A key/value head's queries (its query heads x the tree's rows)
+go in a few groups, two tasks a thread; each group walks the span 64 slots at a time, so a block of
+keys (then of values) is read from L2 once and from L1 by every query of the group. Per query:
+scores against the visible slots (the additive mask's 0; its finfo.min slots are skipped, as
+softmax weighs them exactly 0), 16 slots' dot products summed at once by one shuffle network, a
+16-lane exp (Cephes' expf, about 1 ulp), the weighted sum of values, one division. 64-wide heads
+(the real model's) get their loops unrolled at compile time. Against the row-by-row op it replaced
+(one task per query head and row, a horizontal sum per slot): the same bits, 0.62-0.66x the time at
+4-8 rows and 0.85x at one (``python experiments/attention_op.py --baseline-rev 3d5610a``,
+``attention_op.md``).
 
 Each row is computed by the same operations whatever the call's other rows, in fp32, and its
 visible weights are summed, and its values weighted, in slot order over the visible slots alone:

@@ -1,0 +1,109 @@
+"""The fused attention op alone, against its own source at another git revision, in one process.
+
+Why: a change to ``runtime/tree_attention.cpp`` is best judged on the op itself, at the real model's
+shapes (9 query heads on 3 key/value heads of 64 dims, a 256-slot span, a context of ``--ctx``
+committed slots and a chain of ``n`` tree rows), and the previous op is gone from the tree once the
+change lands. So this builds the baseline's source from ``git show REV:specblock/runtime/tree_attention.cpp``
+under another op namespace and times the two interleaved (medians of ``--reps`` calls, 30 calls a
+forward as the real model's 30 layers make). It also checks that both give the same attention
+(within 1e-5) on every shape it times.
+
+    python experiments/attention_op.py --baseline-rev 3d5610a --sizes 1,4,8 --ctx 150,250 --threads 2 \
+        --out experiments/results/attention_op
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from specblock.runtime import cext, tree_attention  # noqa: E402
+
+H, HKV, D, SPAN, LAYERS = 9, 3, 64, 256, 30
+SRC = "specblock/runtime/tree_attention.cpp"
+
+
+def baseline_op(rev: str):
+    """The op of ``rev``, registered as ``specblock_attention_base::tree_attention``."""
+    source = subprocess.run(["git", "show", f"{rev}:{SRC}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    source = source.replace("TORCH_LIBRARY(specblock_attention,", "TORCH_LIBRARY(specblock_attention_base,")
+    source = source.replace("TORCH_LIBRARY_IMPL(specblock_attention,", "TORCH_LIBRARY_IMPL(specblock_attention_base,")
+    cext.build("specblock_attention_base", source, *cext.OPENMP)
+    return torch.ops.specblock_attention_base.tree_attention
+
+
+def inputs(n: int, ctx: int, g: torch.Generator):
+    """A chain of ``n`` tree rows after ``ctx`` committed slots; the rest of the span hidden."""
+    q = torch.randn(1, H, n, D, generator=g)
+    k, v = torch.randn(2, 1, HKV, SPAN + 64, D, generator=g)[:, :, :, :SPAN]  # a longer cache read in place
+    mask = torch.full((1, 1, n, SPAN), torch.finfo(torch.float32).min)
+    mask[..., :ctx] = 0
+    for i in range(n):
+        mask[0, 0, i, ctx: ctx + i + 1] = 0
+    return q, k, v, mask
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline-rev", required=True, help="the git revision whose op is the baseline")
+    ap.add_argument("--sizes", default="1,4,8", help="tree rows per call")
+    ap.add_argument("--ctx", default="150,250", help="committed slots before the tree")
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "attention_op")
+    args = ap.parse_args(argv)
+    if not tree_attention.load():
+        print("error: the fused op cannot run here", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    ops = {"baseline": baseline_op(args.baseline_rev), "current": torch.ops.specblock_attention.tree_attention}
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for ctx in (int(c) for c in args.ctx.split(",")):
+        for n in (int(s) for s in args.sizes.split(",")):
+            q, k, v, mask = inputs(n, ctx, g)
+            outs = {name: op(q, k, v, mask, D**-0.5) for name, op in ops.items()}
+            diff = float((outs["current"] - outs["baseline"]).abs().max())
+            assert diff < 1e-5, (n, ctx, diff)
+            times = {name: [] for name in ops}
+            for _ in range(20):
+                for op in ops.values():
+                    op(q, k, v, mask, D**-0.5)
+            for _ in range(args.reps):
+                for name, op in ops.items():
+                    t0 = time.perf_counter()
+                    op(q, k, v, mask, D**-0.5)
+                    times[name].append(time.perf_counter() - t0)
+            us = {name: 1e6 * statistics.median(t) for name, t in times.items()}
+            rows.append({"ctx": ctx, "n": n, "baseline_us": round(us["baseline"], 2), "current_us": round(us["current"], 2),
+                         "max_abs_diff": diff})
+    lines = [f"`python experiments/attention_op.py --baseline-rev {args.baseline_rev} --sizes {args.sizes} --ctx {args.ctx} "
+             f"--reps {args.reps} --threads {args.threads} --out {args.out}`: the fused attention op alone, "
+             f"{H} query heads on {HKV} key/value heads of {D}, a {SPAN}-slot span; median us a call, interleaved; "
+             f"a forward makes {LAYERS} calls", "",
+             f"| context | rows | op at {args.baseline_rev} | op now | ratio | ms a forward then / now | max abs diff |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['ctx']} | {r['n']} | {r['baseline_us']:.1f} | {r['current_us']:.1f} | "
+                     f"{r['current_us'] / r['baseline_us']:.2f} | {LAYERS * r['baseline_us'] / 1e3:.2f} / "
+                     f"{LAYERS * r['current_us'] / 1e3:.2f} | {r['max_abs_diff']:.1e} |")
+    md = "\n".join(lines) + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
+    args.out.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
