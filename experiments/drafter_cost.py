@@ -95,10 +95,11 @@ def measure(method: str, targets: Targets, prompts: list[list[int]], tokens: int
         times["propose"].append(1e3 * draft / it)
         times["verify"].append(1e3 * verify / it)
         times["accept"].append(1e3 * glue / it)
-    net = getattr(eng.drafter, "inner", eng.drafter)
-    net = getattr(net, "net", None) or getattr(net, "model", None)
+    inner = getattr(eng.drafter, "inner", eng.drafter)
+    net = getattr(inner, "net", None) or getattr(inner, "model", None)
     int8 = sum(isinstance(m, Int8Linear) for m in net.modules()) if isinstance(net, torch.nn.Module) else 0
-    row = {"method": method, "budget": budget_n, "tau": round(statistics.mean(taus), 3), "int8_linears": int8}
+    row = {"method": method, "budget": budget_n, "tau": round(statistics.mean(taus), 3), "int8_linears": int8,
+           "fused_attention": bool(getattr(inner, "fused_attention", False))}
     compiled = eng.target is targets._compiled or getattr(getattr(eng.drafter, "inner", eng.drafter), "compiled", False)
     if compiled:
         for phase in ("propose", "verify", "accept"):
@@ -159,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE")
     ap.add_argument("--compile", action="store_true", help="every method on the compiled target (as the bench's)")
+    ap.add_argument("--sdpa-drafter", action="store_true",
+                    help="also time each compiled SpecBlock drafter with SDPA attention (the row 'METHOD [sdpa]'), "
+                         "the baseline of its fused op")
     ap.add_argument("--packed-drafters", action="store_true",
                     help="beside a q4 target on the int8 kernel, also time each drafter with packed fp16 linears "
                          "(the row 'METHOD [packed]'), the baseline of its int8 ones")
@@ -178,6 +182,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for m in methods:
             rows.append(measure(m, targets, prompts, args.tokens, args.reps, engine_args))
+            if args.sdpa_drafter and rows[-1].get("fused_attention"):  # a static SpecBlock drafter on the op
+                from specblock.compiled import drafter as static_drafter
+
+                static_drafter.USE_FUSED = False
+                try:
+                    rows.append(measure(m, targets, prompts, args.tokens, args.reps, engine_args) | {"method": f"{m} [sdpa]"})
+                finally:
+                    static_drafter.USE_FUSED = True
             if args.packed_drafters and rows[-1].get("int8_linears"):
                 drafters.INT8_BESIDE_INT8 = False
                 try:
@@ -189,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     meta = {"prompts": args.prompts, "domains": args.domains, "tokens": args.tokens, "reps": args.reps,
             "threads": torch.get_num_threads(), "budget": args.budget, "target": args.target, "dtype": args.dtype,
-            "set": args.set, "compile": args.compile, "packed_drafters": args.packed_drafters,
+            "set": args.set, "compile": args.compile, "packed_drafters": args.packed_drafters, "sdpa_drafter": args.sdpa_drafter,
             "q4_kernel": q4_kernel() if args.dtype == "q4" else None}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

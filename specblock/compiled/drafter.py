@@ -13,6 +13,8 @@ work. Here every shape is fixed, as for the target (``compiled/target.py``):
   slots past the attention span and nobody reads them;
 - attention runs over a power-of-two span of the buffer, stale slots hidden by position
   (a row sees the slots up to its own position);
+- an fp32 drafter on the CPU attends in the target's fused op (``runtime/tree_attention.py``, an
+  additive mask made once a step), not SDPA;
 - one graph holds the fusion of the taps (moved here from ``accept``), both layers, the shift,
   the heads, the draft vocabulary's map and the bucket argmax: one call and one host copy a step.
 
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 from specblock.compiled.step import CompiledStep
 from specblock.compiled.target import span_of
+from specblock.runtime import tree_attention
 from specblock.runtime.drafters.layers import DecoderLayer, apply_rope
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
 from specblock.runtime.target import TargetOutput
@@ -40,6 +43,8 @@ ROWS = 8
 #: The padded step's row counts (each its own graph per span): a block's forward is bound by its
 #: multiply-adds on this CPU, and most steps commit tau ~ 2-3 positions, so 8 rows paid for padding.
 ROW_BUCKETS: tuple[int, ...] = (4, ROWS)
+#: Attention of an fp32 CPU drafter in the fused op; False keeps SDPA (the baseline).
+USE_FUSED = True
 
 
 def pad_rows(n: int, buckets: tuple[int, ...] = ROW_BUCKETS) -> int | None:
@@ -50,15 +55,20 @@ def pad_rows(n: int, buckets: tuple[int, ...] = ROW_BUCKETS) -> int | None:
 def _layer(layer: DecoderLayer, x: torch.Tensor, cs, kb: torch.Tensor, vb: torch.Tensor, slots: torch.Tensor,
            mask: torch.Tensor, span: int) -> torch.Tensor:
     """``DecoderLayer.forward`` for one row of ``n`` positions over a static buffer: the row's keys
-    and values are written at ``slots`` first, then it attends to the buffer's first ``span`` slots."""
+    and values are written at ``slots`` first, then it attends to the buffer's first ``span`` slots.
+    ``mask``: bool ``[n, span]`` (True: visible) for SDPA, or additive fp32 ``[1, 1, n, span]`` for the
+    fused op (``runtime/tree_attention.py``)."""
     g, r, n, h = x.shape
     qkv = layer.qkv(layer.attn_norm(x)).view(g, r, n, 3, layer.heads, layer.head_dim).permute(3, 0, 4, 1, 2, 5)
     qk = apply_rope(qkv[:2], *cs)
     q, k, v = qk[0, :, :, 0], qk[1, :, :, 0], qkv[2, :, :, 0]  # [1, H, n, d]
     kb.index_copy_(2, slots, k)
     vb.index_copy_(2, slots, v)
-    att = F.scaled_dot_product_attention(q, kb[:, :, :span], vb[:, :, :span], attn_mask=mask)
-    x = x + layer.o(att.permute(0, 2, 1, 3).reshape(g, r, n, h))
+    if mask.dtype == torch.bool:
+        att = F.scaled_dot_product_attention(q, kb[:, :, :span], vb[:, :, :span], attn_mask=mask).permute(0, 2, 1, 3)
+    else:
+        att = tree_attention.tree_attention(q, kb[:, :, :span], vb[:, :, :span], mask)  # [1, n, H, d]
+    x = x + layer.o(att.reshape(g, r, n, h))
     gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
     return x + layer.down(F.silu(gate) * up)
 
@@ -82,6 +92,9 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
         self.capacity = capacity  # positions the buffers hold (the target's context); reset() needs it
         super().__init__(drafter.net, drafter.M, drafter.policy, drafter.seed_policy, drafter.max_seeds)
         self.compiled = compile
+        # fp32 on CPU: attention in the target's fused op (two SDPA calls were about a tenth of the step)
+        self.fused_attention = (self.device.type == "cpu" and self.dtype == torch.float32 and USE_FUSED
+                                and tree_attention.load())
         self.row_buckets = ROW_BUCKETS  # (ROWS,) pads every step to 8 rows, as before (experiments/drafter_rows.py)
         # keys (rows, span)
         self.block = CompiledStep(self._step, self.net, self.device, {"rows": ROWS}) if compile else None
@@ -118,6 +131,8 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
         pos = torch.cat([past + i, pos_q])
         slots = torch.cat([torch.where(i < n_new, past + i, self.capacity + i), pos_q])
         mask = torch.arange(span, device=g.device)[None, :] <= pos[:, None]  # [P+K, span]
+        if self.fused_attention:  # the additive form, made once for both layers
+            mask = torch.zeros(mask.shape, dtype=x.dtype, device=g.device).masked_fill(~mask, torch.finfo(x.dtype).min)[None, None]
         cs = _rope(pos[None, None, None], net.layers[0], x.dtype)
         for j, layer in enumerate(net.layers):
             x = _layer(layer, x, cs, self._kb[j], self._vb[j], slots, mask, span)
