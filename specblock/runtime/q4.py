@@ -20,7 +20,8 @@ Three kernels (``Int4Linear.kernel``; ``SPECBLOCK_Q4_KERNEL`` picks one):
   on the same path (``q4_partings_int8_fused.md``); but eager and compiled forwards still differ in
   their last bits (inductor's norms and activations against ATen's), so compiled decoding parts from
   eager decoding at near-ties (``bench_smollm2_compiled_q4_int8.md``): lossless only like bf16
-  across the two paths, hence not the default.
+  across the two paths, hence not the default. Drafters beside a target on it run their linears on it
+  too, from their own weights rounded to Q8_0 (``use_int8_linears``, ``drafters.pack_drafter``).
 - ``bf16``: torch's ``_weight_int4pack_mm_for_cpu`` (where ours cannot run, or with
   ``SPECBLOCK_Q4_KERNEL=bf16``). It computes ``(q - 8) * scale + zero`` with bf16 ``scale = d``
   and ``zero = m + 8 d``, rounds its input to bf16 and returns bf16. Its rows are independent
