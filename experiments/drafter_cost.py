@@ -47,6 +47,7 @@ from specblock.runtime.bench import Targets, build_engine  # noqa: E402
 from specblock.runtime.bench_config import method_options  # noqa: E402
 from specblock.runtime.cli import load_tokenizer  # noqa: E402
 from specblock.models import resolve_target  # noqa: E402
+from specblock.compiled import drafter as static_drafter  # noqa: E402
 from specblock.runtime import drafters  # noqa: E402
 from specblock.runtime.q4 import Int8Linear, default_kernel as q4_kernel  # noqa: E402
 from specblock.runtime.target import TargetModel  # noqa: E402
@@ -163,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sdpa-drafter", action="store_true",
                     help="also time each compiled SpecBlock drafter with SDPA attention (the row 'METHOD [sdpa]'), "
                          "the baseline of its fused op")
+    ap.add_argument("--q4-drafters", action="store_true",
+                    help="beside a q4 target on the int8 kernel, also time each drafter with its linears rounded to "
+                         "Q4_1 instead of Q8_0 (the row 'METHOD [q4]')")
     ap.add_argument("--packed-drafters", action="store_true",
                     help="beside a q4 target on the int8 kernel, also time each drafter with packed fp16 linears "
                          "(the row 'METHOD [packed]'), the baseline of its int8 ones")
@@ -181,27 +185,26 @@ def main(argv: list[str] | None = None) -> int:
                                          compile=args.compile, budget=None if args.budget == "serving" else int(args.budget))
         rows = []
         for m in methods:
-            rows.append(measure(m, targets, prompts, args.tokens, args.reps, engine_args))
-            if args.sdpa_drafter and rows[-1].get("fused_attention"):  # a static SpecBlock drafter on the op
-                from specblock.compiled import drafter as static_drafter
-
-                static_drafter.USE_FUSED = False
-                try:
-                    rows.append(measure(m, targets, prompts, args.tokens, args.reps, engine_args) | {"method": f"{m} [sdpa]"})
-                finally:
-                    static_drafter.USE_FUSED = True
-            if args.packed_drafters and rows[-1].get("int8_linears"):
-                drafters.INT8_BESIDE_INT8 = False
-                try:
-                    rows.append(measure(m, targets, prompts, args.tokens, args.reps, engine_args) | {"method": f"{m} [packed]"})
-                finally:
-                    drafters.INT8_BESIDE_INT8 = True
+            base = measure(m, targets, prompts, args.tokens, args.reps, engine_args)
+            rows.append(base)
+            # baselines and variants, each timed with one module setting changed: (asked, applies, module, name, value, label)
+            variants = [(args.sdpa_drafter, base["fused_attention"], static_drafter, "USE_FUSED", False, "sdpa"),
+                        (args.q4_drafters, base["int8_linears"], drafters, "DRAFTER_BITS", 4, "q4"),
+                        (args.packed_drafters, base["int8_linears"], drafters, "INT8_BESIDE_INT8", False, "packed")]
+            for asked, applies, module, name, value, label in variants:
+                if asked and applies:
+                    before = getattr(module, name)
+                    setattr(module, name, value)
+                    try:
+                        rows.append(measure(m, targets, prompts, args.tokens, args.reps, engine_args) | {"method": f"{m} [{label}]"})
+                    finally:
+                        setattr(module, name, before)
     except (SpecBlockError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     meta = {"prompts": args.prompts, "domains": args.domains, "tokens": args.tokens, "reps": args.reps,
             "threads": torch.get_num_threads(), "budget": args.budget, "target": args.target, "dtype": args.dtype,
-            "set": args.set, "compile": args.compile, "packed_drafters": args.packed_drafters, "sdpa_drafter": args.sdpa_drafter,
+            "set": args.set, "compile": args.compile, "packed_drafters": args.packed_drafters, "sdpa_drafter": args.sdpa_drafter, "q4_drafters": args.q4_drafters,
             "q4_kernel": q4_kernel() if args.dtype == "q4" else None}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

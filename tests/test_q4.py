@@ -423,6 +423,12 @@ def test_int8_linears_round_a_copy_and_multiply_by_it():
     assert torch.equal(net[0].weight, dequantize_q8_0(q, d))
     x = torch.randn(5, 64)
     assert torch.equal(net[0](x), q4_kernel.linear8(x, q4_kernel.layout8_q8(q, d)))
+    four = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False)).requires_grad_(False)  # bits=4: Q4_1, half the bytes
+    w = four[0].weight.clone()
+    assert q4.use_int8_linears(four, bits=4) == 1 and isinstance(four[0], q4.Int4Linear) and four[0].kernel == "int8"
+    assert torch.equal(four[0](x), q4_kernel.linear8(x, q4_kernel.layout8(*quantize_q4_1(w))))
+    with pytest.raises(SpecBlockError, match="4 or 8 bits"):
+        q4.use_int8_linears(four, bits=2)
 
 
 @needs_vnni

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from specblock.errors import SpecBlockError
-from specblock.q4file import GROUP, Q4_FILE, dequantize_q8_0, quantize_q8_0, unpack_nibbles
+from specblock.q4file import GROUP, Q4_FILE, dequantize_q8_0, quantize_q4_1, quantize_q8_0, unpack_nibbles
 from specblock.runtime import q4_kernel
 
 Q4 = "q4"
@@ -213,7 +213,7 @@ def int8_kernel_of(model: nn.Module) -> bool:
     return any(isinstance(m, Int4Linear) and m.kernel == "int8" for m in model.modules())
 
 
-def use_int8_linears(model: nn.Module) -> int:
+def use_int8_linears(model: nn.Module, bits: int = 8) -> int:
     """Replace each bias-free ``nn.Linear`` of an fp32 CPU model that fits the kernel by an
     ``Int8Linear`` on its own weights rounded to Q8_0 (the int8 kernel); returns how many.
 
@@ -222,7 +222,9 @@ def use_int8_linears(model: nn.Module) -> int:
     (``experiments/drafter_linears.py``). Only the drafts move (Q8_0 rounding: about 0.4% of a
     weight group's largest value); verification, and so the output, is the target's. Each module
     gets its own copy of the weight: a drafter's linear may share storage with the target's
-    tensors, which the rounding must not touch."""
+    tensors, which the rounding must not touch. ``bits=4``: Q4_1 instead (half the bytes, coarser)."""
+    if bits not in (4, 8):
+        raise SpecBlockError(f"drafter linears take 4 or 8 bits, not {bits}")
     if not (q4_kernel.load() and q4_kernel.vnni_supports()):
         raise SpecBlockError("int8 linears need our q4 kernels and AVX512-VNNI; pack the drafter instead")
     found = [(mod, name, child) for mod in list(model.modules()) for name, child in mod.named_children()
@@ -231,7 +233,8 @@ def use_int8_linears(model: nn.Module) -> int:
     for mod, name, child in found:
         lin = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
         lin.weight = nn.Parameter(child.weight.detach().clone(), requires_grad=False)
-        setattr(mod, name, Int8Linear(lin, *quantize_q8_0(lin.weight), kernel="int8"))
+        setattr(mod, name, Int8Linear(lin, *quantize_q8_0(lin.weight), kernel="int8") if bits == 8
+                else Int4Linear(lin, *quantize_q4_1(lin.weight), kernel="int8"))
     return len(found)
 
 

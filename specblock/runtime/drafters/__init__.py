@@ -93,6 +93,8 @@ def register(name: str, factory: Callable) -> None:
 #: Beside a q4 target on the int8 kernel, drafters' linears run on it too (``pack_drafter``).
 #: False keeps them packed fp16: the baseline of ``experiments/drafter_cost.py --packed-drafters``.
 INT8_BESIDE_INT8 = True
+#: Their weights' rounding there: Q8_0 (8) or Q4_1 (4; ``experiments/drafter_cost.py --q4-drafters``).
+DRAFTER_BITS = 8
 
 
 def build(name: str, target, options: dict | None = None) -> Drafter:
@@ -133,7 +135,7 @@ def pack_drafter(drafter: Drafter, int8: bool = False) -> int:
     if int8:
         from specblock.runtime.q4 import use_int8_linears
 
-        done = use_int8_linears(nets[0])
+        done = use_int8_linears(nets[0], DRAFTER_BITS)
     if any(type(m) is torch.nn.Linear for m in nets[0].modules()):
         done += pack_linears(nets[0])
     return done
