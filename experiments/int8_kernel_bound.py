@@ -1,0 +1,76 @@
+"""What bounds q4's int8 kernel: its time per group-block with the weights in cache, on 1 and 2 threads.
+
+Why: at 8 rows one forward's int8 linears take about 10 ms streaming (``linear_streams_int8.md``),
+about 3x what a count of the kernel's vector instructions on two ports would allow. This times
+``linear8`` on single linears small enough to stay in L1/L2 (the real model's widths), many calls
+in a row, and reports nanoseconds per group-block (16 output features x 32 inputs): compute alone,
+per thread count. Random Q4_1 weights; medians of ``--reps`` calls.
+
+    python experiments/int8_kernel_bound.py --rows 1,8 --threads 1,2 --reps 2000 --out experiments/results/int8_kernel_bound
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from specblock.q4file import quantize_q4_1  # noqa: E402
+from specblock.runtime import q4_kernel  # noqa: E402
+
+SHAPES = ((576, 576), (1536, 576), (576, 1536))  # (out, in): q/o, gate/up, down of the real model
+GROUP_BLOCK = 16 * 32
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--reps", type=int, default=2000)
+    ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "int8_kernel_bound")
+    args = ap.parse_args(argv)
+    if not (q4_kernel.load() and q4_kernel.vnni_supports()):
+        print("error: the int8 kernel needs our q4 kernels and AVX512-VNNI", file=sys.stderr)
+        return 2
+    g = torch.Generator().manual_seed(0)
+    lays = {s: q4_kernel.layout8(*quantize_q4_1(torch.randn(*s, generator=g) * 0.05)) for s in SHAPES}
+    rows_out = []
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for (n, k), lay in lays.items():
+            for m in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(m, k, generator=g)
+                for _ in range(200):
+                    q4_kernel.linear8(x, lay)
+                ts = []
+                for _ in range(args.reps):
+                    t0 = time.perf_counter()
+                    q4_kernel.linear8(x, lay)
+                    ts.append(time.perf_counter() - t0)
+                us = 1e6 * statistics.median(ts)
+                rows_out.append({"threads": threads, "out": n, "in": k, "rows": m, "us": round(us, 2),
+                                 "ns_per_group_block": round(1e3 * us / (n * k / GROUP_BLOCK), 2)})
+    lines = [f"`python experiments/int8_kernel_bound.py --rows {args.rows} --threads {args.threads} --reps {args.reps} "
+             f"--out {args.out}`: one linear8 call on Q4_1 weights that stay in cache, median us; ns per group-block "
+             "(16 features x 32 inputs)", "",
+             "| threads | out x in | rows | us a call | ns per group-block |", "|---|---|---|---|---|"]
+    lines += [f"| {r['threads']} | {r['out']} x {r['in']} | {r['rows']} | {r['us']:.1f} | {r['ns_per_group_block']:.1f} |"
+              for r in rows_out]
+    md = "\n".join(lines) + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows_out}, indent=1))
+    args.out.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
