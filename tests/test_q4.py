@@ -175,10 +175,12 @@ def test_prefetching_moves_no_result():
         for ahead in (0, 1, 3):
             torch.ops.specblock_q4.set_prefetch(ahead)
             torch.ops.specblock_q4.set_prefetch8(3 * ahead)
+            torch.ops.specblock_q4.set_far8(10 * ahead)  # past a block's groups too: into the next block's
             outs.append((lin(x), head(x), lin(x[:2])) + ((lin8(x), head8(x), lin8(x[:2])) if VNNI else ()))
     finally:
         torch.ops.specblock_q4.set_prefetch(1)
-        torch.ops.specblock_q4.set_prefetch8(8)
+        torch.ops.specblock_q4.set_prefetch8(q4_kernel.PREFETCH8)
+        torch.ops.specblock_q4.set_far8(q4_kernel.FAR8)
     assert all(torch.equal(a, b) for out in outs[1:] for a, b in zip(outs[0], out))
 
 

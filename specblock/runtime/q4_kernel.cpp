@@ -234,15 +234,18 @@ struct W8 {  // Q8_0: q + 128 as unsigned bytes (512), then d[16] fp16
     }
   }
 };
-// Rows [0, R) of x against one block: groups in order, the next ones prefetched.
+// Rows [0, R) of x against one block: groups in order, the next ones prefetched: ``ahead`` groups on
+// into L1, ``far`` groups on into L2 (0: off).
 template <class W, int R>
-SPECBLOCK_VNNI void block8(const uint8_t* w, Rows8 x, float* y, int64_t N, int64_t ahead) {
+SPECBLOCK_VNNI void block8(const uint8_t* w, Rows8 x, float* y, int64_t N, int64_t ahead, int64_t far) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < x.G; ++g) {
     const uint8_t* wg = w + g * W::BYTES;
     if (ahead > 0)
       for (int64_t o = 0; o < W::BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wg + ahead * W::BYTES + o), _MM_HINT_T0);
+    if (far > 0)
+      for (int64_t o = 0; o < W::BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wg + far * W::BYTES + o), _MM_HINT_T1);
     W::template group<R>(wg, x, g, acc);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
@@ -250,13 +253,16 @@ SPECBLOCK_VNNI void block8(const uint8_t* w, Rows8 x, float* y, int64_t N, int64
 
 template <class W>
 struct Passes8 {
-  using Fn = void (*)(const uint8_t*, Rows8, float*, int64_t, int64_t);
+  using Fn = void (*)(const uint8_t*, Rows8, float*, int64_t, int64_t, int64_t);
   static constexpr Fn BY_ROWS[9] = {nullptr, block8<W, 1>, block8<W, 2>, block8<W, 3>, block8<W, 4>,
                                     block8<W, 5>, block8<W, 6>, block8<W, 7>, block8<W, 8>};
 };
 
-// Groups this many ahead are prefetched (0: off), as the fp32 kernel's blocks are.
+// Groups this many ahead are prefetched into L1 (0: off), as the fp32 kernel's blocks are; and this
+// many further on into L2 (0: off). Without the second, a weight stream from L3 or DRAM overlapped
+// little with the kernel's work at 8 rows (experiments/int8_kernel_bound.py, int8_prefetch.py).
 std::atomic<int64_t> prefetch_groups{8};
+std::atomic<int64_t> far_groups{32};
 
 // x [M, K] fp32 times w uint8 [N/16, K/32, BYTES] (BYTES 320: Q4_1, 544: Q8_0) -> [M, N] fp32.
 at::Tensor linear8(const at::Tensor& x, const at::Tensor& w) {
@@ -274,7 +280,8 @@ at::Tensor linear8(const at::Tensor& x, const at::Tensor& w) {
   std::vector<int32_t> s128(M * G);
   quantize_rows(xc.data_ptr<float>(), M * G, xq.data(), dx.data(), dxs.data(), s128.data());
   const bool q8 = w.size(2) == W8::BYTES;
-  const int64_t bytes = w.size(2), ahead = prefetch_groups.load(std::memory_order_relaxed);
+  const int64_t bytes = w.size(2), ahead = prefetch_groups.load(std::memory_order_relaxed),
+                far = far_groups.load(std::memory_order_relaxed);
   const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N / NF, 1, [&](int64_t b0, int64_t b1) {
@@ -282,7 +289,8 @@ at::Tensor linear8(const at::Tensor& x, const at::Tensor& w) {
       for (int64_t r = 0; r < M; r += 8) {
         const Rows8 rows{xq.data() + r * K, dx.data() + r * G, dxs.data() + r * G, s128.data() + r * G, G};
         const int R = static_cast<int>(std::min<int64_t>(8, M - r));
-        (q8 ? Passes8<W8>::BY_ROWS[R] : Passes8<W4>::BY_ROWS[R])(wp + b * G * bytes, rows, yp + r * N + b * NF, N, r == 0 ? ahead : 0);
+        (q8 ? Passes8<W8>::BY_ROWS[R] : Passes8<W4>::BY_ROWS[R])(wp + b * G * bytes, rows, yp + r * N + b * NF, N, r == 0 ? ahead : 0,
+                                                                  r == 0 ? far : 0);
       }
   });
   return y;
@@ -329,6 +337,7 @@ TORCH_LIBRARY(specblock_q4, m) {
   m.def("set_prefetch(int blocks) -> ()", [](int64_t n) { prefetch_ahead.store(std::max<int64_t>(n, 0)); });
   m.def("linear8(Tensor x, Tensor w) -> Tensor");
   m.def("set_prefetch8(int groups) -> ()", [](int64_t n) { prefetch_groups.store(std::max<int64_t>(n, 0)); });
+  m.def("set_far8(int groups) -> ()", [](int64_t n) { far_groups.store(std::max<int64_t>(n, 0)); });
 }
 TORCH_LIBRARY_IMPL(specblock_q4, CPU, m) {
   m.impl("linear", linear);

@@ -30,7 +30,8 @@ This is llama.cpp's arithmetic for a Q4_1 model, so it is another model than the
 are independent too, but its rounding turns last-bit differences elsewhere into whole steps
 (``q4.py``), so it is opt-in (``SPECBLOCK_Q4_KERNEL=int8``). One output feature per 32-bit lane, 16 a block, so no
 horizontal sum; per block and group 256 bytes of nibbles and the GGUF's fp16 ``d``, ``m`` (320
-bytes; the Q8_0 head: ``q + 128`` as unsigned bytes and ``d``, 544), groups prefetched 8 ahead.
+bytes; the Q8_0 head: ``q + 128`` as unsigned bytes and ``d``, 544), groups prefetched ``PREFETCH8``
+ahead into L1 and ``FAR8`` ahead into L2 (``experiments/int8_prefetch.py``).
 Rows go 8 to a pass. Compiled on the real model: T(1) 7.71 against 9.86 ms, T(8) 13.64 against
 22.08 (``q4_int8.md``, a Xeon).
 
@@ -134,6 +135,9 @@ def layout_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 NF = 16  # output features per block of the int8 kernel: one per 32-bit lane
+#: The int8 kernel's prefetch distances in groups of 32 inputs, as the extension starts with them
+#: (``specblock_q4::set_prefetch8`` / ``set_far8`` change them for the process).
+PREFETCH8, FAR8 = 8, 32
 
 
 def _slots(q: torch.Tensor) -> torch.Tensor:
