@@ -101,7 +101,7 @@ def measure(method: str, targets: Targets, prompts: list[list[int]], tokens: int
     int8 = sum(isinstance(m, Int8Linear) for m in net.modules()) if isinstance(net, torch.nn.Module) else 0
     row = {"method": method, "budget": budget_n, "tau": round(statistics.mean(taus), 3), "int8_linears": int8,
            "fused_attention": bool(getattr(inner, "fused_attention", False))}
-    compiled = eng.target is targets._compiled or getattr(getattr(eng.drafter, "inner", eng.drafter), "compiled", False)
+    compiled = eng.target is targets._compiled or getattr(inner, "compiled", False)
     if compiled:
         for phase in ("propose", "verify", "accept"):
             row |= {f"{phase}_ops": None, f"{phase}_ms": round(statistics.median(times[phase]), 3),

@@ -39,7 +39,7 @@ from specblock.runtime.target import TargetModel  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
-    ap.add_argument("--method", default="specblock+lookup@c", help="a bench method name with SpecBlock's drafter")
+    ap.add_argument("--method", default="specblock+lookup@c", help="a bench method name with SpecBlock's drafter (run compiled)")
     ap.add_argument("--dtype", default="q4")
     ap.add_argument("--domains", default="code,chat,math")
     ap.add_argument("--prompts", type=int, default=1)
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = Targets(TargetModel.load(path, args.dtype, "cpu"), "whole")
     tok = load_tokenizer(path, False)
     prompts = [chat.encode_prompt(tok, p) for d in args.domains.split(",") for p in load_prompts(d, args.prompts)]
-    sets = [f"{args.method}:compiled=true"] if "@" in args.method else []
+    sets = [f"{args.method}:compiled=true"]  # the static drafter and the compiled target, as the bench's --set
     eng = build_engine(args.method, targets, argparse.Namespace(set=sets, method_options=method_options(sets, [args.method]),
                                                                 drafter_dir=None, compile=False, budget=None), frozenset())
     eng.warm_compiled()

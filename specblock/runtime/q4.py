@@ -189,7 +189,7 @@ class Int8Linear(_OursLinear):
         if kernel not in OURS:
             raise SpecBlockError(f"a Q8_0 head runs on our kernels ({', '.join(OURS)}), not {kernel!r}")
         self.kernel = kernel
-        self._q4 = q4_kernel.layout_q8(q, d) if kernel == "fp32" else (q4_kernel.layout8_q8(q, d),)
+        self._q4 = self._layout(q, d)
         self._register()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,8 +201,12 @@ class Int8Linear(_OursLinear):
         q, d = quantize_q8_0(self.weight)
         with torch.no_grad():
             self.weight.copy_(dequantize_q8_0(q, d))
-        self._q4 = q4_kernel.layout_q8(q, d) if self.kernel == "fp32" else (q4_kernel.layout8_q8(q, d),)
+        self._q4 = self._layout(q, d)
         q4_kernel.register(self._q4, self, self._key)
+
+    def _layout(self, q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The kernel's weights: the fp32 kernel's ``(qb, dm)`` or the int8 kernel's ``(w,)``."""
+        return q4_kernel.layout_q8(q, d) if self.kernel == "fp32" else (q4_kernel.layout8_q8(q, d),)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 q8_0, {self.kernel} kernel"
