@@ -7,6 +7,9 @@ in a row, and reports nanoseconds per group-block (16 output features x 32 input
 per thread count. Random Q4_1 weights; medians of ``--reps`` calls.
 
     python experiments/int8_kernel_bound.py --rows 1,8 --threads 1,2 --reps 2000 --out experiments/results/int8_kernel_bound
+
+``--baseline-rev REV`` also builds the kernel of ``git show REV:specblock/runtime/q4_kernel.cpp`` under
+another op namespace and times both, call for call interleaved, checking that they give the same bits.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,10 +28,34 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from specblock.q4file import quantize_q4_1  # noqa: E402
-from specblock.runtime import q4_kernel  # noqa: E402
+from specblock.runtime import cext, q4_kernel  # noqa: E402
 
 SHAPES = ((576, 576), (1536, 576), (576, 1536))  # (out, in): q/o, gate/up, down of the real model
 GROUP_BLOCK = 16 * 32
+SRC = "specblock/runtime/q4_kernel.cpp"
+
+
+def baseline_linear8(rev: str):
+    """``linear8`` of ``rev``, registered as ``specblock_q4_base::linear8``."""
+    source = subprocess.run(["git", "show", f"{rev}:{SRC}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    source = source.replace("TORCH_LIBRARY(specblock_q4,", "TORCH_LIBRARY(specblock_q4_base,")
+    source = source.replace("TORCH_LIBRARY_IMPL(specblock_q4,", "TORCH_LIBRARY_IMPL(specblock_q4_base,")
+    cext.build("specblock_q4_base", source, *cext.OPENMP)
+    return torch.ops.specblock_q4_base.linear8
+
+
+def median_us(fns: dict, x: torch.Tensor, lay: torch.Tensor, reps: int) -> dict[str, float]:
+    """Median microseconds a call of each kernel, the kernels taking turns call by call."""
+    for _ in range(200):
+        for fn in fns.values():
+            fn(x, lay)
+    ts: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn(x, lay)
+            ts[name].append(time.perf_counter() - t0)
+    return {name: 1e6 * statistics.median(t) for name, t in ts.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,34 +64,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=2000)
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "int8_kernel_bound")
+    ap.add_argument("--baseline-rev", default=None, help="also time the kernel at this git revision")
     args = ap.parse_args(argv)
     if not (q4_kernel.load() and q4_kernel.vnni_supports()):
         print("error: the int8 kernel needs our q4 kernels and AVX512-VNNI", file=sys.stderr)
         return 2
     g = torch.Generator().manual_seed(0)
     lays = {s: q4_kernel.layout8(*quantize_q4_1(torch.randn(*s, generator=g) * 0.05)) for s in SHAPES}
+    fns = {"now": q4_kernel.linear8}
+    if args.baseline_rev:
+        fns = {"baseline": baseline_linear8(args.baseline_rev)} | fns
     rows_out = []
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for (n, k), lay in lays.items():
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, generator=g)
-                for _ in range(200):
-                    q4_kernel.linear8(x, lay)
-                ts = []
-                for _ in range(args.reps):
-                    t0 = time.perf_counter()
-                    q4_kernel.linear8(x, lay)
-                    ts.append(time.perf_counter() - t0)
-                us = 1e6 * statistics.median(ts)
-                rows_out.append({"threads": threads, "out": n, "in": k, "rows": m, "us": round(us, 2),
-                                 "ns_per_group_block": round(1e3 * us / (n * k / GROUP_BLOCK), 2)})
-    lines = [f"`python experiments/int8_kernel_bound.py --rows {args.rows} --threads {args.threads} --reps {args.reps} "
-             f"--out {args.out}`: one linear8 call on Q4_1 weights that stay in cache, median us; ns per group-block "
-             "(16 features x 32 inputs)", "",
-             "| threads | out x in | rows | us a call | ns per group-block |", "|---|---|---|---|---|"]
-    lines += [f"| {r['threads']} | {r['out']} x {r['in']} | {r['rows']} | {r['us']:.1f} | {r['ns_per_group_block']:.1f} |"
-              for r in rows_out]
+                us = median_us(fns, x, lay, args.reps)
+                row = {"threads": threads, "out": n, "in": k, "rows": m, "us": round(us["now"], 2),
+                       "ns_per_group_block": round(1e3 * us["now"] / (n * k / GROUP_BLOCK), 2)}
+                if args.baseline_rev:
+                    row |= {"baseline_us": round(us["baseline"], 2), "same_bits": bool(torch.equal(fns["baseline"](x, lay), fns["now"](x, lay)))}
+                rows_out.append(row)
+    cmd = (f"`python experiments/int8_kernel_bound.py --rows {args.rows} --threads {args.threads} --reps {args.reps}"
+           + (f" --baseline-rev {args.baseline_rev}" if args.baseline_rev else "") + f" --out {args.out}`")
+    lines = [f"{cmd}: one linear8 call on Q4_1 weights that stay in cache, median us; ns per group-block "
+             "(16 features x 32 inputs)" + (f"; the kernel at {args.baseline_rev} timed call for call interleaved" if args.baseline_rev else ""), ""]
+    if args.baseline_rev:
+        lines += [f"| threads | out x in | rows | us at {args.baseline_rev} | us now | ratio | ns per group-block now | same bits |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['threads']} | {r['out']} x {r['in']} | {r['rows']} | {r['baseline_us']:.1f} | {r['us']:.1f} | "
+                  f"{r['us'] / r['baseline_us']:.2f} | {r['ns_per_group_block']:.1f} | {r['same_bits']} |" for r in rows_out]
+    else:
+        lines += ["| threads | out x in | rows | us a call | ns per group-block |", "|---|---|---|---|---|"]
+        lines += [f"| {r['threads']} | {r['out']} x {r['in']} | {r['rows']} | {r['us']:.1f} | {r['ns_per_group_block']:.1f} |"
+                  for r in rows_out]
     md = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows_out}, indent=1))

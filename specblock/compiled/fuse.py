@@ -1,14 +1,16 @@
-"""Packed linears that read the same input, fused into one GEMM inside compiled graphs.
+"""Linears that read the same input, fused into one call inside compiled graphs: packed-fp16's
+C++ linears and q4's keyed ones.
 
-Why: in each decoder layer q/k/v read the same normed hidden state, and so do gate/up. One
-fbgemm call over the stacked rows reads the input once and pays one call's overhead instead of
-three (or two): the real model's one-token graph drops from 211 linear calls to 121. Done as an
-inductor pass over the traced graph, so no modeling file is touched and any family whose linears
-share an input gets it; eager forwards keep the separate modules.
+Why: in each decoder layer q/k/v read the same normed hidden state, and so do gate/up. One call
+over all their weights reads (for q4's int8 kernel: quantizes) the input once and pays one call's
+overhead and one parallel region instead of three (or two): the real model's one-token graph drops
+from 211 linear calls to 121. Done as an inductor pass over the traced graph, so no modeling file
+is touched and any family whose linears share an input gets it; eager forwards keep the separate
+modules.
 
-The stacked weight is built by the kernel itself on first use (``packed_linear_cat`` in
-``native.py``), from the parts' keys, so a graph loaded from the disk cache in a new process,
-where this pass does not run, finds it too.
+The fused ops take the parts' keys, so a graph loaded from the disk cache in a new process, where
+this pass does not run, finds their weights too: packed-fp16's stacks them on first use
+(``packed_linear_cat`` in ``native.py``), q4's runs each part's own weights (``linear_key_cat``).
 """
 
 from __future__ import annotations
@@ -18,30 +20,54 @@ from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from specblock.compiled import native
+from specblock.runtime import q4_kernel
+
+
+def _fusible() -> dict:
+    """Each keyed linear op ``(x, key, out_features)`` this process has built, and its fused op
+    ``(x, keys, out_features)``."""
+    ops = {}
+    for lib, single, cat in (("specblock_native", "packed_linear", "packed_linear_cat"),
+                             ("specblock_q4", "linear_key", "linear_key_cat")):
+        try:
+            ops[getattr(getattr(torch.ops, lib), single).default] = getattr(getattr(torch.ops, lib), cat).default
+        except (AttributeError, RuntimeError):  # that library is not built in this process
+            continue
+    return ops
 
 
 class FusePackedLinears(CustomGraphPass):
-    """Replaces the C++ packed linears that share an input node by one ``packed_linear_cat`` and
-    slices of its output (views, so no copy)."""
+    """Replaces the keyed linears of one op that share an input node by one call of its fused op
+    and slices of its output (views, so no copy)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        single = torch.ops.specblock_native.packed_linear.default  # built: the target adds this pass only then
-        groups: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        fused = _fusible()
+        groups: dict[tuple, list[torch.fx.Node]] = {}
         for node in graph.nodes:
-            if node.op == "call_function" and node.target is single:
-                groups.setdefault(node.args[0], []).append(node)
-        for x, parts in groups.items():
+            if node.op == "call_function" and node.target in fused:
+                groups.setdefault((node.target, same_input(node.args[0])), []).append(node)
+        for (op, _), parts in groups.items():
             if len(parts) > 1:
-                fuse_group(graph, x, parts)
+                fuse_group(graph, parts[0].args[0], parts, fused[op])
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__, native.__file__))
+        return get_hash_for_files((__file__, native.__file__, q4_kernel.__file__))
 
 
-def fuse_group(graph: torch.fx.Graph, x: torch.fx.Node, parts: list[torch.fx.Node]) -> None:
+_VIEWS = (torch.ops.aten.reshape.default, torch.ops.aten.view.default)
+
+
+def same_input(x: torch.fx.Node) -> tuple:
+    """What makes two linears' inputs the same: the node, or for a view (q4's linears each flatten
+    their input, and the graph keeps one reshape node apiece) the viewed node and the shape."""
+    if x.op == "call_function" and x.target in _VIEWS:
+        return (x.args[0], tuple(x.args[1]))
+    return (x,)
+
+
+def fuse_group(graph: torch.fx.Graph, x: torch.fx.Node, parts: list[torch.fx.Node], fused_op) -> None:
     keys = [int(p.args[1]) for p in parts]
     widths = [int(p.args[2]) for p in parts]
-    fused_op = torch.ops.specblock_native.packed_linear_cat.default
     fake_x = x.meta.get("val")
     mode = detect_fake_mode([fake_x]) if fake_x is not None else None
     with graph.inserting_before(parts[0]):

@@ -48,6 +48,7 @@ from specblock.compiled.static_cache import TreeStaticCache
 from specblock.errors import SpecBlockError
 from specblock.models.registry import specblock_home
 from specblock.policies.tree import DraftTree
+from specblock.runtime.q4 import keyed_q4
 from specblock.runtime.target import TargetModel, TargetOutput
 
 MIN_SPAN = 256
@@ -148,7 +149,7 @@ class StaticTarget(TargetModel):
                 kw = {"mode": self.mode}
             else:
                 opts = dict(options if options is not None else REGION_CPU_OPTIONS if regions else CPU_OPTIONS)
-                if self.native and fuse:  # q/k/v and gate/up as one GEMM each (compiled/fuse.py)
+                if fuse and (self.native or keyed_q4(model)):  # q/k/v and gate/up as one call each (compiled/fuse.py)
                     opts.setdefault("post_grad_custom_post_pass", FusePackedLinears())
                     self.fused = True
                 kw = {"options": opts}

@@ -82,6 +82,11 @@ def fits(out_features: int, in_features: int) -> bool:
     return in_features % GROUP == 0 and out_features % 16 == 0
 
 
+def keyed_q4(model: nn.Module) -> bool:
+    """Whether ``model`` has linears on our q4 kernels (which a compiled graph calls by key)."""
+    return any(isinstance(m, _OursLinear) for m in model.modules())
+
+
 class _OursLinear(nn.Module):
     """What a linear on our kernel shares: its weights (``_q4``: ``qb``, ``dm``) kept under a key
     for compiled graphs, the forward, copies and the bytes a forward reads. ``kernel`` is "fp32"

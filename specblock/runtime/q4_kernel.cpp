@@ -124,24 +124,8 @@ bool check_weights(const at::Tensor& qb, const at::Tensor& dm) {
 }
 
 // x [M, K] fp32 times one weight (see check_weights) -> [M, N] fp32.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& qb, const at::Tensor& dm) {
-  TORCH_CHECK(cpu_ok(), "specblock_q4::linear needs AVX512F, AVX512BW and FMA");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "specblock_q4::linear: x must be 2-D float32");
-  const bool q8 = check_weights(qb, dm);
-  const int64_t M = x.size(0), K = x.size(1), N = qb.size(0) * NB;
-  TORCH_CHECK(K == qb.size(1) * 32, "specblock_q4::linear: x has ", K, " inputs, the weights ", qb.size(1) * 32);
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const float* xp = xc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const auto* qp = static_cast<const uint8_t*>(qb.data_ptr());
-  const float* dp = dm.data_ptr<float>();
-  at::parallel_for(0, N / NB, 1, [&](int64_t b0, int64_t b1) {
-    (q8 ? run_blocks<Q8_0> : run_blocks<Q4_1>)(xp, M, K, qp, dp, b0, b1, yp, N);
-  });
-  return y;
-}
+at::Tensor run_fp32(const at::Tensor& x, const std::vector<std::pair<at::Tensor, at::Tensor>>& ws);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& qb, const at::Tensor& dm) { return run_fp32(x, {{qb, dm}}); }
 
 // ---- The int8 kernel: activations quantized to int8 per row and group of 32 (ggml's Q8_1:
 // dx = amax / 127, xq = round(x * 127 / amax), ties to even), integer dot products with
@@ -179,83 +163,115 @@ SPECBLOCK_VNNI void quantize_rows(const float* x, int64_t n, int8_t* xq, float* 
   }
 }
 
-// Eight 4-byte slots of one row's group against the block's 16 features. Integer sums are exact, so
-// splitting the chain in two (for few rows, whose latency shows) moves no result.
-template <int R>
-SPECBLOCK_VNNI inline __m512i dot8(const __m512i* v, const int8_t* xr) {
-  int32_t x4[8];
-  std::memcpy(x4, xr, 32);
-  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-  if (R >= 4) {  // other rows' chains hide this one's latency
-    for (int t = 0; t < 8; ++t) s0 = _mm512_dpbusd_epi32(s0, v[t], _mm512_set1_epi32(x4[t]));
-    return s0;
+SPECBLOCK_VNNI inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// One row's group (eight 4-byte slots, each broadcast from memory: through a general register it
+// took a shuffle port that the VNNI instructions need) against NBK blocks of 16 features: each
+// broadcast feeds every block. Integer sums are exact, so splitting a lone block's chain in two (for
+// few rows, whose latency shows) moves no result.
+template <int R, int NBK>
+SPECBLOCK_VNNI inline void dot8(const __m512i (*v)[8], const int8_t* xr, __m512i* s) {
+  for (int k = 0; k < NBK; ++k) s[k] = _mm512_setzero_si512();
+  if (NBK == 1 && R < 4) {
+    __m512i s1 = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) {
+      s[0] = _mm512_dpbusd_epi32(s[0], v[0][t], _mm512_set1_epi32(load4(xr + 4 * t)));
+      s1 = _mm512_dpbusd_epi32(s1, v[0][t + 4], _mm512_set1_epi32(load4(xr + 4 * t + 16)));
+    }
+    s[0] = _mm512_add_epi32(s[0], s1);
+    return;
   }
-  for (int t = 0; t < 4; ++t) {
-    s0 = _mm512_dpbusd_epi32(s0, v[t], _mm512_set1_epi32(x4[t]));
-    s1 = _mm512_dpbusd_epi32(s1, v[t + 4], _mm512_set1_epi32(x4[t + 4]));
+  for (int t = 0; t < 8; ++t) {
+    const __m512i b = _mm512_set1_epi32(load4(xr + 4 * t));
+    for (int k = 0; k < NBK; ++k) s[k] = _mm512_dpbusd_epi32(s[k], v[k][t], b);
   }
-  return _mm512_add_epi32(s0, s1);
 }
 
 // Per block of 16 features and group of 32 inputs, BYTES bytes: slot t (inputs 4t..4t+3) is a
-// 64-byte operand, feature f's 4 weights at bytes 4f..4f+3.
+// 64-byte operand, feature f's 4 weights at bytes 4f..4f+3. ``group`` takes NBK blocks ``stride``
+// bytes apart; each output gets the same operations whatever NBK.
 struct W4 {  // Q4_1: slots t and t + 4 as the low and high nibbles of 64 bytes (256), then d[16], m[16] fp16
   static constexpr int64_t BYTES = 320;
-  template <int R>
-  SPECBLOCK_VNNI static inline void group(const uint8_t* w, const Rows8& x, int64_t g, __m512* acc) {
-    __m512i v[8];
+  template <int R, int NBK>
+  SPECBLOCK_VNNI static inline void group(const uint8_t* w, int64_t stride, const Rows8& x, int64_t g, __m512 (*acc)[NBK]) {
+    __m512i v[NBK][8];
+    __m512 d[NBK], m[NBK];
     const __m512i low = _mm512_set1_epi8(15);
-    for (int j = 0; j < 4; ++j) {
-      const __m512i p = _mm512_loadu_si512(w + 64 * j);
-      v[j] = _mm512_and_si512(p, low);
-      v[j + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+    for (int k = 0; k < NBK; ++k) {
+      const uint8_t* wk = w + k * stride;
+      for (int j = 0; j < 4; ++j) {
+        const __m512i p = _mm512_loadu_si512(wk + 64 * j);
+        v[k][j] = _mm512_and_si512(p, low);
+        v[k][j + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+      }
+      d[k] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 256)));
+      m[k] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 288)));
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 256)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 288)));
     for (int r = 0; r < R; ++r) {
       const int64_t i = r * x.G + g;
-      const __m512i s = dot8<R>(v, x.q + i * 32);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(x.dx[i])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.dxs[i]), acc[r]);
+      __m512i s[NBK];
+      dot8<R, NBK>(v, x.q + i * 32, s);
+      const __m512 dx = _mm512_set1_ps(x.dx[i]), dxs = _mm512_set1_ps(x.dxs[i]);
+      for (int k = 0; k < NBK; ++k) {
+        acc[r][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[k]), _mm512_mul_ps(d[k], dx), acc[r][k]);
+        acc[r][k] = _mm512_fmadd_ps(m[k], dxs, acc[r][k]);
+      }
     }
   }
 };
 struct W8 {  // Q8_0: q + 128 as unsigned bytes (512), then d[16] fp16
   static constexpr int64_t BYTES = 544;
-  template <int R>
-  SPECBLOCK_VNNI static inline void group(const uint8_t* w, const Rows8& x, int64_t g, __m512* acc) {
-    __m512i v[8];
-    for (int t = 0; t < 8; ++t) v[t] = _mm512_loadu_si512(w + 64 * t);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 512)));
+  template <int R, int NBK>
+  SPECBLOCK_VNNI static inline void group(const uint8_t* w, int64_t stride, const Rows8& x, int64_t g, __m512 (*acc)[NBK]) {
+    __m512i v[NBK][8];
+    __m512 d[NBK];
+    for (int k = 0; k < NBK; ++k) {
+      const uint8_t* wk = w + k * stride;
+      for (int t = 0; t < 8; ++t) v[k][t] = _mm512_loadu_si512(wk + 64 * t);
+      d[k] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 512)));
+    }
     for (int r = 0; r < R; ++r) {
       const int64_t i = r * x.G + g;
-      const __m512i s = _mm512_sub_epi32(dot8<R>(v, x.q + i * 32), _mm512_set1_epi32(x.s128[i]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(x.dx[i])), acc[r]);
+      __m512i s[NBK];
+      dot8<R, NBK>(v, x.q + i * 32, s);
+      const __m512 dx = _mm512_set1_ps(x.dx[i]);
+      const __m512i c = _mm512_set1_epi32(x.s128[i]);
+      for (int k = 0; k < NBK; ++k)
+        acc[r][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s[k], c)), _mm512_mul_ps(d[k], dx), acc[r][k]);
     }
   }
 };
-// Rows [0, R) of x against one block: groups in order, the next ones prefetched: ``ahead`` groups on
-// into L1, ``far`` groups on into L2 (0: off).
-template <class W, int R>
-SPECBLOCK_VNNI void block8(const uint8_t* w, Rows8 x, float* y, int64_t N, int64_t ahead, int64_t far) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+// Rows [0, R) of x against NBK blocks ``stride`` bytes apart: groups in order, the next ones
+// prefetched: ``ahead`` groups on into L1, ``far`` groups on into L2 (0: off).
+template <class W, int R, int NBK>
+SPECBLOCK_VNNI void block8(const uint8_t* w, int64_t stride, Rows8 x, float* y, int64_t N, int64_t ahead, int64_t far) {
+  __m512 acc[R][NBK];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < NBK; ++k) acc[r][k] = _mm512_setzero_ps();
   for (int64_t g = 0; g < x.G; ++g) {
     const uint8_t* wg = w + g * W::BYTES;
-    if (ahead > 0)
-      for (int64_t o = 0; o < W::BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wg + ahead * W::BYTES + o), _MM_HINT_T0);
-    if (far > 0)
-      for (int64_t o = 0; o < W::BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(wg + far * W::BYTES + o), _MM_HINT_T1);
-    W::template group<R>(wg, x, g, acc);
+    for (int k = 0; k < NBK; ++k) {
+      const char* pk = reinterpret_cast<const char*>(wg + k * stride);
+      if (ahead > 0)
+        for (int64_t o = 0; o < W::BYTES; o += 64) _mm_prefetch(pk + ahead * W::BYTES + o, _MM_HINT_T0);
+      if (far > 0)
+        for (int64_t o = 0; o < W::BYTES; o += 64) _mm_prefetch(pk + far * W::BYTES + o, _MM_HINT_T1);
+    }
+    W::template group<R, NBK>(wg, stride, x, g, acc);
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < NBK; ++k) _mm512_storeu_ps(y + r * N + k * NF, acc[r][k]);
 }
 
-template <class W>
+template <class W, int NBK>
 struct Passes8 {
-  using Fn = void (*)(const uint8_t*, Rows8, float*, int64_t, int64_t, int64_t);
-  static constexpr Fn BY_ROWS[9] = {nullptr, block8<W, 1>, block8<W, 2>, block8<W, 3>, block8<W, 4>,
-                                    block8<W, 5>, block8<W, 6>, block8<W, 7>, block8<W, 8>};
+  using Fn = void (*)(const uint8_t*, int64_t, Rows8, float*, int64_t, int64_t, int64_t);
+  static constexpr Fn BY_ROWS[9] = {nullptr, block8<W, 1, NBK>, block8<W, 2, NBK>, block8<W, 3, NBK>, block8<W, 4, NBK>,
+                                    block8<W, 5, NBK>, block8<W, 6, NBK>, block8<W, 7, NBK>, block8<W, 8, NBK>};
 };
 
 // Groups this many ahead are prefetched into L1 (0: off), as the fp32 kernel's blocks are; and this
@@ -264,14 +280,33 @@ struct Passes8 {
 std::atomic<int64_t> prefetch_groups{8};
 std::atomic<int64_t> far_groups{32};
 
-// x [M, K] fp32 times w uint8 [N/16, K/32, BYTES] (BYTES 320: Q4_1, 544: Q8_0) -> [M, N] fp32.
-at::Tensor linear8(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(vnni_ok(), "specblock_q4::linear8 needs AVX512F, AVX512BW, AVX512-VNNI and FMA");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "specblock_q4::linear8: x must be 2-D float32");
+// One weight's part of a call: its blocks go to output columns col.. (several weights that read
+// the same input share one call: q/k/v, gate/up).
+struct Seg8 {
+  const uint8_t* w;
+  int64_t blocks, bytes, col;
+};
+
+void check8(const at::Tensor& w, int64_t K) {
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && (w.size(2) == W4::BYTES || w.size(2) == W8::BYTES) &&
               w.is_contiguous(), "specblock_q4::linear8: w must be contiguous uint8 [N/16, K/32, 320 (Q4_1) or 544 (Q8_0)]");
-  const int64_t M = x.size(0), K = x.size(1), G = w.size(1), N = w.size(0) * NF;
-  TORCH_CHECK(K == G * 32, "specblock_q4::linear8: x has ", K, " inputs, the weights ", G * 32);
+  TORCH_CHECK(K == w.size(1) * 32, "specblock_q4::linear8: x has ", K, " inputs, the weights ", w.size(1) * 32);
+}
+
+// x [M, K] fp32 (quantized once) times each weight of ``ws`` (each checked by check8) -> [M, sum of
+// their outputs] fp32, side by side in order.
+at::Tensor run8(const at::Tensor& x, const std::vector<at::Tensor>& ws) {
+  TORCH_CHECK(vnni_ok(), "specblock_q4::linear8 needs AVX512F, AVX512BW, AVX512-VNNI and FMA");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "specblock_q4::linear8: x must be 2-D float32");
+  const int64_t M = x.size(0), K = x.size(1), G = K / 32;
+  std::vector<Seg8> segs;
+  int64_t blocks = 0;
+  for (const auto& w : ws) {
+    check8(w, K);
+    segs.push_back({static_cast<const uint8_t*>(w.data_ptr()), w.size(0), w.size(2), blocks * NF});
+    blocks += w.size(0);
+  }
+  const int64_t N = blocks * NF;
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
@@ -279,19 +314,62 @@ at::Tensor linear8(const at::Tensor& x, const at::Tensor& w) {
   std::vector<float> dx(M * G), dxs(M * G);
   std::vector<int32_t> s128(M * G);
   quantize_rows(xc.data_ptr<float>(), M * G, xq.data(), dx.data(), dxs.data(), s128.data());
-  const bool q8 = w.size(2) == W8::BYTES;
-  const int64_t bytes = w.size(2), ahead = prefetch_groups.load(std::memory_order_relaxed),
-                far = far_groups.load(std::memory_order_relaxed);
-  const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
+  const int64_t ahead = prefetch_groups.load(std::memory_order_relaxed), far = far_groups.load(std::memory_order_relaxed);
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N / NF, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t r = 0; r < M; r += 8) {
-        const Rows8 rows{xq.data() + r * K, dx.data() + r * G, dxs.data() + r * G, s128.data() + r * G, G};
-        const int R = static_cast<int>(std::min<int64_t>(8, M - r));
-        (q8 ? Passes8<W8>::BY_ROWS[R] : Passes8<W4>::BY_ROWS[R])(wp + b * G * bytes, rows, yp + r * N + b * NF, N, r == 0 ? ahead : 0,
-                                                                  r == 0 ? far : 0);
+  // A thread's blocks, weight by weight; in pairs (each activation broadcast feeds both), a weight's
+  // lone last one alone.
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    int64_t first = 0;
+    for (const Seg8& sg : segs) {
+      const int64_t lo = std::max(b0, first) - first, hi = std::min(b1, first + sg.blocks) - first;
+      first += sg.blocks;
+      const bool q8 = sg.bytes == W8::BYTES;
+      const int64_t stride = G * sg.bytes;
+      for (int64_t b = lo; b < hi; b += 2) {
+        const bool pair = b + 1 < hi;
+        for (int64_t r = 0; r < M; r += 8) {
+          const Rows8 rows{xq.data() + r * K, dx.data() + r * G, dxs.data() + r * G, s128.data() + r * G, G};
+          const int R = static_cast<int>(std::min<int64_t>(8, M - r));
+          const auto fn = q8 ? (pair ? Passes8<W8, 2>::BY_ROWS[R] : Passes8<W8, 1>::BY_ROWS[R])
+                             : (pair ? Passes8<W4, 2>::BY_ROWS[R] : Passes8<W4, 1>::BY_ROWS[R]);
+          fn(sg.w + b * stride, stride, rows, yp + r * N + sg.col + b * NF, N, r == 0 ? ahead : 0, r == 0 ? far : 0);
+        }
       }
+    }
+  });
+  return y;
+}
+
+// x [M, K] fp32 times w uint8 [N/16, K/32, BYTES] (BYTES 320: Q4_1, 544: Q8_0) -> [M, N] fp32.
+at::Tensor linear8(const at::Tensor& x, const at::Tensor& w) { return run8(x, {w}); }
+
+// The fp32 kernel over several weights at once, as run8.
+at::Tensor run_fp32(const at::Tensor& x, const std::vector<std::pair<at::Tensor, at::Tensor>>& ws) {
+  TORCH_CHECK(cpu_ok(), "specblock_q4::linear needs AVX512F, AVX512BW and FMA");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "specblock_q4::linear: x must be 2-D float32");
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<int64_t> starts;
+  int64_t blocks = 0;
+  for (const auto& w : ws) {
+    check_weights(w.first, w.second);
+    TORCH_CHECK(K == w.first.size(1) * 32, "specblock_q4::linear: x has ", K, " inputs, the weights ", w.first.size(1) * 32);
+    starts.push_back(blocks);
+    blocks += w.first.size(0);
+  }
+  const int64_t N = blocks * NB;
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t n = ws[i].first.size(0), lo = std::max(b0, starts[i]) - starts[i], hi = std::min(b1, starts[i] + n) - starts[i];
+      if (lo >= hi) continue;
+      const auto* qp = static_cast<const uint8_t*>(ws[i].first.data_ptr());
+      const float* dp = ws[i].second.data_ptr<float>();
+      (ws[i].first.scalar_type() == at::kChar ? run_blocks<Q8_0> : run_blocks<Q4_1>)(xp, M, K, qp, dp, lo, hi, yp + starts[i] * NB, N);
+    }
   });
   return y;
 }
@@ -318,13 +396,29 @@ std::pair<at::Tensor, at::Tensor> find(int64_t key) {
   return it->second;
 }
 
-// Either kernel's weights: the int8 kernel's are one 3-D tensor (dm empty).
+// Either kernel's weights: the int8 kernel's are one 3-D tensor (dm empty). Several keys: the
+// weights that read the same x, one call, their outputs side by side (every output the same bits
+// as its own call's).
+at::Tensor linear_key_cat(const at::Tensor& x, at::IntArrayRef keys, int64_t out_features) {
+  TORCH_CHECK(!keys.empty(), "specblock_q4::linear_key: no keys");
+  std::vector<std::pair<at::Tensor, at::Tensor>> ws;
+  int64_t n = 0;
+  for (const int64_t key : keys) {
+    ws.push_back(find(key));
+    n += ws.back().first.size(0) * (ws.back().first.dim() == 3 ? NF : NB);
+  }
+  TORCH_CHECK(n == out_features, "specblock_q4::linear_key: keys hold ", n, " outputs, not ", out_features);
+  const bool int8 = ws[0].first.dim() == 3;
+  for (const auto& w : ws)
+    TORCH_CHECK((w.first.dim() == 3) == int8, "specblock_q4::linear_key_cat: keys of both kernels in one call");
+  if (!int8) return run_fp32(x, ws);
+  std::vector<at::Tensor> w8;
+  for (const auto& w : ws) w8.push_back(w.first);
+  return run8(x, w8);
+}
+
 at::Tensor linear_key(const at::Tensor& x, int64_t key, int64_t out_features) {
-  auto w = find(key);
-  const bool int8 = w.first.dim() == 3;
-  const int64_t n = w.first.size(0) * (int8 ? NF : NB);
-  TORCH_CHECK(n == out_features, "specblock_q4::linear_key: key ", key, " holds ", n, " outputs, not ", out_features);
-  return int8 ? linear8(x, w.first) : linear(x, w.first, w.second);
+  return linear_key_cat(x, {key}, out_features);
 }
 
 }  // namespace
@@ -332,6 +426,7 @@ at::Tensor linear_key(const at::Tensor& x, int64_t key, int64_t out_features) {
 TORCH_LIBRARY(specblock_q4, m) {
   m.def("linear(Tensor x, Tensor qb, Tensor dm) -> Tensor");
   m.def("linear_key(Tensor x, int key, int out_features) -> Tensor");
+  m.def("linear_key_cat(Tensor x, int[] keys, int out_features) -> Tensor");
   m.def("put(int key, Tensor qb, Tensor dm) -> ()", put);
   m.def("drop(int key) -> ()", drop);
   m.def("set_prefetch(int blocks) -> ()", [](int64_t n) { prefetch_ahead.store(std::max<int64_t>(n, 0)); });
@@ -342,5 +437,6 @@ TORCH_LIBRARY(specblock_q4, m) {
 TORCH_LIBRARY_IMPL(specblock_q4, CPU, m) {
   m.impl("linear", linear);
   m.impl("linear_key", linear_key);
+  m.impl("linear_key_cat", linear_key_cat);
   m.impl("linear8", linear8);
 }

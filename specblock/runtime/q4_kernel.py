@@ -75,6 +75,7 @@ def _build() -> None:
     cext.build("specblock_q4", SOURCE, *cext.OPENMP)
     torch.library.register_fake("specblock_q4::linear", _fake)
     torch.library.register_fake("specblock_q4::linear_key", _fake_key)
+    torch.library.register_fake("specblock_q4::linear_key_cat", _fake_key)
     torch.library.register_fake("specblock_q4::linear8", _fake8)
 
 
@@ -213,3 +214,10 @@ def _drop(key: int) -> None:
 
 def linear_key(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     return torch.ops.specblock_q4.linear_key(x, key, out_features)
+
+
+def linear_key_cat(x: torch.Tensor, keys: list[int], out_features: int) -> torch.Tensor:
+    """Several linears that read ``x`` in one call, their outputs side by side, each the same bits as
+    its own call's: ``x`` quantized once (int8 kernel) and one parallel region instead of one each
+    (what ``compiled/fuse.py`` puts in a compiled graph for q/k/v and gate/up)."""
+    return torch.ops.specblock_q4.linear_key_cat(x, keys, out_features)
