@@ -83,8 +83,9 @@ class StaticTarget(TargetModel):
     False keeps HF's ``repeat_kv`` attention in the graph (the baseline of ``compiled_speed.py``),
     ``gqa_kernel`` picks the grouped attention otherwise (``compiled/gqa.py``'s ``KERNELS``; None:
     the fused C++ op where it runs, else the math kernel);
-    ``native`` False keeps packed linears' Python kernel in the graph, ``fuse`` False their separate
-    calls (the baselines of ``compiled_speed.py --python-kernel-baseline`` / ``--unfused-baseline``);
+    ``native`` False keeps packed linears' Python kernel in the graph, ``fuse`` False their (and q4's
+    keyed linears') separate calls (the baselines of ``compiled_speed.py --python-kernel-baseline`` /
+    ``--unfused-baseline``);
     ``saved`` False neither loads nor saves graphs for later starts (``compiled/precompile.py``);
     ``dynamic`` is ``torch.compile``'s. None was tried so that one graph would serve every bucket past
     1: each tree size still compiled its own graph (the model code specializes the sizes), at the

@@ -32,8 +32,15 @@ are independent too, but its rounding turns last-bit differences elsewhere into 
 horizontal sum; per block and group 256 bytes of nibbles and the GGUF's fp16 ``d``, ``m`` (320
 bytes; the Q8_0 head: ``q + 128`` as unsigned bytes and ``d``, 544), groups prefetched ``PREFETCH8``
 ahead into L1 and ``FAR8`` ahead into L2 (``experiments/int8_prefetch.py``).
-Rows go 8 to a pass. Compiled on the real model: T(1) 7.71 against 9.86 ms, T(8) 13.64 against
-22.08 (``q4_int8.md``, a Xeon).
+Rows go 8 to a pass, and two blocks (32 features) go through a pass together: each row's inputs are
+broadcast from memory, four bytes at a time, and each broadcast feeds both blocks (0.68-0.76x the
+time at 8 rows on one thread, same bits: ``experiments/int8_kernel_bound.py --baseline-rev``,
+``int8_kernel_pairs.md``). Compiled on the real model: T(1) 7.71 against 9.86 ms, T(8) 13.64
+against 22.08 before that (``q4_int8.md``, a Xeon).
+
+``linear_key_cat``: linears that read the same input (q/k/v, gate/up) in one call, on either
+kernel, each output the same bits as its own call's; compiled graphs get it from
+``compiled/fuse.py``.
 
 Built on first use with the C++ compiler torch's extensions use (once per machine and torch
 version, under ``$SPECBLOCK_HOME/extensions``, about 8 s); the instructions are chosen per
