@@ -61,7 +61,12 @@ def same_input(x: torch.fx.Node) -> tuple:
     """What makes two linears' inputs the same: the node, or for a view (q4's linears each flatten
     their input, and the graph keeps one reshape node apiece) the viewed node and the shape."""
     if x.op == "call_function" and x.target in _VIEWS:
-        return (x.args[0], tuple(x.args[1]))
+        key = (x.args[0], tuple(x.args[1]))
+        try:
+            hash(key)  # a symbolic size (dynamic shapes) may not hash: then the node alone
+            return key
+        except TypeError:
+            pass
     return (x,)
 
 
