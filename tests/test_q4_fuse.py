@@ -51,33 +51,68 @@ def test_one_call_gives_each_linear_its_own_bits(rows, threads, kernel, seed):
     assert torch.equal(alone, together)
 
 
-def test_one_call_refuses_a_wrong_width_and_mixed_kernels():
+def test_one_call_refuses_a_wrong_width_too_many_keys_and_mixed_kernels():
     keys, _owner = keyed(KERNELS[0], 64, 0)
     with pytest.raises(RuntimeError, match="outputs, not"):
         q4_kernel.linear_key_cat(torch.randn(2, 64), keys, sum(WIDTHS) + 16)
+    with pytest.raises(ValueError, match="1 to 4 keys"):
+        q4_kernel.linear_key_cat(torch.randn(2, 64), keys + keys[:1], sum(WIDTHS) + WIDTHS[0])
     if len(KERNELS) == 2:
         other, _other_owner = keyed("int8", 64, 1)
         with pytest.raises(RuntimeError, match="both kernels"):
             q4_kernel.linear_key_cat(torch.randn(2, 64), [keys[0], other[0]], WIDTHS[0] * 2)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_the_pass_fuses_q4_linears_that_share_an_input(kernel):
-    """q and k read x (each flattening it: the graph keeps a reshape apiece), o reads q: one fused
-    call and one single, and the same bits as the graph compiled without the pass."""
+def q4_linear(n: int, seed: int, kernel: str) -> q4.Int4Linear:
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(64, n, bias=False)
+    return q4.Int4Linear(lin, *quantize_q4_1(lin.weight), kernel)
+
+
+def compiled_calls(module: torch.nn.Module, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, dict[str, int]]:
+    """``module`` compiled with or without the pass: its output and its q4 calls by op."""
     from torch._inductor.utils import run_and_get_code
 
     from specblock.compiled.fuse import FusePackedLinears
 
-    def linear(n: int, seed: int) -> q4.Int4Linear:
-        torch.manual_seed(seed)
-        lin = torch.nn.Linear(64, n, bias=False)
-        return q4.Int4Linear(lin, *quantize_q4_1(lin.weight), kernel)
+    torch._dynamo.reset()
+    options = {"post_grad_custom_post_pass": FusePackedLinears()} if fused else {}
+    got, code = run_and_get_code(torch.compile(module, fullgraph=True, options=options), x)
+    torch._dynamo.reset()
+    src = "\n".join(code)
+    return got, {op: src.count(f"torch.ops.specblock_q4.{op}.default(") for op in ("linear_key_cat", "linear_key")}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_pass_fuses_at_most_four_linears_a_call(kernel):
+    """Six linears on one input: a call of four and one of two, the same bits as unfused."""
+
+    class Six(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parts = torch.nn.ModuleList(q4_linear(32, seed, kernel) for seed in range(6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return sum(p(x) for p in self.parts)
+
+    six = Six().requires_grad_(False)
+    x = torch.randn(1, 3, 64)
+    fused, calls = compiled_calls(six, x, True)
+    assert calls == {"linear_key_cat": 2, "linear_key": 0}
+    unfused, calls = compiled_calls(six, x, False)
+    assert calls == {"linear_key_cat": 0, "linear_key": 6}
+    assert torch.equal(fused, unfused)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_pass_fuses_q4_linears_that_share_an_input(kernel):
+    """q and k read x (each flattening it: the graph keeps a reshape apiece), o reads q: one fused
+    call and one single, and the same bits as the graph compiled without the pass."""
 
     class Block(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.q, self.k, self.o = linear(64, 1), linear(32, 2), linear(64, 3)
+            self.q, self.k, self.o = q4_linear(64, 1, kernel), q4_linear(32, 2, kernel), q4_linear(64, 3, kernel)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             q, k = self.q(x), self.k(x)
@@ -85,14 +120,8 @@ def test_the_pass_fuses_q4_linears_that_share_an_input(kernel):
 
     block = Block().requires_grad_(False)
     x = torch.randn(1, 5, 64)
-    outs = {}
-    for fused in (True, False):
-        torch._dynamo.reset()
-        options = {"post_grad_custom_post_pass": FusePackedLinears()} if fused else {}
-        got, code = run_and_get_code(torch.compile(block, fullgraph=True, options=options), x)
-        src = "\n".join(code)
-        calls = {op: src.count(f"torch.ops.specblock_q4.{op}.default(") for op in ("linear_key_cat", "linear_key")}
-        assert calls == ({"linear_key_cat": 1, "linear_key": 1} if fused else {"linear_key_cat": 0, "linear_key": 3}), src
-        outs[fused] = got
-    torch._dynamo.reset()
-    assert torch.equal(outs[True], outs[False])
+    fused, calls = compiled_calls(block, x, True)
+    assert calls == {"linear_key_cat": 1, "linear_key": 1}
+    unfused, calls = compiled_calls(block, x, False)
+    assert calls == {"linear_key_cat": 0, "linear_key": 3}
+    assert torch.equal(fused, unfused)

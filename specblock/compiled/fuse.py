@@ -15,6 +15,9 @@ this pass does not run, finds their weights too: packed-fp16's stacks them on fi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -23,16 +26,31 @@ from specblock.compiled import native
 from specblock.runtime import q4_kernel
 
 
+@dataclass(frozen=True)
+class Fused:
+    """A keyed linear op's fused form: the op, how it takes the parts' keys and the total width,
+    and the most parts one call takes (None: any)."""
+
+    op: object
+    args: Callable[[torch.fx.Node, list[int], int], tuple]
+    most: int | None = None
+
+
 def _fusible() -> dict:
-    """Each keyed linear op ``(x, key, out_features)`` this process has built, and its fused op
-    ``(x, keys, out_features)``."""
+    """Each keyed linear op ``(x, key, out_features)`` this process has built, and its fused form."""
     ops = {}
-    for lib, single, cat in (("specblock_native", "packed_linear", "packed_linear_cat"),
-                             ("specblock_q4", "linear_key", "linear_key_cat")):
-        try:
-            ops[getattr(getattr(torch.ops, lib), single).default] = getattr(getattr(torch.ops, lib), cat).default
-        except (AttributeError, RuntimeError):  # that library is not built in this process
-            continue
+    try:  # packed-fp16's: the keys as an int[]
+        lib = torch.ops.specblock_native
+        ops[lib.packed_linear.default] = Fused(lib.packed_linear_cat.default, lambda x, keys, n: (x, keys, n))
+    except (AttributeError, RuntimeError):  # not built in this process
+        pass
+    try:  # q4's: up to CAT_KEYS keys as plain ints, -1 for none
+        lib = torch.ops.specblock_q4
+        pad = lambda keys: (*keys, *[-1] * (q4_kernel.CAT_KEYS - len(keys)))
+        ops[lib.linear_key.default] = Fused(lib.linear_key_cat.default, lambda x, keys, n: (x, *pad(keys), n),
+                                            q4_kernel.CAT_KEYS)
+    except (AttributeError, RuntimeError):
+        pass
     return ops
 
 
@@ -47,8 +65,10 @@ class FusePackedLinears(CustomGraphPass):
             if node.op == "call_function" and node.target in fused:
                 groups.setdefault((node.target, same_input(node.args[0])), []).append(node)
         for (op, _), parts in groups.items():
-            if len(parts) > 1:
-                fuse_group(graph, parts[0].args[0], parts, fused[op])
+            most = fused[op].most or len(parts)
+            for i in range(0, len(parts), most):
+                if len(parts[i:i + most]) > 1:
+                    fuse_group(graph, parts[i].args[0], parts[i:i + most], fused[op])
 
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__, native.__file__, q4_kernel.__file__))
@@ -70,18 +90,18 @@ def same_input(x: torch.fx.Node) -> tuple:
     return (x,)
 
 
-def fuse_group(graph: torch.fx.Graph, x: torch.fx.Node, parts: list[torch.fx.Node], fused_op) -> None:
+def fuse_group(graph: torch.fx.Graph, x: torch.fx.Node, parts: list[torch.fx.Node], fused: Fused) -> None:
     keys = [int(p.args[1]) for p in parts]
     widths = [int(p.args[2]) for p in parts]
     fake_x = x.meta.get("val")
     mode = detect_fake_mode([fake_x]) if fake_x is not None else None
     with graph.inserting_before(parts[0]):
-        out = graph.call_function(fused_op, (x, keys, sum(widths)))
+        out = graph.call_function(fused.op, fused.args(x, keys, sum(widths)))
         starts = [sum(widths[:i]) for i in range(len(parts))]
         pieces = [graph.call_function(torch.ops.aten.slice.Tensor, (out, -1, a, a + w)) for a, w in zip(starts, widths)]
     if mode is not None:  # the shapes and strides later passes read
         with mode:
-            out.meta["val"] = fused_op(fake_x, keys, sum(widths))
+            out.meta["val"] = fused.op(*fused.args(fake_x, keys, sum(widths)))
             for piece, a, w in zip(pieces, starts, widths):
                 piece.meta["val"] = out.meta["val"][..., a:a + w]
     for part, piece in zip(parts, pieces):

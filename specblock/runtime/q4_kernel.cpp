@@ -399,7 +399,7 @@ std::pair<at::Tensor, at::Tensor> find(int64_t key) {
 // Either kernel's weights: the int8 kernel's are one 3-D tensor (dm empty). Several keys: the
 // weights that read the same x, one call, their outputs side by side (every output the same bits
 // as its own call's).
-at::Tensor linear_key_cat(const at::Tensor& x, at::IntArrayRef keys, int64_t out_features) {
+at::Tensor run_keys(const at::Tensor& x, const std::vector<int64_t>& keys, int64_t out_features) {
   TORCH_CHECK(!keys.empty(), "specblock_q4::linear_key: no keys");
   std::vector<std::pair<at::Tensor, at::Tensor>> ws;
   int64_t n = 0;
@@ -417,8 +417,18 @@ at::Tensor linear_key_cat(const at::Tensor& x, at::IntArrayRef keys, int64_t out
   return run8(x, w8);
 }
 
+// Up to four keys as plain ints (-1: none), not an int[]: inductor's C++ wrapper calls an op of
+// plain ints through the light stable ABI, one with a list through boxed IValues, which cost each
+// compiled graph seconds more to build.
+at::Tensor linear_key_cat(const at::Tensor& x, int64_t k0, int64_t k1, int64_t k2, int64_t k3, int64_t out_features) {
+  std::vector<int64_t> keys;
+  for (const int64_t k : {k0, k1, k2, k3})
+    if (k >= 0) keys.push_back(k);
+  return run_keys(x, keys, out_features);
+}
+
 at::Tensor linear_key(const at::Tensor& x, int64_t key, int64_t out_features) {
-  return linear_key_cat(x, {key}, out_features);
+  return run_keys(x, {key}, out_features);
 }
 
 }  // namespace
@@ -426,7 +436,7 @@ at::Tensor linear_key(const at::Tensor& x, int64_t key, int64_t out_features) {
 TORCH_LIBRARY(specblock_q4, m) {
   m.def("linear(Tensor x, Tensor qb, Tensor dm) -> Tensor");
   m.def("linear_key(Tensor x, int key, int out_features) -> Tensor");
-  m.def("linear_key_cat(Tensor x, int[] keys, int out_features) -> Tensor");
+  m.def("linear_key_cat(Tensor x, int key0, int key1, int key2, int key3, int out_features) -> Tensor");
   m.def("put(int key, Tensor qb, Tensor dm) -> ()", put);
   m.def("drop(int key) -> ()", drop);
   m.def("set_prefetch(int blocks) -> ()", [](int64_t n) { prefetch_ahead.store(std::max<int64_t>(n, 0)); });

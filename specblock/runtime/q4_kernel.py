@@ -82,7 +82,7 @@ def _build() -> None:
     cext.build("specblock_q4", SOURCE, *cext.OPENMP)
     torch.library.register_fake("specblock_q4::linear", _fake)
     torch.library.register_fake("specblock_q4::linear_key", _fake_key)
-    torch.library.register_fake("specblock_q4::linear_key_cat", _fake_key)
+    torch.library.register_fake("specblock_q4::linear_key_cat", _fake_cat)
     torch.library.register_fake("specblock_q4::linear8", _fake8)
 
 
@@ -95,6 +95,10 @@ def _fake8(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _fake_key(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
+
+
+def _fake_cat(x: torch.Tensor, k0: int, k1: int, k2: int, k3: int, out_features: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], out_features))
 
 
@@ -223,8 +227,14 @@ def linear_key(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     return torch.ops.specblock_q4.linear_key(x, key, out_features)
 
 
+#: The most linears one ``linear_key_cat`` takes (its keys are plain ints: see the op).
+CAT_KEYS = 4
+
+
 def linear_key_cat(x: torch.Tensor, keys: list[int], out_features: int) -> torch.Tensor:
-    """Several linears that read ``x`` in one call, their outputs side by side, each the same bits as
-    its own call's: ``x`` quantized once (int8 kernel) and one parallel region instead of one each
-    (what ``compiled/fuse.py`` puts in a compiled graph for q/k/v and gate/up)."""
-    return torch.ops.specblock_q4.linear_key_cat(x, keys, out_features)
+    """Up to ``CAT_KEYS`` linears that read ``x`` in one call, their outputs side by side, each the
+    same bits as its own call's: ``x`` quantized once (int8 kernel) and one parallel region instead
+    of one each (what ``compiled/fuse.py`` puts in a compiled graph for q/k/v and gate/up)."""
+    if not 0 < len(keys) <= CAT_KEYS:
+        raise ValueError(f"linear_key_cat takes 1 to {CAT_KEYS} keys, not {len(keys)}")
+    return torch.ops.specblock_q4.linear_key_cat(x, *keys, *[-1] * (CAT_KEYS - len(keys)), out_features)
