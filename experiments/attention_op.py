@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,16 +29,6 @@ sys.path.insert(0, str(ROOT))
 from specblock.runtime import cext, tree_attention  # noqa: E402
 
 H, HKV, D, SPAN, LAYERS = 9, 3, 64, 256, 30
-SRC = "specblock/runtime/tree_attention.cpp"
-
-
-def baseline_op(rev: str):
-    """The op of ``rev``, registered as ``specblock_attention_base::tree_attention``."""
-    source = subprocess.run(["git", "show", f"{rev}:{SRC}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
-    source = source.replace("TORCH_LIBRARY(specblock_attention,", "TORCH_LIBRARY(specblock_attention_base,")
-    source = source.replace("TORCH_LIBRARY_IMPL(specblock_attention,", "TORCH_LIBRARY_IMPL(specblock_attention_base,")
-    cext.build("specblock_attention_base", source, *cext.OPENMP)
-    return torch.ops.specblock_attention_base.tree_attention
 
 
 def inputs(n: int, ctx: int, g: torch.Generator):
@@ -66,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: the fused op cannot run here", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    ops = {"baseline": baseline_op(args.baseline_rev), "current": torch.ops.specblock_attention.tree_attention}
+    base = cext.build_revision("specblock_attention", "specblock/runtime/tree_attention.cpp", args.baseline_rev)
+    ops = {"baseline": base.tree_attention, "current": torch.ops.specblock_attention.tree_attention}
     g = torch.Generator().manual_seed(0)
     rows = []
     for ctx in (int(c) for c in args.ctx.split(",")):

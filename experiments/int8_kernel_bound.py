@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,16 +31,6 @@ from specblock.runtime import cext, q4_kernel  # noqa: E402
 
 SHAPES = ((576, 576), (1536, 576), (576, 1536))  # (out, in): q/o, gate/up, down of the real model
 GROUP_BLOCK = 16 * 32
-SRC = "specblock/runtime/q4_kernel.cpp"
-
-
-def baseline_linear8(rev: str):
-    """``linear8`` of ``rev``, registered as ``specblock_q4_base::linear8``."""
-    source = subprocess.run(["git", "show", f"{rev}:{SRC}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
-    source = source.replace("TORCH_LIBRARY(specblock_q4,", "TORCH_LIBRARY(specblock_q4_base,")
-    source = source.replace("TORCH_LIBRARY_IMPL(specblock_q4,", "TORCH_LIBRARY_IMPL(specblock_q4_base,")
-    cext.build("specblock_q4_base", source, *cext.OPENMP)
-    return torch.ops.specblock_q4_base.linear8
 
 
 def median_us(fns: dict, x: torch.Tensor, lay: torch.Tensor, reps: int) -> dict[str, float]:
@@ -73,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     lays = {s: q4_kernel.layout8(*quantize_q4_1(torch.randn(*s, generator=g) * 0.05)) for s in SHAPES}
     fns = {"now": q4_kernel.linear8}
     if args.baseline_rev:
-        fns = {"baseline": baseline_linear8(args.baseline_rev)} | fns
+        base = cext.build_revision("specblock_q4", "specblock/runtime/q4_kernel.cpp", args.baseline_rev)
+        fns = {"baseline": base.linear8} | fns
     rows_out = []
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)

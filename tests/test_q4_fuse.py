@@ -69,6 +69,16 @@ def q4_linear(n: int, seed: int, kernel: str) -> q4.Int4Linear:
     return q4.Int4Linear(lin, *quantize_q4_1(lin.weight), kernel)
 
 
+def assert_fuses(module: torch.nn.Module, x: torch.Tensor, fused: int, single: int) -> None:
+    """Compiled with the pass: ``fused`` fused calls and ``single`` single ones; without it, every
+    linear its own call; the same bits either way."""
+    with_pass, calls = compiled_calls(module, x, True)
+    assert calls == {"linear_key_cat": fused, "linear_key": single}
+    without, calls = compiled_calls(module, x, False)
+    assert calls == {"linear_key_cat": 0, "linear_key": len([m for m in module.modules() if isinstance(m, q4.Int4Linear)])}
+    assert torch.equal(with_pass, without)
+
+
 def compiled_calls(module: torch.nn.Module, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, dict[str, int]]:
     """``module`` compiled with or without the pass: its output and its q4 calls by op."""
     from torch._inductor.utils import run_and_get_code
@@ -95,13 +105,7 @@ def test_the_pass_fuses_at_most_four_linears_a_call(kernel):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return sum(p(x) for p in self.parts)
 
-    six = Six().requires_grad_(False)
-    x = torch.randn(1, 3, 64)
-    fused, calls = compiled_calls(six, x, True)
-    assert calls == {"linear_key_cat": 2, "linear_key": 0}
-    unfused, calls = compiled_calls(six, x, False)
-    assert calls == {"linear_key_cat": 0, "linear_key": 6}
-    assert torch.equal(fused, unfused)
+    assert_fuses(Six().requires_grad_(False), torch.randn(1, 3, 64), fused=2, single=0)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -118,10 +122,4 @@ def test_the_pass_fuses_q4_linears_that_share_an_input(kernel):
             q, k = self.q(x), self.k(x)
             return self.o(q * 2) + k.sum(-1, keepdim=True)
 
-    block = Block().requires_grad_(False)
-    x = torch.randn(1, 5, 64)
-    fused, calls = compiled_calls(block, x, True)
-    assert calls == {"linear_key_cat": 1, "linear_key": 1}
-    unfused, calls = compiled_calls(block, x, False)
-    assert calls == {"linear_key_cat": 0, "linear_key": 3}
-    assert torch.equal(fused, unfused)
+    assert_fuses(Block().requires_grad_(False), torch.randn(1, 5, 64), fused=1, single=1)

@@ -32,7 +32,7 @@ class Fused:
     and the most parts one call takes (None: any)."""
 
     op: object
-    args: Callable[[torch.fx.Node, list[int], int], tuple]
+    args: Callable[..., tuple]  # (x: node or fake tensor, keys, total width) -> the op's arguments
     most: int | None = None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import subprocess
 from pathlib import Path
 
 import torch
@@ -35,6 +36,19 @@ def build(prefix: str, source: str, cflags: list[str], ldflags: list[str] | None
     where.mkdir(parents=True, exist_ok=True)
     load_inline(name, cpp_sources=[source], is_python_module=False, build_directory=str(where),
                 extra_cflags=cflags, extra_ldflags=ldflags or [], verbose=False, no_implicit_headers=True)
+
+
+def build_revision(prefix: str, path: str, rev: str):
+    """The library ``prefix`` as its source ``path`` (relative to the repository) stood at git
+    revision ``rev``, built and registered as ``prefix + "_base"``; returns that op namespace. For
+    experiments that time an op against its own earlier version in one process."""
+    root = Path(__file__).resolve().parents[2]
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True, text=True).stdout
+    base = f"{prefix}_base"
+    for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"):
+        source = source.replace(f"{macro}({prefix},", f"{macro}({base},")
+    build(base, source, *OPENMP)
+    return getattr(torch.ops, base)
 
 
 @functools.cache
