@@ -3,9 +3,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -277,148 +274,6 @@ struct Passes8 {
                                     block8<W, 5, NBK>, block8<W, 6, NBK>, block8<W, 7, NBK>, block8<W, 8, NBK>};
 };
 
-// ---- AMX (Intel's tile unit): one TDPBSUD a block and group gives the same exact int32 sums as
-// dot8 for up to 16 rows at once (signed activations times the same unsigned weight slots, which
-// are already the B tile's layout), stored to L1 and scaled with the same fp32 operations in the
-// same order: the same bits as the VNNI passes, with the multiply-adds off the vector ports.
-#define SPECBLOCK_AMX __attribute__((target("avx512f,avx512bw,avx512vnni,fma,amx-tile,amx-int8")))
-
-bool amx_ok() {
-  static const bool ok = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!vnni_ok() || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-  }();
-  return ok;
-}
-
-// Calls of at least this many rows go through AMX where the CPU has it (0: never).
-std::atomic<int64_t> amx_rows{2};
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0/1: a group's rows of activations (even/odd groups), 2/3: the two blocks' weights, 4/5 and
-// 6/7: their sums for even and odd groups, so one group's sums are stored while the next is computed.
-SPECBLOCK_AMX void configure_tiles(int R) {
-  thread_local int rows = 0;
-  if (rows == R) return;
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.rows[t] = (t == 2 || t == 3) ? 8 : R;
-    c.colsb[t] = (t == 0 || t == 1) ? 32 : 64;
-  }
-  _tile_loadconfig(&c);
-  rows = R;
-}
-
-// One group's weights for a block as the B tile wants them (8 rows of 64 bytes): Q4_1's nibbles
-// unpacked into ``buf``, Q8_0's bytes as they are. Scales into d, m.
-struct Amx4 {
-  SPECBLOCK_AMX static inline const uint8_t* slots(const uint8_t* wk, uint8_t* buf, __m512& d, __m512& m) {
-    const __m512i low = _mm512_set1_epi8(15);
-    for (int j = 0; j < 4; ++j) {
-      const __m512i p = _mm512_loadu_si512(wk + 64 * j);
-      _mm512_store_si512(buf + 64 * j, _mm512_and_si512(p, low));
-      _mm512_store_si512(buf + 64 * (j + 4), _mm512_and_si512(_mm512_srli_epi16(p, 4), low));
-    }
-    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 256)));
-    m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 288)));
-    return buf;
-  }
-  // acc += float(s) * (d dx); acc += m * dxs: W4::group's operations.
-  SPECBLOCK_AMX static inline __m512 scale(__m512 acc, __m512i s, __m512 d, __m512 m, const Rows8& x, int64_t i) {
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(x.dx[i])), acc);
-    return _mm512_fmadd_ps(m, _mm512_set1_ps(x.dxs[i]), acc);
-  }
-};
-struct Amx8 {
-  SPECBLOCK_AMX static inline const uint8_t* slots(const uint8_t* wk, uint8_t*, __m512& d, __m512&) {
-    d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 512)));
-    return wk;
-  }
-  SPECBLOCK_AMX static inline __m512 scale(__m512 acc, __m512i s, __m512 d, __m512, const Rows8& x, int64_t i) {
-    const __m512i c = _mm512_set1_epi32(x.s128[i]);
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s, c)), _mm512_mul_ps(d, _mm512_set1_ps(x.dx[i])), acc);
-  }
-};
-template <class W> struct AmxOf;
-template <> struct AmxOf<W4> { using T = Amx4; };
-template <> struct AmxOf<W8> { using T = Amx8; };
-
-// Rows [0, R) (R <= 16) of x against NBK (1 or 2) blocks ``stride`` bytes apart, groups in order;
-// group g's tile work is issued before group g - 1's sums are scaled.
-template <class W, int NBK>
-SPECBLOCK_AMX void block_amx(const uint8_t* w, int64_t stride, Rows8 x, int R, float* y, int64_t N, int64_t ahead, int64_t far) {
-  using A = typename AmxOf<W>::T;
-  configure_tiles(R);
-  alignas(64) uint8_t buf[2][2][512];
-  alignas(64) int32_t sums[2][2][16 * 16];
-  alignas(64) float acc[16][2][16];
-  __m512 d[2][2], m[2][2];
-  for (int r = 0; r < R; ++r)
-    for (int k = 0; k < NBK; ++k) _mm512_store_ps(acc[r][k], _mm512_setzero_ps());
-  const int64_t K = x.G * 32;
-  auto issue = [&](int64_t g) SPECBLOCK_AMX {
-    const int p = static_cast<int>(g & 1);
-    const uint8_t* wg = w + g * W::BYTES;
-    for (int k = 0; k < NBK; ++k) {
-      const char* pk = reinterpret_cast<const char*>(wg + k * stride);
-      if (ahead > 0)
-        for (int64_t o = 0; o < W::BYTES; o += 64) _mm_prefetch(pk + ahead * W::BYTES + o, _MM_HINT_T0);
-      if (far > 0)
-        for (int64_t o = 0; o < W::BYTES; o += 64) _mm_prefetch(pk + far * W::BYTES + o, _MM_HINT_T1);
-    }
-    const uint8_t* b0 = A::slots(wg, buf[p][0], d[p][0], m[p][0]);
-    const uint8_t* b1 = NBK == 2 ? A::slots(wg + stride, buf[p][1], d[p][1], m[p][1]) : nullptr;
-    if (p == 0) {
-      _tile_loadd(0, x.q + g * 32, K);
-      _tile_loadd(2, b0, 64);
-      _tile_zero(4);
-      _tile_dpbsud(4, 0, 2);
-      _tile_stored(4, sums[p][0], 64);
-      if (NBK == 2) {
-        _tile_loadd(3, b1, 64);
-        _tile_zero(5);
-        _tile_dpbsud(5, 0, 3);
-        _tile_stored(5, sums[p][1], 64);
-      }
-    } else {
-      _tile_loadd(1, x.q + g * 32, K);
-      _tile_loadd(2, b0, 64);
-      _tile_zero(6);
-      _tile_dpbsud(6, 1, 2);
-      _tile_stored(6, sums[p][0], 64);
-      if (NBK == 2) {
-        _tile_loadd(3, b1, 64);
-        _tile_zero(7);
-        _tile_dpbsud(7, 1, 3);
-        _tile_stored(7, sums[p][1], 64);
-      }
-    }
-  };
-  auto scale = [&](int64_t g) SPECBLOCK_AMX {
-    const int p = static_cast<int>(g & 1);
-    for (int r = 0; r < R; ++r)
-      for (int k = 0; k < NBK; ++k) {
-        const __m512i s = _mm512_load_si512(sums[p][k] + r * 16);
-        _mm512_store_ps(acc[r][k], A::scale(_mm512_load_ps(acc[r][k]), s, d[p][k], m[p][k], x, r * x.G + g));
-      }
-  };
-  issue(0);
-  for (int64_t g = 1; g < x.G; ++g) {
-    issue(g);
-    scale(g - 1);
-  }
-  scale(x.G - 1);
-  for (int r = 0; r < R; ++r)
-    for (int k = 0; k < NBK; ++k) _mm512_storeu_ps(y + r * N + k * NF, _mm512_load_ps(acc[r][k]));
-}
-
-
 // Groups this many ahead are prefetched into L1 (0: off), as the fp32 kernel's blocks are; and this
 // many further on into L2 (0: off). Without the second, a weight stream from L3 or DRAM overlapped
 // little with the kernel's work at 8 rows (experiments/int8_kernel_bound.py, int8_prefetch.py).
@@ -461,8 +316,6 @@ at::Tensor run8(const at::Tensor& x, const std::vector<at::Tensor>& ws) {
   quantize_rows(xc.data_ptr<float>(), M * G, xq.data(), dx.data(), dxs.data(), s128.data());
   const int64_t ahead = prefetch_groups.load(std::memory_order_relaxed), far = far_groups.load(std::memory_order_relaxed);
   float* yp = y.data_ptr<float>();
-  const int64_t at_least = amx_rows.load(std::memory_order_relaxed);
-  const bool amx = at_least > 0 && M >= at_least && amx_ok();
   // A thread's blocks, weight by weight; in pairs (each activation broadcast feeds both), a weight's
   // lone last one alone.
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
@@ -474,15 +327,6 @@ at::Tensor run8(const at::Tensor& x, const std::vector<at::Tensor>& ws) {
       const int64_t stride = G * sg.bytes;
       for (int64_t b = lo; b < hi; b += 2) {
         const bool pair = b + 1 < hi;
-        if (amx) {
-          for (int64_t r = 0; r < M; r += 16) {
-            const Rows8 rows{xq.data() + r * K, dx.data() + r * G, dxs.data() + r * G, s128.data() + r * G, G};
-            const int R = static_cast<int>(std::min<int64_t>(16, M - r));
-            const auto fn = q8 ? (pair ? block_amx<W8, 2> : block_amx<W8, 1>) : (pair ? block_amx<W4, 2> : block_amx<W4, 1>);
-            fn(sg.w + b * stride, stride, rows, R, yp + r * N + sg.col + b * NF, N, r == 0 ? ahead : 0, r == 0 ? far : 0);
-          }
-          continue;
-        }
         for (int64_t r = 0; r < M; r += 8) {
           const Rows8 rows{xq.data() + r * K, dx.data() + r * G, dxs.data() + r * G, s128.data() + r * G, G};
           const int R = static_cast<int>(std::min<int64_t>(8, M - r));
@@ -598,8 +442,6 @@ TORCH_LIBRARY(specblock_q4, m) {
   m.def("set_prefetch(int blocks) -> ()", [](int64_t n) { prefetch_ahead.store(std::max<int64_t>(n, 0)); });
   m.def("linear8(Tensor x, Tensor w) -> Tensor");
   m.def("set_prefetch8(int groups) -> ()", [](int64_t n) { prefetch_groups.store(std::max<int64_t>(n, 0)); });
-  m.def("set_amx_rows(int rows) -> ()", [](int64_t n) { amx_rows.store(std::max<int64_t>(n, 0)); });
-  m.def("amx_ok() -> bool", []() { return amx_ok(); });
   m.def("set_far8(int groups) -> ()", [](int64_t n) { far_groups.store(std::max<int64_t>(n, 0)); });
 }
 TORCH_LIBRARY_IMPL(specblock_q4, CPU, m) {
