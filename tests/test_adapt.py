@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from specblock.policies.branching import RankBucketBranching
-from specblock.runtime.adapt import Adapter, AdaptSettings, block1_rows
+from specblock.runtime.adapt import Adapter, AdaptSettings
+from specblock.runtime.adapt_signal import block1_rows
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
 from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
 from specblock.runtime.engine import Engine

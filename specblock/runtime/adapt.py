@@ -11,7 +11,8 @@ realised indicator) and sets how often the query is replayed.
 :class:`Adapter` wraps a :class:`SpecBlockDrafter` and is itself the engine's drafter:
 ``theta_inf`` (the wrapped net) serves, ``theta_train`` (float32) trains in a background thread
 (on CUDA in its own stream), ``theta_0`` is the frozen pretrained net for the anchor
-``L = L_draft + rank_weight * L_rank + lam * KL(p_theta || p_theta0)`` on the supervised positions.
+``L = L_draft + rank_weight * L_rank + lam * KL(p_theta || p_theta0)`` on the supervised positions
+(the update itself: ``adapt_update.py``).
 The serving thread swaps a finished update in *between* iterations (a non-blocking queue poll;
 the worker never touches ``theta_inf``) and rebuilds the drafter's KV cache from the query's
 taps, so new weights never attend to keys the old ones wrote. Serving never waits for training.
@@ -51,7 +52,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from specblock.policies import loading
 from specblock.policies.bandit import ARMS, CostAwareBandit, FixedArm
@@ -59,16 +59,13 @@ from specblock.policies.rollback import ThreeWindowRollback
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
-from specblock.runtime.adapt_signal import QueryRecord, Sample, block1_rows
-from specblock.runtime.drafters.specblock_net import SpecBlockNet
+from specblock.runtime.adapt_signal import QueryRecord
+from specblock.runtime.adapt_update import UpdateTrainer
 from specblock.runtime.packed import served, unpack_linears
 from specblock.runtime.target import TargetOutput
 from specblock.runtime.verify import Verdict
-from specblock.training.losses import bucket_of, rank_of
 
 log = logging.getLogger(__name__)
-
-HEAD_PREFIXES = ("lm_head.", "norm.", "rank_head.")  # the heads arm; full trains all but embed.weight
 
 
 @dataclass
@@ -163,10 +160,9 @@ class Adapter(Drafter):
         self.theta_inf = drafter.net  # packed beside a packed-fp16 target; repacked when an update lands
         base = copy.deepcopy(self.theta_inf)
         unpack_linears(base)  # training needs gradients, which a packed forward has not
-        self.theta_0 = base.float().eval().requires_grad_(False)
-        self.theta_train = copy.deepcopy(self.theta_0)
-        self.names = [n for n, _ in self.theta_0.named_parameters() if n != "embed.weight"]
-        self.master = {n: p.detach().clone() for n, p in self.theta_0.named_parameters() if n in self.names}
+        self.trainer = UpdateTrainer(base.float().eval().requires_grad_(False), self.cfg)
+        self.theta_0, self.theta_train = self.trainer.theta_0, self.trainer.theta_train
+        self.master = self.trainer.start_weights()  # the serving weights, as the worker starts from them
         c = self.cfg
         self.bandit, self.rollback = adaptation_policies(c)
         self.buffer: deque[QueryRecord] = deque(maxlen=c.buffer)
@@ -174,8 +170,6 @@ class Adapter(Drafter):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
-        self._rng = np.random.default_rng(c.seed)
-        self._cache: dict = {}
         self.generation = 0  # bumped by every rollback: updates trained before it are stale
         self._serve_threads: int | None = None  # serving's threads while an update holds a core
         self.backbone_version = 0  # bumped whenever the serving backbone changes
@@ -388,88 +382,9 @@ class Adapter(Drafter):
             except Exception as e:  # noqa: BLE001 - any failure must leave serving running
                 self._results.put(_Result(arm, generation, self.clock() - t0, error=f"{type(e).__name__}: {e}"))
 
-    def _samples(self) -> tuple[list[Sample], np.ndarray, dict, int]:
-        """Frozen samples of the buffered queries, their replay weights (the error signal s)
-        and the serving weights to start from; the lock only covers copying references."""
+    def train_step(self, arm: str) -> dict:
+        """One update of ``arm`` (``adapt_update.UpdateTrainer.step``) on a snapshot of the buffer
+        and the serving weights; the lock only covers copying references."""
         with self._lock:
             records, master, bb = list(self.buffer), self.master, self.backbone_version
-        K = self.theta_0.cfg.K
-        pairs = [(r, smp) for r in records if (smp := r.sample(K, self.cfg.max_ctx)) is not None]
-        samples = [smp for _, smp in pairs]
-        w = np.array([r.s for r, _ in pairs], dtype=float) + 1e-3
-        keep = {(smp.uid, smp.n) for smp in samples}
-        self._cache = {k: v for k, v in self._cache.items() if k[1:3] in keep}
-        return samples, w / w.sum(), master, bb
-
-    def train_step(self, arm: str) -> dict:
-        """One update of ``arm``: ``steps`` Adam steps (a fresh optimiser: every update starts
-        from the weights now serving) on queries drawn from the buffer with probability
-        proportional to their error signal s. Returns the trained tensors (float32)."""
-        samples, weights, master, bb = self._samples()
-        net = self.theta_train
-        params = dict(net.named_parameters())
-        with torch.no_grad():
-            for n, t in master.items():
-                params[n].copy_(t)
-        names = [n for n in self.names if arm == "full" or n.startswith(HEAD_PREFIXES)]
-        for n, p in params.items():
-            p.requires_grad_(n in names)
-        if not samples:
-            return {}
-        opt = torch.optim.Adam([params[n] for n in names], lr=self.cfg.lr_full if arm == "full" else self.cfg.lr_heads)
-        for _ in range(self.cfg.steps):
-            pick = self._rng.choice(len(samples), size=min(self.cfg.batch, len(samples)), replace=False, p=weights)
-            loss = sum(self.sample_loss(net, samples[i], arm, bb) for i in pick) / len(pick)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        net.requires_grad_(False)
-        return {n: params[n].detach().clone() for n in names}
-
-    def _cached(self, key: tuple, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        if key not in self._cache:
-            with torch.no_grad():
-                self._cache[key] = fn()
-        return self._cache[key]
-
-    def sample_loss(self, net: SpecBlockNet, s: Sample, arm: str, bb: int) -> torch.Tensor:
-        """Masked draft loss + rank loss + lam * KL to theta_0 on one query.
-
-        Depth by depth, only the rows the valid-prefix mask keeps get V-sized logits (the same
-        mask and per-depth normalisation as ``training.losses.block_loss``; with a weak drafter
-        most deep positions are masked, so this skips most LM-head work)."""
-        dev = next(net.parameters()).device
-        args = (s.taps.to(dev), s.tokens.to(dev), s.rows)
-        if arm == "full":
-            hq = block1_rows(net, *args)
-        else:  # the backbone is frozen in a heads update: its states are reused across updates
-            hq = self._cached(("hq", s.uid, s.n, bb), lambda: block1_rows(net, *args))
-        h0 = self._cached(("h0", s.uid, s.n), lambda: self.theta_0.norm(block1_rows(self.theta_0, *args)))
-        w0 = self.theta_0.lm_head.weight
-        t2d = net.t2d() if getattr(net.cfg, "draft_vocab", None) is not None else None
-        alive = s.valid[:, 0].to(dev)
-        total = hq.new_zeros(())
-        for k in range(net.cfg.K):
-            idx = alive.nonzero()[:, 0]
-            if idx.numel() == 0:
-                break
-            logits, rank_logits, _, lse = net.heads(hq[idx, k], with_lse=True)
-            ids, p_star = s.y_ids[idx.cpu(), k].to(dev), s.y_lp[idx.cpu(), k].to(dev).softmax(-1)
-            if t2d is not None:  # a reduced draft vocabulary: target ids to head rows, no mass off the map
-                rows = t2d[ids]
-                p_star = p_star * (rows >= 0)
-                p_star = p_star / p_star.sum(-1, keepdim=True).clamp_min(1e-20)
-                ids = rows.clamp_min(0)
-            ce = lse - (p_star * logits.gather(-1, ids)).sum(-1)  # soft CE vs the renormalised top-k
-            rank = rank_of(logits.detach(), ids[:, 0])
-            rank_ce = F.cross_entropy(rank_logits.float(), bucket_of(rank))
-            logq = logits - lse[:, None]
-            logq0 = (h0[idx, k] @ w0.T).float().log_softmax(-1)
-            kl = (logq.exp() * (logq - logq0)).sum(-1)
-            total = total + ce.mean() + self.cfg.rank_weight * rank_ce + self.cfg.lam * kl.mean()
-            if k + 1 < net.cfg.K:
-                nxt = torch.zeros_like(alive)
-                nxt[idx[rank == 0]] = True
-                alive = nxt & s.valid[:, k + 1].to(dev)
-        return total
-
+        return self.trainer.step(arm, records, master, bb)
