@@ -37,7 +37,7 @@ from specblock.policies.seeds import SeedPolicy, TopScoreSeeds
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
 from specblock.runtime.drafters.draftvocab import DraftVocab, DraftVocabSize
-from specblock.runtime.drafters.layers import DecoderLayer, FusedInputHeads, RMSNorm, flat_kv
+from specblock.runtime.drafters.layers import DecoderLayer, FusedInputHeads, flat_kv
 from specblock.runtime.drafters.netio import load_net, save_net, tie_frozen
 from specblock.runtime.target import TargetModel, TargetOutput
 from specblock.runtime.verify import Verdict
@@ -64,14 +64,9 @@ class Eagle3Net(FusedInputHeads, DraftVocab, nn.Module):
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
         self.cfg = cfg
-        h = cfg.hidden_size
-        self.embed = nn.Embedding(cfg.vocab_size, h)
-        self.fuse_taps = nn.Linear(len(cfg.tap_layers) * h, h, bias=False)
-        self.feat_norm, self.emb_norm = RMSNorm(h, cfg.rms_eps), RMSNorm(h, cfg.rms_eps)
-        self.fc = nn.Linear(2 * h, h, bias=False)
-        self.layer = DecoderLayer(h, cfg.num_heads, cfg.intermediate_size, cfg.rope_theta, cfg.rms_eps)
-        self.norm = RMSNorm(h, cfg.rms_eps)
-        self.lm_head = self.draft_head(h)
+        self.build_front(cfg)
+        self.layer = DecoderLayer(cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.rope_theta, cfg.rms_eps)
+        self.build_head(cfg)
 
     # ----------------------------------------------------------------- files
     def save(self, path: str | Path) -> None:

@@ -40,11 +40,9 @@ from pydantic import Field
 from specblock.policies.branching import TopKBranching, TreePolicy, grow_block
 from specblock.policies.seeds import SeedPolicy, TopScoreSeeds
 from specblock.policies.tree import DraftTree
-from specblock.runtime.drafters.base import DraftRequest, Drafter
+from specblock.runtime.drafters.base import DraftRequest
 from specblock.runtime.drafters.netio import load_net, save_net
-from specblock.runtime.drafters.parallelspec import FROZEN, CommittedContext, FeatureConfig, FeatureNet, cat_kv, flat
-from specblock.runtime.target import TargetModel, TargetOutput
-from specblock.runtime.verify import Verdict
+from specblock.runtime.drafters.parallelspec import FROZEN, ContextDrafter, FeatureConfig, FeatureNet, cat_kv, flat
 
 
 class FalconConfig(FeatureConfig):
@@ -62,9 +60,9 @@ class FalconNet(FeatureNet):
         return load_net(cls, FalconConfig, path, "falcon", "Falcon", target_model, FROZEN)
 
 
-class FalconDrafter(Drafter):
+class FalconDrafter(ContextDrafter):
     name = "falcon"
-    needs_features = True
+    NET = FalconNet
 
     def __init__(
         self,
@@ -75,39 +73,21 @@ class FalconDrafter(Drafter):
         policy: TreePolicy | None = None,
         seeds: SeedPolicy | None = None,
     ) -> None:
-        self.net = net.eval()
-        self.tap_layers = tuple(net.cfg.tap_layers)  # the engine points the target's taps here per generate
+        self._bind(net)
         self.bs = net.cfg.block_size
         self.forwards = forwards or net.cfg.forwards
         self.max_seeds = max_seeds or net.cfg.max_seeds
         self.policy = policy or TopKBranching(k=top_k or net.cfg.top_k)
         self.seed_policy = seeds or TopScoreSeeds()
-        p = next(net.parameters())
-        self.device, self.dtype = p.device, p.dtype
         self.reset()
-
-    @classmethod
-    def load(cls, path: str | Path, target: TargetModel, **kw) -> "FalconDrafter":
-        net = FalconNet.load(path, target.model)
-        target.tap_layers = tuple(net.cfg.tap_layers)
-        return cls(net.to(device=target.device, dtype=target.drafter_dtype), **kw)
 
     def reset(self) -> None:
-        self.ctx = CommittedContext(self.net, self.device, self.dtype)
+        super().reset()
         self.recent: torch.Tensor | None = None  # g's of the last bs committed positions [<= bs, h]
-
-    def prefill(self, prompt: np.ndarray, features: TargetOutput | None) -> None:
-        self.reset()
-        if features is not None and features.taps is not None and len(prompt) > 1:
-            self.ctx.add(features.taps, prompt[1:], 0)
-
-    def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
-        self.ctx.add(features.taps, np.append(tree.tokens[verdict.path[1:]], verdict.bonus), self._root_pos)
 
     # ---------------------------------------------------------------- drafting
     def _top(self, states: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        k = int(getattr(self.policy, "k", None) or self.net.cfg.top_k)
-        return self.net.top_tokens(self.net.logits(states), k)
+        return self.net.top_tokens(self.net.logits(states), self.width)
 
     def _first_forward(self, lim: int, draft: bool) -> tuple[torch.Tensor | None, list | None]:
         """Cache the pending context positions and, when ``draft``, run block 1 (the last bs

@@ -151,6 +151,22 @@ class FusedInputHeads:
     ``nn.Module`` that owns ``fuse_taps``, ``feat_norm``, ``emb_norm``, ``fc``, ``embed``,
     ``norm`` and ``lm_head``, so saved parameter names do not change."""
 
+    def build_front(self, cfg) -> None:
+        """The front end's modules from a drafter config (``hidden_size``, ``vocab_size``,
+        ``tap_layers``, ``rms_eps``); the subclass adds its layers, then :meth:`build_head`. The
+        order is the parameters' order, which saved optimiser states rely on."""
+        h = cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, h)
+        self.fuse_taps = nn.Linear(len(cfg.tap_layers) * h, h, bias=False)
+        self.feat_norm, self.emb_norm = RMSNorm(h, cfg.rms_eps), RMSNorm(h, cfg.rms_eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+
+    def build_head(self, cfg) -> None:
+        """The final norm and the LM head (``draft_head``: ``DraftVocab``'s, reduced when the config
+        sets a draft vocabulary)."""
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = self.draft_head(cfg.hidden_size)
+
     def g(self, feature: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.cat([self.feat_norm(feature), self.emb_norm(self.embed(tokens))], dim=-1))
 

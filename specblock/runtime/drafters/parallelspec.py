@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 import torch
@@ -40,7 +41,7 @@ from specblock.policies.branching import TopKBranching, TreePolicy, grow_block
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
 from specblock.runtime.drafters.draftvocab import DraftVocab, DraftVocabSize
-from specblock.runtime.drafters.layers import DecoderLayer, FusedInputHeads, RMSNorm, rope
+from specblock.runtime.drafters.layers import DecoderLayer, FusedInputHeads, rope
 from specblock.runtime.drafters.netio import load_net, save_net, tie_frozen
 from specblock.runtime.target import TargetModel, TargetOutput
 from specblock.runtime.verify import Verdict
@@ -127,15 +128,10 @@ class FeatureNet(FusedInputHeads, DraftVocab, nn.Module):
     def __init__(self, cfg: FeatureConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        h = cfg.hidden_size
-        self.embed = nn.Embedding(cfg.vocab_size, h)
-        self.fuse_taps = nn.Linear(len(cfg.tap_layers) * h, h, bias=False)
-        self.feat_norm, self.emb_norm = RMSNorm(h, cfg.rms_eps), RMSNorm(h, cfg.rms_eps)
-        self.fc = nn.Linear(2 * h, h, bias=False)
-        self.layers = nn.ModuleList(
-            DecoderLayer(h, cfg.num_heads, cfg.intermediate_size, cfg.rope_theta, cfg.rms_eps) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(h, cfg.rms_eps)
-        self.lm_head = self.draft_head(h)
+        self.build_front(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.rope_theta,
+                                                 cfg.rms_eps) for _ in range(cfg.num_layers))
+        self.build_head(cfg)
 
     def run(self, x, pos, ctx: list[KV] | None, ctx_mask, own_mask, own_prefix: list[KV] | None = None):
         """All layers; returns the top states and per-layer keys/values of this call's queries."""
@@ -182,6 +178,43 @@ class CommittedContext:
         return 0 if self.cache is None else int(self.cache[0][0].shape[-2])
 
 
+class ContextDrafter(Drafter):
+    """What ParallelSpec's and Falcon's drafters share: a :class:`FeatureNet` (``NET``, what
+    ``load`` reads) over a :class:`CommittedContext` that the target's taps at every committed
+    position feed; the subclass drafts (``propose``)."""
+
+    needs_features = True
+    NET: type[FeatureNet] = FeatureNet
+
+    def _bind(self, net: FeatureNet) -> None:
+        self.net = net.eval()
+        self.tap_layers = tuple(net.cfg.tap_layers)  # the engine points the target's taps here per generate
+        p = next(net.parameters())
+        self.device, self.dtype = p.device, p.dtype
+
+    @classmethod
+    def load(cls, path: str | Path, target: TargetModel, **kw) -> Self:
+        net = cls.NET.load(path, target.model)
+        target.tap_layers = tuple(net.cfg.tap_layers)  # the drafter decides which layers it reads
+        return cls(net.to(device=target.device, dtype=target.drafter_dtype), **kw)
+
+    def reset(self) -> None:
+        self.ctx = CommittedContext(self.net, self.device, self.dtype)
+
+    def prefill(self, prompt: np.ndarray, features: TargetOutput | None) -> None:
+        self.reset()
+        if features is not None and features.taps is not None and len(prompt) > 1:
+            self.ctx.add(features.taps, prompt[1:], 0)
+
+    def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
+        self.ctx.add(features.taps, np.append(tree.tokens[verdict.path[1:]], verdict.bonus), self._root_pos)
+
+    @property
+    def width(self) -> int:
+        """Candidates fetched per depth: a TopKBranching never keeps more than its k."""
+        return int(getattr(self.policy, "k", None) or self.net.cfg.top_k)
+
+
 # --------------------------------------------------------------------------- ParallelSpec
 class ParallelSpecConfig(FeatureConfig):
     k: int = Field(5, ge=2)  # tokens drafted per forward: depth 1 + (k-1) mask queries
@@ -203,34 +236,14 @@ class ParallelSpecNet(FeatureNet):
         return load_net(cls, ParallelSpecConfig, path, "parallelspec", "ParallelSpec", target_model, FROZEN)
 
 
-class ParallelSpecDrafter(Drafter):
+class ParallelSpecDrafter(ContextDrafter):
     name = "parallelspec"
-    needs_features = True
+    NET = ParallelSpecNet
 
     def __init__(self, net: ParallelSpecNet, top_k: int | None = None, policy: TreePolicy | None = None) -> None:
-        self.net = net.eval()
-        self.tap_layers = tuple(net.cfg.tap_layers)  # the engine points the target's taps here per generate
+        self._bind(net)
         self.policy = policy or TopKBranching(k=top_k or net.cfg.top_k)
-        p = next(net.parameters())
-        self.device, self.dtype = p.device, p.dtype
         self.reset()
-
-    @classmethod
-    def load(cls, path: str | Path, target: TargetModel, **kw) -> "ParallelSpecDrafter":
-        net = ParallelSpecNet.load(path, target.model)
-        target.tap_layers = tuple(net.cfg.tap_layers)
-        return cls(net.to(device=target.device, dtype=target.drafter_dtype), **kw)
-
-    def reset(self) -> None:
-        self.ctx = CommittedContext(self.net, self.device, self.dtype)
-
-    def prefill(self, prompt: np.ndarray, features: TargetOutput | None) -> None:
-        self.reset()
-        if features is not None and features.taps is not None and len(prompt) > 1:
-            self.ctx.add(features.taps, prompt[1:], 0)
-
-    def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
-        self.ctx.add(features.taps, np.append(tree.tokens[verdict.path[1:]], verdict.bonus), self._root_pos)
 
     @torch.no_grad()
     def propose(self, req: DraftRequest) -> DraftTree:
@@ -254,8 +267,3 @@ class ParallelSpecDrafter(Drafter):
         ids, lps = ids[None], lps[None]  # [1, depth, k]
         grow_block(tree, np.zeros(1, dtype=np.int64), ids, lps, None, self.policy, req.budget, block=0)
         return tree
-
-    @property
-    def width(self) -> int:
-        """Candidates fetched per depth: a TopKBranching never keeps more than its k."""
-        return int(getattr(self.policy, "k", None) or self.net.cfg.top_k)
