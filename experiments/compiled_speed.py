@@ -16,6 +16,7 @@ Writes experiments/results/compiled_speed.{json,md}. Timings are medians of inte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -26,6 +27,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -38,6 +40,7 @@ from specblock.runtime.packed import PackedLinear
 from specblock.runtime.q4 import Int4Linear, Int8Linear
 from specblock.runtime.calibrate import _random_tree as random_tree  # calibrate's trees and rewind: the same T(n)
 from specblock.runtime.calibrate import rewind
+from specblock.runtime import target as target_module
 from specblock.runtime.target import DTYPE_CHOICES, TargetModel, resolve_dtype
 
 
@@ -298,8 +301,9 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
     compiled = {f"compiled {m}": StaticTarget.wrap(eager, compile=True, regions=m == "regions")  # same weights
                 for m in args.mode_list}
 
-    def second(dtype: str = args.dtype, fp16_head: bool = False, **kw) -> StaticTarget:  # a second copy: attention, kernel and options are per copy
-        t = TargetModel.load(path, dtype, args.device)
+    def second(dtype: str = args.dtype, fp16_head: bool = False, hf_parts: bool = False, **kw) -> StaticTarget:  # a second copy: attention, kernel and options are per copy
+        with mock.patch.object(target_module, "use_exact_parts", lambda model: (0, 0)) if hf_parts else contextlib.nullcontext():
+            t = TargetModel.load(path, dtype, args.device)
         if fp16_head:
             packed_fp16_head(t.model)
         return StaticTarget.wrap(t, compile=True, **kw)
@@ -314,6 +318,7 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
         "dynamic": (args.dynamic_variant, {"dynamic": None}),  # meant as one graph past bucket 1; it was not (docs/compiled.md)
         "unfused": (args.unfused_baseline, {"fuse": False}),
         "fp16 head": (args.fp16_head_baseline, {"fp16_head": True}),
+        "HF's norms and rotary": (args.hf_parts_baseline, {"hf_parts": True}),  # before exact_parts (int8 kernel)
         str(args.also_dtype): (args.also_dtype, {"dtype": args.also_dtype}),  # e.g. q4 beside packed-fp16
     }
     compiled.update({f"compiled whole, {label}": second(**kw) for label, (asked, kw) in variants.items() if asked})
@@ -362,6 +367,7 @@ def markdown(results: list[dict], args) -> str:
              f"{' --python-kernel-baseline' if args.python_kernel_baseline else ''}"
              f"{' --unfused-baseline' if args.unfused_baseline else ''}"
              f"{' --fp16-head-baseline' if args.fp16_head_baseline else ''}"
+             f"{' --hf-parts-baseline' if args.hf_parts_baseline else ''}"
              f"{' --frozen-variant' if args.frozen_variant else ''}"
              f"{' --unfrozen-variant' if args.unfrozen_variant else ''}"
              f"{' --dynamic-variant' if args.dynamic_variant else ''}"
@@ -443,6 +449,8 @@ def main() -> None:
                     help="also time a compiled target without q/k/v and gate/up fusion (before compiled/fuse.py)")
     ap.add_argument("--fp16-head-baseline", action="store_true",
                     help="q4: also time a compiled target whose LM head is packed fp16 (before the GGUF's Q8_0 head)")
+    ap.add_argument("--hf-parts-baseline", action="store_true",
+                    help="q4 on the int8 kernel: also time a compiled target with HF's RMSNorm and rotary (before exact_parts)")
     ap.add_argument("--also-dtype", choices=DTYPE_CHOICES, help="also time a compiled copy of the target in this dtype")
     ap.add_argument("--hf-also-dtypes", default="",
                     help="HF generate also on copies of the model in these dtypes (e.g. bfloat16: the issue's reference)")

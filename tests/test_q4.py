@@ -1,6 +1,6 @@
-"""``--dtype q4``: a model's own Q4_1 GGUF weights. Our fp32 kernel (AVX512): lossless like fp32;
-our int8 kernel (opt-in, AVX512-VNNI, int8 activations) and torch's int4 kernel (the fallback):
-lossless like bf16, up to near-ties."""
+"""``--dtype q4``: a model's own Q4_1 GGUF weights. Our kernels (fp32, AVX512; int8, AVX512-VNNI
+with int8 activations): lossless like fp32, eager and compiled; torch's int4 kernel (the
+fallback): lossless like bf16, up to near-ties."""
 
 import json
 
@@ -17,11 +17,10 @@ from specblock.runtime import packed, q4, q4_kernel
 from specblock.runtime.drafters import LookupDrafter, RandomDrafter
 from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel
-from tiny import hf_greedy, run_cli, save_tiny, tiny_model
+from tiny import Q4_VOCAB as V, hf_greedy, run_cli, save_tiny, save_tiny_q4, tiny_model
 
 pytestmark = pytest.mark.skipif(not (q4.available() and packed.available()),
                                 reason="torch without the CPU int4 kernel or fbgemm (not an x86 build)")
-V = 48
 OURS = q4_kernel.cpu_supports() and q4_kernel.load()
 VNNI = OURS and q4_kernel.vnni_supports()
 #: The kernels this machine runs: torch's everywhere, ours where the CPU has AVX512 (int8: and VNNI).
@@ -256,17 +255,6 @@ def test_write_q4_reads_a_gguf_in_the_checkpoints_row_order(tmp_path):
         assert np.array_equal(ours, want), kind
 
 
-def save_tiny_q4(path, head: bool = True, **kw):
-    """A tiny llama with a Q4_1 file for its block linears and a Q8_0 head (no GGUF:
-    ``quantize_q4_1`` / ``quantize_q8_0`` of its weights)."""
-    save_tiny(path, "llama", vocab=V, hidden=64, **kw)
-    model = TargetModel.load(path, "float32", "cpu").model
-    save_q4(path / Q4_FILE, {name: quantize_q4_1(mod.weight) for name, mod in model.named_modules()
-                             if isinstance(mod, torch.nn.Linear) and name != "lm_head"},
-            {"lm_head": quantize_q8_0(model.lm_head.weight)} if head else None)
-    return path
-
-
 #: How far apart two tokens' logits may be where a decoding on torch's kernel parts from the
 #: reference: that kernel rounds its input and output to bf16, so fp32 differences of 1e-5 between
 #: tree shapes (attention over other lengths) can move a logit by a bf16 step. A wrong acceptance
@@ -287,8 +275,9 @@ def first_parting(model, prompt, got: list[int], ref: list[int]) -> float | None
 
 
 def check_parting(kernel: str, gap: float | None, what) -> None:
-    """fp32: identical (lossless like fp32). int8 and torch's: identical or parted at a near-tie (like bf16)."""
-    if kernel == "fp32":
+    """Ours (fp32, int8): identical (every part of a row's forward is row-independent and the same
+    bits eager and compiled). torch's: identical or parted at a near-tie (like bf16)."""
+    if kernel in q4.OURS:
         assert gap is None, (what, gap)
     else:
         assert gap is None or abs(gap) < NEAR_TIE, (what, gap)
@@ -302,8 +291,9 @@ def kernel(request, monkeypatch):
 
 
 def test_load_and_every_method_match_the_q4_models_greedy(tmp_path, capsys, kernel):
-    """Our fp32 kernel: every output equals the q4 model's greedy decoding (row-independent fp32).
-    torch's and our int8 one: equal except where a method parts at a near-tie (their bf16 or int8
+    """Our kernels: every output equals the q4 model's greedy decoding (HF's generate on the same
+    model object), on the int8 kernel too (its rounding would turn any last-bit difference into a
+    step; ``exact_parts.py``). torch's: equal except where a method parts at a near-tie (its bf16
     rounding turns the fp32 attention's tiny differences between tree sizes into whole steps)."""
     path = save_tiny_q4(tmp_path / "t", layers=3)
     target = TargetModel.load(path, "q4", "cpu")
@@ -328,7 +318,7 @@ def test_load_and_every_method_match_the_q4_models_greedy(tmp_path, capsys, kern
                              "--prompt", "abcabcabc", "--max-new-tokens", "12", "--compare", "ar", "--json")
     assert code == 0, err
     identical = json.loads(out)["identical_to_ar"]
-    assert identical is True if kernel == "fp32" else isinstance(identical, bool)
+    assert identical is True if kernel in q4.OURS else isinstance(identical, bool)
 
 
 def test_compiled_q4_target_matches_its_greedy(tmp_path, kernel):

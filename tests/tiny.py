@@ -99,6 +99,24 @@ def save_tiny(path, family: str = "llama", vocab: int = 64, **kw):
     return path
 
 
+#: The tiny q4 model's vocabulary.
+Q4_VOCAB = 48
+
+
+def save_tiny_q4(path, head: bool = True, **kw):
+    """A tiny llama with a Q4_1 file for its block linears and a Q8_0 head (no GGUF:
+    ``quantize_q4_1`` / ``quantize_q8_0`` of its weights)."""
+    from specblock.q4file import Q4_FILE, quantize_q4_1, quantize_q8_0, save_q4
+    from specblock.runtime.target import TargetModel
+
+    save_tiny(path, "llama", vocab=Q4_VOCAB, hidden=64, **kw)
+    model = TargetModel.load(path, "float32", "cpu").model
+    save_q4(path / Q4_FILE, {name: quantize_q4_1(mod.weight) for name, mod in model.named_modules()
+                             if isinstance(mod, torch.nn.Linear) and name != "lm_head"},
+            {"lm_head": quantize_q8_0(model.lm_head.weight)} if head else None)
+    return path
+
+
 def hf_greedy(model, prompt, n: int) -> list[int]:
     """The reference every lossless test compares against: HF generate(do_sample=False)."""
     out = model.generate(torch.tensor(prompt)[None], max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)

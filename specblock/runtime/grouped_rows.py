@@ -70,7 +70,8 @@ def sdpa_rows_forward(
     """HF's SDPA attention, except that fp32 rows go through our fused op where it runs
     (``runtime/tree_attention.py``) and a masked forward of 2..``MAX_ROWS`` other rows folds the
     query heads of each key/value head into its rows."""
-    fused = _fused(query, key, value, attention_mask, dropout, scaling, kwargs)
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    fused = _fused(query, key, value, attention_mask, dropout, scaling, causal, kwargs)
     if fused is not None:
         return fused, None
     b, h, n, d = query.shape
@@ -89,18 +90,23 @@ def sdpa_rows_forward(
 
 
 def _fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, dropout: float,
-           scaling: float | None, kwargs: dict) -> torch.Tensor | None:
-    """The fused op's output for an eager forward it applies to (fp32, one batch row, a mask, or one
-    row without one), else None. The same op as compiled graphs, so eager trees are as
-    layout-invariant as compiled ones."""
-    n = query.shape[2]
+           scaling: float | None, causal: bool, kwargs: dict) -> torch.Tensor | None:
+    """The fused op's output for an eager forward it applies to (fp32, one batch row, a mask, or
+    none where HF leaves it out: one row, or a prompt without a past under the causal flag), else
+    None. The same op as compiled graphs, so eager trees are as layout-invariant as compiled ones,
+    and an eager prompt leaves the same keys and values as the static cache's prefill (which passes
+    its mask): q4's int8 kernel needs both to be lossless across the two paths."""
+    n, kv = query.shape[2], key.shape[2]
     if not USE_FUSED or dropout or torch.compiler.is_compiling() \
             or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "cache", "s_aux")):
         return None
     if mask is None:
-        if n != 1:  # several rows without a mask: HF's causal flag
+        if n == 1 or not causal:
+            mask = query.new_zeros(1, 1, n, kv)
+        elif kv == n:  # HF's causal flag, which SDPA aligns top-left
+            mask = query.new_full((1, 1, n, kv), torch.finfo(query.dtype).min).triu_(1)
+        else:
             return None
-        mask = query.new_zeros(1, 1, 1, key.shape[2])
     else:
         mask = mask[:, :, :, : key.shape[2]]
         if mask.dtype == torch.bool:

@@ -25,7 +25,8 @@ from specblock.runtime.attention import attention_layout, tree_masks
 from specblock.runtime.grouped_rows import use_grouped_rows
 from specblock.runtime.packed import PACKED_FP16, PackedLinear, pack_linears
 from specblock.runtime.packed import available as packed_available
-from specblock.runtime.q4 import Q4, Int4Linear, Int8Linear, use_q4_linears
+from specblock.runtime.exact_parts import use_exact_parts
+from specblock.runtime.q4 import Q4, Int4Linear, Int8Linear, int8_kernel_of, use_q4_linears
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 #: What every ``--dtype`` flag offers; packed-fp16 (CPU: fp16 weights packed for fbgemm, fp32
@@ -274,6 +275,8 @@ def load_causal_lm(
     model = model.to(resolve_device(device))
     if dtype == Q4:
         use_q4_linears(model, path)  # before packing: what it does not hold (the head) is packed below
+        if int8_kernel_of(model):  # its int8 rounding turns inductor's last bits into steps: exact_parts.py
+            use_exact_parts(model)
     if packed:
         pack_linears(model)
     return model

@@ -1,0 +1,124 @@
+"""The two parts of a forward whose bits inductor changes, made the same eager and compiled: the
+RMSNorm (one C++ op, ``rms_norm.cpp``) and rotary's cos/sin (one table, read by position).
+
+Why: q4's int8 kernel rounds every linear's input to int8, so a last-bit difference anywhere
+before a linear can move a rounding step and the logits by a few tenths. Linears and attention
+are our own ops in both paths, and an elementwise product or sum is the same bits in ATen and in
+inductor's C++ (it builds with ``-ffp-contract=off``); what is not the same (probed on HF's Llama
+modules, eager against ``torch.compile``) is a reduction, whose order inductor picks (RMSNorm's mean
+of squares, in 19 of 20 random rows), and ``cos``/``sin``, which inductor computes with its own
+vectorised functions (every row). So compiled decoding on the int8 kernel parted from eager
+decoding at near-ties (``q4.py``). With these two parts swapped in, a row's bits are the same in
+any tree size, eager or compiled (``tests/test_exact_parts.py``).
+
+- ``RowRMSNorm``: HF's RMSNorm (``w * (x * rsqrt(mean(x^2) + eps))``, fp32) with the sum of squares
+  in a fixed order a row, whatever the other rows: ``specblock_norm::rms_norm``. A norm module is
+  swapped only where it computes that (checked on a random input at swap time: Gemma's
+  ``(1 + w)`` is left alone).
+- ``TableRotary``: cos/sin for every position up to the model's ``max_position_embeddings``,
+  computed once by the model's own rotary module (so by ATen), then gathered by position id (an
+  exact copy) in every forward. Only for rope types whose frequencies do not change with the
+  sequence (not "dynamic" or "longrope"), and at most ``MAX_TABLE`` positions.
+
+Used on models whose linears run on q4's int8 kernel (``target.load_causal_lm``); the fp32 kernel
+keeps HF's parts (its fp32 activations turn a last-bit difference into a last-bit difference)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specblock.runtime import cext
+
+SOURCE = (Path(__file__).parent / "rms_norm.cpp").read_text()
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+MAX_TABLE = 65536  # positions: 32 MB of cos/sin at head dim 64
+_STATE: dict[str, bool] = {}
+
+
+def load() -> bool:
+    """Build (or load) the norm op once per process; False, with one warning, where it cannot run."""
+    if "ok" not in _STATE:
+        why = None
+        if not {"avx512f", "fma"} <= cext.cpu_flags():
+            why = "this CPU has no AVX512F"
+        else:
+            try:
+                cext.build("specblock_norm", SOURCE, *cext.OPENMP)
+                torch.library.register_fake("specblock_norm::rms_norm", lambda x, w, eps: torch.empty_like(x))
+            except Exception as exc:  # a missing compiler or headers: HF's norm, as before
+                lines = str(exc).strip().splitlines()
+                why = f"it could not be built ({type(exc).__name__}: {lines[-1] if lines else exc!r})"
+        _STATE["ok"] = why is None
+        if why is not None:
+            warnings.warn(f"specblock: HF's RMSNorm stays, so compiled and eager int8 forwards may part ({why})", stacklevel=2)
+    return _STATE["ok"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.specblock_norm.rms_norm(x, weight, eps)
+
+
+class RowRMSNorm(nn.Module):
+    """An RMSNorm through ``specblock_norm::rms_norm``; keeps the module's own ``weight``."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.variance_epsilon = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, fixed-order C++ op"
+
+
+class TableRotary(nn.Module):
+    """cos/sin by position from one table that the model's own rotary module filled once."""
+
+    def __init__(self, rotary: nn.Module, positions: int) -> None:
+        super().__init__()
+        inv = rotary.inv_freq
+        with torch.no_grad():
+            cos, sin = rotary(torch.zeros(1, dtype=torch.float32, device=inv.device),
+                              torch.arange(positions, device=inv.device)[None])
+        self.register_buffer("cos", cos[0].contiguous(), persistent=False)  # [positions, head_dim]
+        self.register_buffer("sin", sin[0].contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)
+
+
+def _is_rms_norm(mod: nn.Module) -> bool:
+    """HF's RMSNorm formula in fp32 on the CPU, by behaviour on a random input."""
+    w = getattr(mod, "weight", None)
+    eps = getattr(mod, "variance_epsilon", None)
+    if not (type(mod).__name__.endswith("RMSNorm") and isinstance(w, torch.Tensor) and w.dim() == 1
+            and w.dtype == torch.float32 and w.device.type == "cpu" and isinstance(eps, float)):
+        return False
+    x = torch.randn(3, w.shape[0], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return torch.allclose(mod(x), rms_norm(x, w, eps), rtol=1e-5, atol=1e-6)
+
+
+def use_exact_parts(model: nn.Module) -> tuple[int, int]:
+    """Swap ``model``'s RMSNorms for ``RowRMSNorm`` and its rotary module for ``TableRotary`` where
+    they apply; returns (norms swapped, rotary modules swapped). Nothing where the op cannot run."""
+    if not load():
+        return 0, 0
+    norms = rotaries = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if _is_rms_norm(child):
+                setattr(parent, name, RowRMSNorm(child))
+                norms += 1
+            elif hasattr(child, "inv_freq") and getattr(child, "rope_type", None) in STATIC_ROPE:
+                positions = int(getattr(getattr(child, "config", None), "max_position_embeddings", 0) or 0)
+                if 0 < positions <= MAX_TABLE:
+                    setattr(parent, name, TableRotary(child, positions))
+                    rotaries += 1
+    return norms, rotaries

@@ -1,0 +1,119 @@
+"""The RMSNorm op and the rotary table (``runtime/exact_parts.py``): HF's parts, with a row's bits
+its own and the same eager and compiled; and on q4's int8 kernel, a compiled step gives the eager
+step's logits bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specblock.runtime import exact_parts, q4, q4_kernel
+from specblock.runtime.target import TargetModel
+from tiny import save_tiny_q4, tiny_model
+
+pytestmark = pytest.mark.skipif(not exact_parts.load(), reason="the RMSNorm op needs AVX512F")
+
+
+def hf_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@settings(max_examples=25, deadline=None)
+@given(h=st.integers(1, 300), rows=st.integers(1, 20), eps=st.sampled_from([1e-5, 1e-6]), seed=st.integers(0, 2**16))
+def test_the_norm_op_is_hfs_norm_and_a_rows_bits_are_its_own(h, rows, eps, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, h, generator=g) * 3, torch.rand(h, generator=g) + 0.5
+    y = exact_parts.rms_norm(x, w, eps)
+    torch.testing.assert_close(y, hf_norm(x, w, eps), rtol=2e-6, atol=2e-6)
+    r = int(torch.randint(rows, (1,), generator=g))
+    assert torch.equal(exact_parts.rms_norm(x[r:r + 1], w, eps), y[r:r + 1])  # alone as among the others
+    assert torch.equal(exact_parts.rms_norm(x.view(1, rows, h), w, eps)[0], y)  # any leading shape
+
+
+def test_compiled_parts_are_the_eager_bits():
+    """What inductor would change (a reduction's order, its own cos/sin) it cannot: both parts are
+    the same bits in a compiled function. HF's own modules, compiled, are not (the reason for this)."""
+    model = tiny_model("llama", hidden=64)
+    norm, rotary = model.model.norm, model.model.rotary_emb
+    ours_norm, ours_rot = exact_parts.RowRMSNorm(norm), exact_parts.TableRotary(rotary, 256)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n in (1, 8):
+            x = torch.randn(1, n, 64, generator=g) * 3
+            pos = torch.arange(100, 100 + n)[None]
+            assert torch.equal(torch.compile(ours_norm, dynamic=False)(x), ours_norm(x))
+            got, want = torch.compile(ours_rot, dynamic=False)(x, pos), ours_rot(x, pos)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            hf = rotary(x, pos)
+            torch.testing.assert_close(want, hf, rtol=0, atol=1e-6)
+
+
+def test_the_swap_takes_hfs_rms_norms_and_static_rotary_and_nothing_else():
+    llama = tiny_model("llama", layers=2, hidden=64)
+    assert exact_parts.use_exact_parts(llama) == (2 * 2 + 1, 1)
+    assert isinstance(llama.model.norm, exact_parts.RowRMSNorm) and isinstance(llama.model.rotary_emb, exact_parts.TableRotary)
+    qwen3 = tiny_model("qwen3", layers=2, hidden=64)
+    assert exact_parts.use_exact_parts(qwen3) == (2 * 4 + 1, 1)  # each layer's q_norm and k_norm too
+
+    class GemmaLikeRMSNorm(torch.nn.Module):  # (1 + w): the name, another formula
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight, self.variance_epsilon = torch.nn.Parameter(torch.zeros(64)), 1e-6
+
+        def forward(self, x):
+            return (1 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    holder = torch.nn.Sequential(GemmaLikeRMSNorm())
+    assert exact_parts.use_exact_parts(holder) == (0, 0) and isinstance(holder[0], GemmaLikeRMSNorm)
+
+
+@pytest.mark.skipif(not (q4_kernel.cpu_supports() and q4_kernel.load() and q4_kernel.vnni_supports()),
+                    reason="the int8 q4 kernel needs AVX512-VNNI")
+def test_an_int8_q4_compiled_step_gives_the_eager_steps_logits(tmp_path, monkeypatch):
+    """The int8 kernel rounds each linear's input, so any last-bit difference before it may move a
+    logit by a whole step: a compiled step (static cache, masked prefill, inductor's graph) must give
+    the eager target's logits (HF's cache, its causal prefill) bit for bit, a lone token and a tree."""
+    from specblock.compiled.target import StaticTarget
+    from specblock.policies.tree import DraftTree
+
+    monkeypatch.setattr(q4, "default_kernel", lambda: "int8")
+    path = save_tiny_q4(tmp_path / "t", layers=2)
+    eager = TargetModel.load(path, "q4", "cpu")
+    assert isinstance(eager.model.model.norm, exact_parts.RowRMSNorm)
+    compiled = StaticTarget(TargetModel.load(path, "q4", "cpu").model, compile=True, buckets=(1, 8), saved=False)
+    prompt = np.random.default_rng(4).integers(2, 48, 40)
+    for tree in (DraftTree.from_parents(np.array([7]), np.array([-1])),
+                 DraftTree.from_parents(np.array([7, 9, 11, 3, 5]), np.array([-1, 0, 0, 1, 3]))):
+        outs = []
+        for target in (eager, compiled):
+            target.reset()
+            target.prefill(prompt)
+            outs.append(target.tree_forward(tree).logits)
+        assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.skipif(not (q4_kernel.cpu_supports() and q4_kernel.load()), reason="our q4 kernels need AVX512F/AVX512BW")
+def test_an_eager_prompt_leaves_the_keys_and_values_of_the_static_caches_prefill(tmp_path, monkeypatch):
+    """A prompt without a past carries no mask in HF's eager forward (SDPA's causal flag); the static
+    cache's prefill passes one. Both go through the fused attention op (``grouped_rows._fused``), so
+    a tree forward after either gives the same bits. Checked on q4's fp32 kernel with these parts
+    (rows independent, nothing rounded to absorb a last bit: a different key shows in the logits)."""
+    from specblock.compiled.target import StaticTarget
+    from specblock.policies.tree import DraftTree
+
+    monkeypatch.setattr(q4, "default_kernel", lambda: "fp32")
+    path = save_tiny_q4(tmp_path / "t", layers=2)
+    eager = TargetModel.load(path, "q4", "cpu")
+    assert exact_parts.use_exact_parts(eager.model) == (5, 1)
+    static = StaticTarget(eager.model, compile=False)
+    prompt = np.random.default_rng(0).integers(2, 48, 30)
+    tree = DraftTree.from_parents(np.array([7, 9, 11, 3, 5]), np.array([-1, 0, 0, 1, 3]))
+    outs = []
+    for target in (eager, static):
+        target.reset()
+        target.prefill(prompt)
+        outs.append(target.tree_forward(tree).logits)
+    assert torch.equal(outs[0], outs[1])
