@@ -11,8 +11,10 @@ rounded, so it is another model (ggml's own Q4_1 x Q8_1 arithmetic, what llama.c
 agreement table says how close: teacher-forced over the fp32 model's greedy answers to the bench's
 chat prompts, the share of positions where both models' argmax agree, and the mean absolute logit
 difference. Both kernels' rows are independent, but the int8 rounding turns tiny fp32 differences
-elsewhere into whole steps, so the int8 model is lossless only like bf16 (``experiments/q4_partings.py``);
-it is opt-in (``SPECBLOCK_Q4_KERNEL=int8``).
+elsewhere into whole steps; when this was written that made the int8 model lossless only like bf16
+(``experiments/q4_partings.py``) and opt-in (``SPECBLOCK_Q4_KERNEL=int8``). ``runtime/exact_parts.py``
+has since made it lossless like fp32, and q4's default where the CPU has VNNI (``SPECBLOCK_Q4_KERNEL=fp32``
+picks the other kernel).
 """
 
 from __future__ import annotations

@@ -389,7 +389,7 @@ def test_refusals_are_one_line(tmp_path):
 
 def test_the_default_kernel_is_the_lossless_one_that_runs_and_the_variable_picks_another(monkeypatch):
     monkeypatch.delenv("SPECBLOCK_Q4_KERNEL", raising=False)
-    assert q4.default_kernel() == ("fp32" if OURS else "bf16")
+    assert q4.default_kernel() == ("int8" if VNNI else "fp32" if OURS else "bf16")
     for k in KERNELS:
         monkeypatch.setenv("SPECBLOCK_Q4_KERNEL", k)
         assert q4.default_kernel() == k

@@ -121,16 +121,17 @@ def test_every_shipped_drafter_is_lossless_on_the_real_model_at_its_serving_sett
 def real_q4(real):
     from specblock.runtime import q4
 
-    if not (q4.available() and q4.default_kernel() == "fp32"):
-        pytest.skip("q4 with our fp32 kernel needs AVX512F/AVX512BW (torch's kernel is lossless only like bf16)")
+    if not (q4.available() and q4.default_kernel() in q4.OURS):
+        pytest.skip("q4 on our kernels needs AVX512F/AVX512BW (torch's kernel is lossless only like bf16)")
     path, _, tok, stops = real
     return TargetModel.load(path, "q4", "cpu"), tok, stops
 
 
 @pytest.mark.parametrize("method", SHIPPED)
 def test_every_shipped_drafter_is_lossless_at_q4(real_q4, method):
-    """q4 on our kernel is lossless like fp32: each shipped drafter at its serving settings equals
-    the q4 model's plain decoding. On torch's bf16 kernel the same runs part at near-ties (README)."""
+    """q4 on our kernels (int8 where the CPU has VNNI, else fp32) is lossless like fp32: each shipped
+    drafter at its serving settings equals the q4 model's plain decoding. On torch's bf16 kernel the
+    same runs part at near-ties (README)."""
     target, tok, stops = real_q4
     for q in QUESTIONS:
         ids = chat.encode(tok, chat.ChatRequest(prompt=q))

@@ -7,21 +7,22 @@ decoder's linears are a quarter of their fp16 bytes.
 
 Three kernels (``Int4Linear.kernel``; ``SPECBLOCK_Q4_KERNEL`` picks one):
 
-- ``fp32`` (the default where the CPU has AVX512): ours, ``runtime/q4_kernel.py``. fp32
-  activations and sums, the exact Q4_1 weights ``d * q + m``, every output computed by the same
-  operations whatever the rows of the call. So a q4 target is **lossless like fp32**: every
-  method equals plain decoding token for token (``tests/test_q4.py``).
-- ``int8`` (opt-in, AVX512-VNNI): ours too. Activations rounded to int8 per row and group of 32,
-  exact integer dot products, fp32 scaling: llama.cpp's own arithmetic for this file, and faster
-  (compiled T(8) 1.62x, T(1) 1.28x: ``experiments/q4_int8.py``). Its rows are independent too, but
-  the rounding turns any last-bit difference elsewhere in a forward into whole int8 steps, logit
-  moves of a few tenths. With the fused attention (``runtime/tree_attention.py``) a token's logits
-  are the same bits in any tree, eager or compiled, and no shipped drafter parts from plain decoding
-  on the same path (``q4_partings_int8_fused.md``); but eager and compiled forwards still differ in
-  their last bits (inductor's norms and activations against ATen's), so compiled decoding parts from
-  eager decoding at near-ties (``bench_smollm2_compiled_q4_int8.md``): lossless only like bf16
-  across the two paths, hence not the default. Drafters beside a target on it run their linears on it
-  too, from their own weights rounded to Q8_0 (``use_int8_linears``, ``drafters.pack_drafter``).
+- ``int8`` (the default where the CPU has AVX512-VNNI): ours, ``runtime/q4_kernel.py``.
+  Activations rounded to int8 per row and group of 32, exact integer dot products, fp32 scaling:
+  llama.cpp's own arithmetic for this file, and the fastest (compiled T(1) 1.28x, T(8) 1.62x the
+  fp32 kernel's: ``experiments/q4_int8.py``). Its rounding turns any last-bit difference before a
+  linear into whole int8 steps (logit moves of a few tenths), so every other part of a row's
+  forward is made the same bits in any tree, eager or compiled: the fused attention
+  (``runtime/tree_attention.py``; an eager prompt included), and the RMSNorm and rotary of
+  ``runtime/exact_parts.py``, which inductor would otherwise change. So it is **lossless like
+  fp32** too: every method equals plain decoding token for token, eager and compiled, and compiled
+  decoding equals eager decoding (``tests/test_exact_parts.py``, ``tests/test_q4.py``). Drafters
+  beside a target on it run their linears on it too, from their own weights rounded to Q8_0
+  (``use_int8_linears``, ``drafters.pack_drafter``).
+- ``fp32`` (where AVX512 is there but VNNI is not): ours too. fp32 activations and sums, the
+  exact Q4_1 weights ``d * q + m``, every output computed by the same operations whatever the rows
+  of the call: lossless like fp32 (``tests/test_q4.py``). It is another rounding of the same
+  model than int8's (top-1 agreement 97% over the bench's chat prompts, ``experiments/q4_int8.py``).
 - ``bf16``: torch's ``_weight_int4pack_mm_for_cpu`` (where ours cannot run, or with
   ``SPECBLOCK_Q4_KERNEL=bf16``). It computes ``(q - 8) * scale + zero`` with bf16 ``scale = d``
   and ``zero = m + 8 d``, rounds its input to bf16 and returns bf16. Its rows are independent
@@ -58,8 +59,8 @@ OURS = ("int8", "fp32")  # the kernels of ``runtime/q4_kernel.py``
 
 
 def default_kernel() -> str:
-    """``SPECBLOCK_Q4_KERNEL`` if set; else ours (fp32) where the CPU has AVX512, else torch's
-    (``q4_kernel.load`` warns once why). int8 is faster but not the default: see the module."""
+    """``SPECBLOCK_Q4_KERNEL`` if set; else ours: int8 where the CPU has AVX512-VNNI, fp32 where
+    it has AVX512; else torch's (``q4_kernel.load`` warns once why)."""
     asked = os.environ.get("SPECBLOCK_Q4_KERNEL")
     if asked:
         if asked not in KERNELS:
@@ -69,7 +70,9 @@ def default_kernel() -> str:
         if asked == "int8" and not q4_kernel.vnni_supports():
             raise SpecBlockError("SPECBLOCK_Q4_KERNEL=int8 needs AVX512-VNNI, which this CPU lacks; use fp32 or bf16")
         return asked
-    return "fp32" if q4_kernel.load() else "bf16"
+    if not q4_kernel.load():
+        return "bf16"
+    return "int8" if q4_kernel.vnni_supports() else "fp32"
 
 
 def available() -> bool:

@@ -27,8 +27,9 @@ int8 (``layout8``): each row's groups of 32 are rounded to int8 as ggml's Q8_1 d
 in fp32: ``acc += float(sum q xq) * (d dx)`` and ``acc += m * (dx sum xq)`` per group in order.
 This is llama.cpp's arithmetic for a Q4_1 model, so it is another model than the fp32 kernel's
 (``experiments/q4_int8.py``: top-1 agreement with it 97% over the bench's chat prompts). Its rows
-are independent too, but its rounding turns last-bit differences elsewhere into whole steps
-(``q4.py``), so it is opt-in (``SPECBLOCK_Q4_KERNEL=int8``). One output feature per 32-bit lane, 16 a block, so no
+are independent too; its rounding would turn last-bit differences elsewhere into whole steps, which
+``exact_parts.py`` and the fused attention rule out (``q4.py``), so it is q4's default where the CPU
+has VNNI (``SPECBLOCK_Q4_KERNEL=fp32`` picks the other). One output feature per 32-bit lane, 16 a block, so no
 horizontal sum; per block and group 256 bytes of nibbles and the GGUF's fp16 ``d``, ``m`` (320
 bytes; the Q8_0 head: ``q + 128`` as unsigned bytes and ``d``, 544), groups prefetched ``PREFETCH8``
 ahead into L1 and ``FAR8`` ahead into L2 (``experiments/int8_prefetch.py``).
