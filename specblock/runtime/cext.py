@@ -1,8 +1,8 @@
 """Our C++ op libraries, built on first use: one build per source text and torch version, under
 ``$SPECBLOCK_HOME/extensions`` (a new torch or a changed source gets a fresh build, never a stale .so).
 
-Why one helper: three libraries (q4's kernels, packed-fp16's compiled linear, the compiled tree
-attention) build the same way. ``no_implicit_headers`` keeps ``load_inline`` from adding
+Why one helper: four libraries (q4's kernels, packed-fp16's compiled linear, the tree attention, the
+RMSNorm of ``exact_parts``) build the same way. ``no_implicit_headers`` keeps ``load_inline`` from adding
 ``torch/extension.h`` (all of libtorch's C++ API and pybind11): 7.1 s instead of 26.9 s a build
 (``experiments/native_build_time.py``). Each library registers its ops with ``TORCH_LIBRARY``, so
 nothing is imported as a Python module.
