@@ -10,11 +10,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specblock.policies.tree import DraftTree
 from specblock.runtime import exact_parts, q4, q4_kernel
 from specblock.runtime.target import TargetModel
 from tiny import save_tiny_q4, tiny_model
 
 pytestmark = pytest.mark.skipif(not exact_parts.load(), reason="the RMSNorm op needs AVX512F")
+
+
+#: A 5-node tree of the tiny q4 model's tokens (two branches at the root).
+TREE = DraftTree.from_parents(np.array([7, 9, 11, 3, 5]), np.array([-1, 0, 0, 1, 3]))
+
+
+def logits_after(target, prompt: np.ndarray, tree: DraftTree) -> torch.Tensor:
+    """``tree``'s logits right after ``prompt``'s prefill, on a fresh cache."""
+    target.reset()
+    target.prefill(prompt)
+    return target.tree_forward(tree).logits
 
 
 def hf_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,7 +89,6 @@ def test_an_int8_q4_compiled_step_gives_the_eager_steps_logits(tmp_path, monkeyp
     logit by a whole step: a compiled step (static cache, masked prefill, inductor's graph) must give
     the eager target's logits (HF's cache, its causal prefill) bit for bit, a lone token and a tree."""
     from specblock.compiled.target import StaticTarget
-    from specblock.policies.tree import DraftTree
 
     monkeypatch.setattr(q4, "default_kernel", lambda: "int8")
     path = save_tiny_q4(tmp_path / "t", layers=2)
@@ -85,14 +96,8 @@ def test_an_int8_q4_compiled_step_gives_the_eager_steps_logits(tmp_path, monkeyp
     assert isinstance(eager.model.model.norm, exact_parts.RowRMSNorm)
     compiled = StaticTarget(TargetModel.load(path, "q4", "cpu").model, compile=True, buckets=(1, 8), saved=False)
     prompt = np.random.default_rng(4).integers(2, 48, 40)
-    for tree in (DraftTree.from_parents(np.array([7]), np.array([-1])),
-                 DraftTree.from_parents(np.array([7, 9, 11, 3, 5]), np.array([-1, 0, 0, 1, 3]))):
-        outs = []
-        for target in (eager, compiled):
-            target.reset()
-            target.prefill(prompt)
-            outs.append(target.tree_forward(tree).logits)
-        assert torch.equal(outs[0], outs[1])
+    for tree in (DraftTree.from_parents(np.array([7]), np.array([-1])), TREE):
+        assert torch.equal(logits_after(eager, prompt, tree), logits_after(compiled, prompt, tree))
 
 
 @pytest.mark.skipif(not (q4_kernel.cpu_supports() and q4_kernel.load()), reason="our q4 kernels need AVX512F/AVX512BW")
@@ -102,7 +107,6 @@ def test_an_eager_prompt_leaves_the_keys_and_values_of_the_static_caches_prefill
     a tree forward after either gives the same bits. Checked on q4's fp32 kernel with these parts
     (rows independent, nothing rounded to absorb a last bit: a different key shows in the logits)."""
     from specblock.compiled.target import StaticTarget
-    from specblock.policies.tree import DraftTree
 
     monkeypatch.setattr(q4, "default_kernel", lambda: "fp32")
     path = save_tiny_q4(tmp_path / "t", layers=2)
@@ -110,10 +114,4 @@ def test_an_eager_prompt_leaves_the_keys_and_values_of_the_static_caches_prefill
     assert exact_parts.use_exact_parts(eager.model) == (5, 1)
     static = StaticTarget(eager.model, compile=False)
     prompt = np.random.default_rng(0).integers(2, 48, 30)
-    tree = DraftTree.from_parents(np.array([7, 9, 11, 3, 5]), np.array([-1, 0, 0, 1, 3]))
-    outs = []
-    for target in (eager, static):
-        target.reset()
-        target.prefill(prompt)
-        outs.append(target.tree_forward(tree).logits)
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(logits_after(eager, prompt, TREE), logits_after(static, prompt, TREE))

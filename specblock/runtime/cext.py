@@ -14,6 +14,7 @@ import functools
 import hashlib
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -36,6 +37,19 @@ def build(prefix: str, source: str, cflags: list[str], ldflags: list[str] | None
     where.mkdir(parents=True, exist_ok=True)
     load_inline(name, cpp_sources=[source], is_python_module=False, build_directory=str(where),
                 extra_cflags=cflags, extra_ldflags=ldflags or [], verbose=False, no_implicit_headers=True)
+
+
+def build_or_why(prefix: str, source: str, fakes: dict[str, Callable]) -> str | None:
+    """``build`` with OpenMP, then each op's fake (what tracing sees): None, or in one line why it
+    failed (a missing compiler or headers), for the caller's one warning and fallback."""
+    try:
+        build(prefix, source, *OPENMP)
+        for op, fake in fakes.items():
+            torch.library.register_fake(op, fake)
+    except Exception as exc:  # noqa: BLE001 - any build failure means the caller's fallback
+        lines = str(exc).strip().splitlines()
+        return f"it could not be built ({type(exc).__name__}: {lines[-1] if lines else exc!r})"
+    return None
 
 
 def build_revision(prefix: str, path: str, rev: str):

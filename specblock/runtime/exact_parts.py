@@ -45,13 +45,8 @@ def load() -> bool:
         why = None
         if not {"avx512f", "fma"} <= cext.cpu_flags():
             why = "this CPU has no AVX512F"
-        else:
-            try:
-                cext.build("specblock_norm", SOURCE, *cext.OPENMP)
-                torch.library.register_fake("specblock_norm::rms_norm", lambda x, w, eps: torch.empty_like(x))
-            except Exception as exc:  # a missing compiler or headers: HF's norm, as before
-                lines = str(exc).strip().splitlines()
-                why = f"it could not be built ({type(exc).__name__}: {lines[-1] if lines else exc!r})"
+        else:  # where it cannot be built: HF's norm, as before
+            why = cext.build_or_why("specblock_norm", SOURCE, {"specblock_norm::rms_norm": lambda x, w, eps: torch.empty_like(x)})
         _STATE["ok"] = why is None
         if why is not None:
             warnings.warn(f"specblock: HF's RMSNorm stays, so compiled and eager int8 forwards may part ({why})", stacklevel=2)

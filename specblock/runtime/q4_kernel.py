@@ -79,14 +79,6 @@ def vnni_supports() -> bool:
     return cpu_supports() and "avx512_vnni" in cext.cpu_flags()
 
 
-def _build() -> None:
-    cext.build("specblock_q4", SOURCE, *cext.OPENMP)
-    torch.library.register_fake("specblock_q4::linear", _fake)
-    torch.library.register_fake("specblock_q4::linear_key", _fake_key)
-    torch.library.register_fake("specblock_q4::linear_key_cat", _fake_cat)
-    torch.library.register_fake("specblock_q4::linear8", _fake8)
-
-
 def _fake(x: torch.Tensor, qb: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], qb.shape[0] * NB))
 
@@ -111,12 +103,10 @@ def load() -> bool:
             why = "SPECBLOCK_Q4_KERNEL=bf16 asks for torch's kernel"
         elif not cpu_supports():
             why = "this CPU has no AVX512F/AVX512BW"
-        else:
-            try:
-                _build()
-            except Exception as exc:  # a missing compiler or headers: torch's kernel, lossless only like bf16
-                lines = str(exc).strip().splitlines()
-                why = f"the extension could not be built ({type(exc).__name__}: {lines[-1] if lines else exc!r})"
+        else:  # where it cannot be built: torch's kernel, lossless only like bf16
+            why = cext.build_or_why("specblock_q4", SOURCE, {
+                "specblock_q4::linear": _fake, "specblock_q4::linear_key": _fake_key,
+                "specblock_q4::linear_key_cat": _fake_cat, "specblock_q4::linear8": _fake8})
         _STATE["ok"] = why is None
         if why is not None and "SPECBLOCK_Q4_KERNEL" not in why:
             warnings.warn(f"specblock: q4 runs torch's int4 kernel, lossless only like bf16 ({why})", stacklevel=2)

@@ -53,13 +53,8 @@ def load() -> bool:
         why = None
         if not cpu_supports():
             why = "this CPU has no AVX512F/DQ"
-        else:
-            try:
-                cext.build("specblock_attention", SOURCE, *cext.OPENMP)
-                torch.library.register_fake("specblock_attention::tree_attention", _fake)
-            except Exception as exc:  # a missing compiler or headers: the math kernel, same results
-                lines = str(exc).strip().splitlines()
-                why = f"it could not be built ({type(exc).__name__}: {lines[-1] if lines else exc!r})"
+        else:  # where it cannot be built: the math kernel, same results
+            why = cext.build_or_why("specblock_attention", SOURCE, {"specblock_attention::tree_attention": _fake})
         _STATE["ok"] = why is None
         if why is not None:
             warnings.warn(f"specblock: compiled graphs keep the matmul attention, not the fused one ({why})", stacklevel=2)
