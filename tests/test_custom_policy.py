@@ -15,7 +15,6 @@ from specblock.policies import loading
 from specblock.policies.bandit import CostAwareBandit, FixedArm
 from specblock.policies.branching import TreePolicy
 from specblock.policies.rollback import ThreeWindowRollback
-from specblock.policies.tree import DraftTree
 from specblock.runtime import drafters
 from specblock.runtime.cli import main
 from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet

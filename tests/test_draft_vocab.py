@@ -15,11 +15,11 @@ from specblock.runtime.drafters.base import DraftRequest
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
 from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
 from specblock.runtime.engine import Engine
-from specblock.runtime.target import TargetModel, load_causal_lm
+from specblock.runtime.target import TargetModel
 from specblock.training import vocab
 from specblock.training.specblock_step import specblock_step, target_pass, to_draft_vocab
-from tests.test_featcache import _fake_chatgen, tiny_feature_cache
-from tests.tiny import hf_greedy, save_tiny, tiny_model
+from tests.test_featcache import tiny_feature_cache
+from tests.tiny import hf_greedy, tiny_model
 
 V, N = 32, 12
 

@@ -17,14 +17,14 @@ from specblock.runtime.drafters.falcon import FalconConfig, FalconDrafter, Falco
 from specblock.runtime.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaNet
 from specblock.runtime.drafters.parallelspec import ParallelSpecConfig, ParallelSpecDrafter, ParallelSpecNet
 from specblock.runtime.engine import Engine
-from specblock.runtime.target import TargetModel, load_causal_lm
+from specblock.runtime.target import TargetModel
 from specblock.training.eagle3_step import eagle3_step
 from specblock.training.falcon_step import falcon_step
 from specblock.training.medusa_step import medusa_pass, medusa_step
 from specblock.training.parallelspec_step import parallelspec_step
 from specblock.training.specblock_step import target_pass
 from tests.test_featcache import tiny_feature_cache
-from tests.tiny import hf_greedy, perturb, save_tiny, tiny_model
+from tests.tiny import hf_greedy, perturb, tiny_model
 
 V, N = 32, 12
 DRAFTERS = {"eagle3": Eagle3Drafter, "medusa": MedusaDrafter, "parallelspec": ParallelSpecDrafter,

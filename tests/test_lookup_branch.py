@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from specblock.errors import SpecBlockError
 from specblock.policies.tree import DraftTree
 from specblock.runtime.cli import main
 from specblock.runtime.drafters import RandomDrafter

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 
 from specblock.runtime.drafters import ARDrafter, LookupDrafter, RandomDrafter
 from specblock.runtime.engine import Engine

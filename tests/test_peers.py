@@ -5,7 +5,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from specblock.runtime import peers
 from specblock.runtime.cli import main

@@ -17,7 +17,7 @@ from specblock.runtime import packed, q4, q4_kernel
 from specblock.runtime.drafters import LookupDrafter, RandomDrafter
 from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel
-from tiny import Q4_VOCAB as V, hf_greedy, run_cli, save_tiny, save_tiny_q4, tiny_model
+from tiny import Q4_VOCAB as V, hf_greedy, run_cli, save_tiny, save_tiny_q4
 
 pytestmark = pytest.mark.skipif(not (q4.available() and packed.available()),
                                 reason="torch without the CPU int4 kernel or fbgemm (not an x86 build)")

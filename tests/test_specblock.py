@@ -9,7 +9,6 @@ from hypothesis import given, strategies as st
 from specblock.errors import SpecBlockError
 from specblock.policies.branching import RankBucketBranching
 from specblock.policies.tree import rank_to_bucket
-from specblock.runtime.drafters.base import DraftRequest
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
 from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
 from specblock.runtime.engine import Engine

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from specblock.policies.acceptance import accept_longest, reachable
 from specblock.policies.branching import (
