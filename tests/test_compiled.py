@@ -415,6 +415,10 @@ def test_the_server_warms_every_tree_size_with_compile(tmp_path, monkeypatch):
                        "--compile", "--port", "0"])
     open_service(cfg, opts)
     assert warmed == [6]  # the budget's tree: root + 5 nodes
+    cfg, opts = parse(["--target", str(model_dir), "--dtype", "float32", "--method", "ar", "--budget", "5",
+                       "--compile", "--port", "0"])
+    open_service(cfg, opts)
+    assert warmed.pop() == 1  # plain decoding's trees are its root alone: one bucket, whatever the budget
     cfg, opts = parse(["--target", str(model_dir), "--dtype", "float32", "--method", "random", "--budget", "5",
                        "--compile", "--no-warmup", "--port", "0"])
     open_service(cfg, opts)

@@ -57,14 +57,16 @@ class Engine:
 
     def warm_compiled(self) -> list[int]:
         """Compile (or load) every shape this engine can meet at the first span, before anything is
-        timed or served: the compiled target's tree buckets up to the budget's tree (``warm``) and a
-        compiled drafter's steps (its ``warm``, under a lookup branch too). Duck-typed, so the
+        timed or served: the compiled target's tree buckets up to the largest tree the drafter can
+        propose under the budget (``warm``, ``Drafter.max_tree``) and a compiled drafter's steps (its
+        ``warm``, under a lookup branch too). Duck-typed, so the
         runtime needs nothing from ``specblock.compiled``; an eager target and drafter warm nothing.
         Returns the target's buckets warmed."""
         warmed = []
         if callable(getattr(self.target, "warm", None)):
             self._point_target()  # the graphs depend on the features and taps this drafter reads
-            warmed = self.target.warm(self.budget + 1)
+            most = getattr(self.drafter, "max_tree", None)  # a duck-typed drafter: the budget's tree
+            warmed = self.target.warm(most(self.budget) if callable(most) else self.budget + 1)
         inner = getattr(self.drafter, "inner", self.drafter)
         if callable(getattr(inner, "warm", None)):
             inner.warm()

@@ -42,6 +42,11 @@ class Drafter:
     def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
         """Told which nodes were accepted, with the target's outputs at exactly those nodes."""
 
+    def max_tree(self, budget: int) -> int:
+        """The most nodes, root included, a proposal can hold under ``budget``: the tree sizes a
+        compiled target compiles before it serves (``Engine.warm_compiled``)."""
+        return budget + 1
+
 
 class ARDrafter(Drafter):
     """No draft at all: every iteration is one target forward of one token (the baseline)."""
@@ -50,3 +55,6 @@ class ARDrafter(Drafter):
 
     def propose(self, req: DraftRequest) -> DraftTree:
         return DraftTree.root_only(int(req.tokens[-1]))
+
+    def max_tree(self, budget: int) -> int:
+        return 1  # a server of plain decoding compiles one graph, not every bucket of the budget
