@@ -112,9 +112,9 @@ def test_the_mask_is_tiled_once_a_forward(monkeypatch):
 
 
 def test_fp32_forwards_take_the_fused_op_one_row_included(monkeypatch):
-    """Where the op runs, every layer of an fp32 forward calls it: prompts (no mask: HF's causal
-    flag), trees and lone tokens alike (so a token's bits are the same in all, and as the static
-    cache's masked prefill leaves them), and the logits stay HF's."""
+    """Where the op runs, every layer of an fp32 forward calls it: trees and lone tokens alike (so a
+    token's bits are the same in both), and the logits stay HF's. A prompt without a mask (HF's
+    causal flag) keeps SDPA unless the model is marked (``exact_parts``, ``tests/test_exact_parts.py``)."""
     import specblock.runtime.grouped_rows as gr
     from specblock.runtime import tree_attention
 
@@ -131,7 +131,7 @@ def test_fp32_forwards_take_the_fused_op_one_row_included(monkeypatch):
     target.reset()
     target.prefill(np.arange(5))
     target.tree_forward(random_tree(np.random.default_rng(1), 1))
-    assert calls == [5] * layers + [6] * layers + [5] * layers + [1] * layers
+    assert calls == [6] * layers + [1] * layers
     monkeypatch.setattr(gr, "USE_FUSED", False)
     target.reset()
     target.prefill(np.arange(5))

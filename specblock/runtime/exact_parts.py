@@ -15,6 +15,10 @@ any tree size, eager or compiled (``tests/test_exact_parts.py``).
   in a fixed order a row, whatever the other rows: ``specblock_norm::rms_norm``. A norm module is
   swapped only where it computes that (checked on a random input at swap time: Gemma's
   ``(1 + w)`` is left alone).
+- Eager prompts: HF leaves the mask out of a prompt without a past, so SDPA ran it, while the
+  static cache's prefill passes its mask and runs the fused attention op: their keys and values
+  differed in their last bits. Marked attention modules run such prompts through the op too
+  (``grouped_rows.EXACT_PROMPT``).
 - ``TableRotary``: cos/sin for every position up to the model's ``max_position_embeddings``,
   computed once by the model's own rotary module (so by ATen), then gathered by position id (an
   exact copy) in every forward. Only for rope types whose frequencies do not change with the
@@ -32,6 +36,7 @@ import torch
 from torch import nn
 
 from specblock.runtime import cext
+from specblock.runtime.grouped_rows import EXACT_PROMPT
 
 SOURCE = (Path(__file__).parent / "rms_norm.cpp").read_text()
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -102,10 +107,15 @@ def _is_rms_norm(mod: nn.Module) -> bool:
 
 def use_exact_parts(model: nn.Module) -> tuple[int, int]:
     """Swap ``model``'s RMSNorms for ``RowRMSNorm`` and its rotary module for ``TableRotary`` where
-    they apply; returns (norms swapped, rotary modules swapped). Nothing where the op cannot run."""
+    they apply, and send its eager prompts through the fused attention op (``grouped_rows.EXACT_PROMPT``:
+    as the static cache's prefill); returns (norms swapped, rotary modules swapped). Nothing where
+    the op cannot run."""
     if not load():
         return 0, 0
     norms = rotaries = 0
+    for mod in model.modules():  # eager prompts through the fused attention op too (grouped_rows)
+        if hasattr(mod, "is_causal") and hasattr(mod, "q_proj"):
+            setattr(mod, EXACT_PROMPT, True)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _is_rms_norm(child):

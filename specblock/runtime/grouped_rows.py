@@ -71,7 +71,8 @@ def sdpa_rows_forward(
     (``runtime/tree_attention.py``) and a masked forward of 2..``MAX_ROWS`` other rows folds the
     query heads of each key/value head into its rows."""
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    fused = _fused(query, key, value, attention_mask, dropout, scaling, causal, kwargs)
+    exact_prompt = getattr(module, EXACT_PROMPT, False)
+    fused = _fused(query, key, value, attention_mask, dropout, scaling, causal and exact_prompt, kwargs)
     if fused is not None:
         return fused, None
     b, h, n, d = query.shape
@@ -90,20 +91,19 @@ def sdpa_rows_forward(
 
 
 def _fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, dropout: float,
-           scaling: float | None, causal: bool, kwargs: dict) -> torch.Tensor | None:
+           scaling: float | None, causal_prompt: bool, kwargs: dict) -> torch.Tensor | None:
     """The fused op's output for an eager forward it applies to (fp32, one batch row, a mask, or
-    none where HF leaves it out: one row, or a prompt without a past under the causal flag), else
-    None. The same op as compiled graphs, so eager trees are as layout-invariant as compiled ones,
-    and an eager prompt leaves the same keys and values as the static cache's prefill (which passes
-    its mask): q4's int8 kernel needs both to be lossless across the two paths."""
+    none where HF leaves it out: one row; with ``causal_prompt``, a prompt without a past under
+    HF's causal flag too), else None. The same op as compiled graphs, so eager trees are as
+    layout-invariant as compiled ones."""
     n, kv = query.shape[2], key.shape[2]
     if not USE_FUSED or dropout or torch.compiler.is_compiling() \
             or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "cache", "s_aux")):
         return None
     if mask is None:
-        if n == 1 or not causal:
-            mask = query.new_zeros(1, 1, n, kv)
-        elif kv == n:  # HF's causal flag, which SDPA aligns top-left
+        if n == 1:
+            mask = query.new_zeros(1, 1, 1, kv)
+        elif causal_prompt and kv == n:  # HF's causal flag, which SDPA aligns top-left
             mask = query.new_full((1, 1, n, kv), torch.finfo(query.dtype).min).triu_(1)
         else:
             return None
@@ -114,6 +114,14 @@ def _fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     if not (tree_attention.applies(query, key, mask) and tree_attention.load()):
         return None
     return tree_attention.tree_attention(query, key, value, mask, scaling)
+
+
+#: Set on an attention module whose eager prompts (no past, no mask: HF's causal flag) go through the
+#: fused op too, not SDPA: they then leave the keys and values of the static cache's prefill, which
+#: passes its mask. What q4's int8 kernel needs to be lossless across eager and compiled
+#: (``exact_parts.use_exact_parts`` sets it); elsewhere SDPA stays, as the op is slower on long
+#: prompts (``experiments/prompt_attention.py``: about 2x SDPA's prefill at 1500 tokens, level at 512).
+EXACT_PROMPT = "specblock_exact_prompt"
 
 
 def use_sdpa_variant(model: PreTrainedModel, name: str, forward, replaces: tuple[str, ...]) -> bool:
