@@ -20,7 +20,7 @@ node one depth up (``policies.branching.grow_block``, widths from ``TopKBranchin
 1 is a chain). One drafter forward per iteration, whatever the depth.
 
 Also here, shared with ``falcon.py``: :class:`FeatureNet` (the EAGLE-style front end and a stack of
-``DecoderLayer`` weights) and :func:`layer_step`, which runs a ``DecoderLayer`` under an explicit
+``DecoderLayer`` weights), :class:`ContextDrafter` (a drafter over its committed context) and :func:`layer_step`, which runs a ``DecoderLayer`` under an explicit
 within-group mask and per-query context masks (``layers.block_attention`` is causal-only inside a
 block and masks context per block; Falcon's relaxed within-block mask needs more).
 """
