@@ -38,7 +38,7 @@ def heldout(target_dir: Path, drafter: Path, windows: int, dtype: str = "bfloat1
         s = src.held[d]
         starts = np.linspace(0, s.size - 258, windows).astype(np.int64)
         x = torch.from_numpy(np.stack([np.asarray(s[a : a + 257], dtype=np.int64) for a in starts]))
-        acc, conf, ranks = [[], []], np.zeros((2, 4, 4)), [[], []]
+        acc, conf = [[], []], np.zeros((2, 4, 4))
         for chunk in x.split(4):
             res = specblock_step(net, target_pass(model, chunk, net.cfg.tap_layers, net), gen, 1.0)  # net: its draft vocabulary
             for i, bl in enumerate(res.blocks):
