@@ -52,12 +52,31 @@ def build_or_why(prefix: str, source: str, fakes: dict[str, Callable]) -> str | 
     return None
 
 
+#: A line of a C++ source that stands for another file beside it (one translation unit, split so
+#: that no file grows past one job; the text built and hashed is the whole).
+INCLUDE = "// @include "
+
+
+def read_source(path: Path, read: Callable[[Path], str] | None = None) -> str:
+    """``path``'s text with each ``// @include NAME`` line replaced by the text of ``NAME`` beside it
+    (one level). ``read``: how a file is read (default: from disk)."""
+    read = read or (lambda p: p.read_text())
+    lines = read(path).splitlines(keepends=True)
+    return "".join(read(path.parent / line[len(INCLUDE):].strip()) if line.startswith(INCLUDE) else line
+                   for line in lines)
+
+
 def build_revision(prefix: str, path: str, rev: str):
-    """The library ``prefix`` as its source ``path`` (relative to the repository) stood at git
-    revision ``rev``, built and registered as ``prefix + "_base"``; returns that op namespace. For
-    experiments that time an op against its own earlier version in one process."""
+    """The library ``prefix`` as its source ``path`` (relative to the repository, its includes too)
+    stood at git revision ``rev``, built and registered as ``prefix + "_base"``; returns that op
+    namespace. For experiments that time an op against its own earlier version in one process."""
     root = Path(__file__).resolve().parents[2]
-    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True, text=True).stdout
+
+    def at_rev(p: Path) -> str:
+        return subprocess.run(["git", "show", f"{rev}:{p.as_posix()}"], cwd=root, check=True, capture_output=True,
+                              text=True).stdout
+
+    source = read_source(Path(path), at_rev)
     base = f"{prefix}_base"
     for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"):
         source = source.replace(f"{macro}({prefix},", f"{macro}({base},")

@@ -1,6 +1,7 @@
 """``--dtype q4``'s own kernels, in AVX512, row-independent: Q4_1 (and Q8_0) weights times fp32
 activations (``linear``, the "fp32" kernel) or times the activations rounded to int8 (``linear8``,
-the "int8" kernel, AVX512-VNNI). The C++ is ``q4_kernel.cpp`` beside this file.
+the "int8" kernel, AVX512-VNNI). The C++ is ``q4_kernel.cpp`` beside this file (the fp32 kernel,
+the keyed weights, the ops) and ``q4_int8.cpp`` (the int8 kernel), built as one text.
 
 Why our own: torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) rounds its input and output
 to bf16, so a q4 target was lossless only like bf16 (speculative methods parted from plain decoding
@@ -64,7 +65,7 @@ from specblock.q4file import GROUP, unpack_nibbles
 from specblock.runtime import cext
 
 NB = 4  # output features per stored block
-SOURCE = (Path(__file__).parent / "q4_kernel.cpp").read_text()  # built once per text and torch version
+SOURCE = cext.read_source(Path(__file__).parent / "q4_kernel.cpp")  # with q4_int8.cpp; built once per text and torch version
 
 _STATE: dict[str, object] = {}
 
