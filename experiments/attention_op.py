@@ -15,7 +15,6 @@ forward as the real model's 30 layers make). It also checks that both give the s
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,8 +24,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))  # results_io beside it, however it is loaded
 
 from specblock.runtime import cext, tree_attention  # noqa: E402
+from results_io import write_results  # noqa: E402
 
 H, HKV, D, SPAN, LAYERS = 9, 3, 64, 256, 30
 
@@ -87,11 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['ctx']} | {r['n']} | {r['baseline_us']:.1f} | {r['current_us']:.1f} | "
                      f"{r['current_us'] / r['baseline_us']:.2f} | {LAYERS * r['baseline_us'] / 1e3:.2f} / "
                      f"{LAYERS * r['current_us'] / 1e3:.2f} | {r['max_abs_diff']:.1e} |")
-    md = "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
-    args.out.with_suffix(".md").write_text(md)
-    print(md)
+    write_results(args.out, args, rows, lines)
     return 0
 
 

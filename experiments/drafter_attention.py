@@ -15,7 +15,6 @@ candidates.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))  # results_io beside it, however it is loaded
 
 from specblock.compiled import drafter as static  # noqa: E402
 from specblock.compiled.target import span_of  # noqa: E402
@@ -32,6 +32,7 @@ from specblock.models import resolve_target  # noqa: E402
 from specblock.runtime import drafters  # noqa: E402
 from specblock.runtime.q4 import default_kernel  # noqa: E402
 from specblock.runtime.target import TargetModel  # noqa: E402
+from results_io import write_results  # noqa: E402
 
 
 def make(target: TargetModel, fused: bool) -> static.StaticSpecBlockDrafter:
@@ -92,11 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows_out:
         lines.append(f"| {r['rows']} | {r['span']} | {r['fused op_ms']:.3f} | {r['sdpa_ms']:.3f} | "
                      f"{r['fused op_ms'] / r['sdpa_ms']:.3f} | {r['same_candidates']} | {r['max_logp_diff']:.1e} |")
-    md = "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows_out}, indent=1))
-    args.out.with_suffix(".md").write_text(md)
-    print(md)
+    write_results(args.out, args, rows_out, lines)
     return 0
 
 

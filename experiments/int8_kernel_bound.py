@@ -15,7 +15,6 @@ another op namespace and times both, call for call interleaved, checking that th
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,9 +24,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))  # results_io beside it, however it is loaded
 
 from specblock.q4file import quantize_q4_1  # noqa: E402
 from specblock.runtime import cext, q4_kernel  # noqa: E402
+from results_io import write_results  # noqa: E402
 
 SHAPES = ((576, 576), (1536, 576), (576, 1536))  # (out, in): q/o, gate/up, down of the real model
 GROUP_BLOCK = 16 * 32
@@ -89,11 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["| threads | out x in | rows | us a call | ns per group-block |", "|---|---|---|---|---|"]
         lines += [f"| {r['threads']} | {r['out']} x {r['in']} | {r['rows']} | {r['us']:.1f} | {r['ns_per_group_block']:.1f} |"
                   for r in rows_out]
-    md = "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows_out}, indent=1))
-    args.out.with_suffix(".md").write_text(md)
-    print(md)
+    write_results(args.out, args, rows_out, lines)
     return 0
 
 

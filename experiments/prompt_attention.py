@@ -10,7 +10,6 @@ two taking turns; reports the best of ``--reps`` each.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -20,10 +19,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))  # results_io beside it, however it is loaded
 
 from specblock.models import resolve_target  # noqa: E402
 from specblock.runtime.grouped_rows import EXACT_PROMPT  # noqa: E402
 from specblock.runtime.target import TargetModel  # noqa: E402
+from results_io import write_results  # noqa: E402
 
 
 def mark(model: torch.nn.Module, on: bool) -> None:
@@ -60,11 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"{cmd}: one eager prefill of a random prompt on the real model, best of {args.reps}, the two taking turns", "",
              "| prompt tokens | fused op ms | SDPA ms | op / SDPA |", "|---|---|---|---|"]
     lines += [f"| {r['tokens']} | {r['op_ms']} | {r['sdpa_ms']} | {r['op_ms'] / r['sdpa_ms']:.2f} |" for r in rows]
-    md = "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
-    args.out.with_suffix(".md").write_text(md)
-    print(md)
+    write_results(args.out, args, rows, lines)
     return 0
 
 

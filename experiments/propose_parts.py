@@ -13,7 +13,6 @@ host copy and ``grow_block``. Medians over every call of a second pass over the 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))  # results_io beside it, however it is loaded
 
 from specblock.models import resolve_target  # noqa: E402
 from specblock.prompts import load_prompts  # noqa: E402
@@ -34,6 +34,7 @@ from specblock.runtime.cli import load_tokenizer  # noqa: E402
 from specblock.runtime.drafters import specblock as specblock_module  # noqa: E402
 from specblock.runtime.q4 import default_kernel  # noqa: E402
 from specblock.runtime.target import TargetModel  # noqa: E402
+from results_io import write_results  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,11 +92,7 @@ def main(argv: list[str] | None = None) -> int:
              "median ms a call over a second pass (parts nest: block 1 holds its compiled call)", "",
              "| part | calls | median ms |", "|---|---|---|"]
     lines += [f"| {r['part']} | {r['calls']} | {r['median_ms']:.3f} |" for r in rows]
-    md = "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
-    args.out.with_suffix(".md").write_text(md)
-    print(md)
+    write_results(args.out, args, rows, lines)
     return 0
 
 
