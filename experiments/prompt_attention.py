@@ -22,15 +22,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))  # results_io beside it, however it is loaded
 
 from specblock.models import resolve_target  # noqa: E402
-from specblock.runtime.grouped_rows import EXACT_PROMPT  # noqa: E402
+from specblock.runtime.grouped_rows import mark_exact_prompts  # noqa: E402
 from specblock.runtime.target import TargetModel  # noqa: E402
 from results_io import write_results  # noqa: E402
-
-
-def mark(model: torch.nn.Module, on: bool) -> None:
-    for mod in model.modules():
-        if hasattr(mod, "is_causal") and hasattr(mod, "q_proj"):
-            setattr(mod, EXACT_PROMPT, on)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         best = {"op": float("inf"), "sdpa": float("inf")}
         for _ in range(args.reps):
             for name in best:
-                mark(target.model, name == "op")
+                mark_exact_prompts(target.model, name == "op")
                 t0 = time.perf_counter()
                 target.prefill(prompt)
                 best[name] = min(best[name], time.perf_counter() - t0)

@@ -46,9 +46,8 @@ def _fusible() -> dict:
         pass
     try:  # q4's: up to CAT_KEYS keys as plain ints, -1 for none
         lib = torch.ops.specblock_q4
-        pad = lambda keys: (*keys, *[-1] * (q4_kernel.CAT_KEYS - len(keys)))
-        ops[lib.linear_key.default] = Fused(lib.linear_key_cat.default, lambda x, keys, n: (x, *pad(keys), n),
-                                            q4_kernel.CAT_KEYS)
+        ops[lib.linear_key.default] = Fused(lib.linear_key_cat.default,
+                                            lambda x, keys, n: (x, *q4_kernel.cat_keys(keys), n), q4_kernel.CAT_KEYS)
     except (AttributeError, RuntimeError):
         pass
     return ops

@@ -65,8 +65,7 @@ class Engine:
         warmed = []
         if callable(getattr(self.target, "warm", None)):
             self._point_target()  # the graphs depend on the features and taps this drafter reads
-            most = getattr(self.drafter, "max_tree", None)  # a duck-typed drafter: the budget's tree
-            warmed = self.target.warm(most(self.budget) if callable(most) else self.budget + 1)
+            warmed = self.target.warm(self.drafter.max_tree(self.budget))
         inner = getattr(self.drafter, "inner", self.drafter)
         if callable(getattr(inner, "warm", None)):
             inner.warm()

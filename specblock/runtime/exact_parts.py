@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from specblock.runtime import cext
-from specblock.runtime.grouped_rows import EXACT_PROMPT
+from specblock.runtime.grouped_rows import mark_exact_prompts
 
 SOURCE = (Path(__file__).parent / "rms_norm.cpp").read_text()
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -113,9 +113,7 @@ def use_exact_parts(model: nn.Module) -> tuple[int, int]:
     if not load():
         return 0, 0
     norms = rotaries = 0
-    for mod in model.modules():  # eager prompts through the fused attention op too (grouped_rows)
-        if hasattr(mod, "is_causal") and hasattr(mod, "q_proj"):
-            setattr(mod, EXACT_PROMPT, True)
+    mark_exact_prompts(model)  # eager prompts through the fused attention op too
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _is_rms_norm(child):

@@ -124,6 +124,13 @@ def _fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
 EXACT_PROMPT = "specblock_exact_prompt"
 
 
+def mark_exact_prompts(model: torch.nn.Module, on: bool = True) -> None:
+    """Set (or clear) ``EXACT_PROMPT`` on each of ``model``'s attention modules."""
+    for mod in model.modules():
+        if hasattr(mod, "is_causal") and hasattr(mod, "q_proj"):
+            setattr(mod, EXACT_PROMPT, on)
+
+
 def use_sdpa_variant(model: PreTrainedModel, name: str, forward, replaces: tuple[str, ...]) -> bool:
     """Switch an SDPA model on CPU with grouped key/value heads to ``forward``, registered as
     ``name`` (masks built the SDPA way), if its attention is ``sdpa`` or one of ``replaces``.

@@ -223,10 +223,15 @@ def linear_key(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
 CAT_KEYS = 4
 
 
+def cat_keys(keys: list[int]) -> tuple[int, ...]:
+    """``keys`` as ``linear_key_cat`` takes them: ``CAT_KEYS`` plain ints, -1 for none."""
+    if not 0 < len(keys) <= CAT_KEYS:
+        raise ValueError(f"linear_key_cat takes 1 to {CAT_KEYS} keys, not {len(keys)}")
+    return (*keys, *[-1] * (CAT_KEYS - len(keys)))
+
+
 def linear_key_cat(x: torch.Tensor, keys: list[int], out_features: int) -> torch.Tensor:
     """Up to ``CAT_KEYS`` linears that read ``x`` in one call, their outputs side by side, each the
     same bits as its own call's: ``x`` quantized once (int8 kernel) and one parallel region instead
     of one each (what ``compiled/fuse.py`` puts in a compiled graph for q/k/v and gate/up)."""
-    if not 0 < len(keys) <= CAT_KEYS:
-        raise ValueError(f"linear_key_cat takes 1 to {CAT_KEYS} keys, not {len(keys)}")
-    return torch.ops.specblock_q4.linear_key_cat(x, *keys, *[-1] * (CAT_KEYS - len(keys)), out_features)
+    return torch.ops.specblock_q4.linear_key_cat(x, *cat_keys(keys), out_features)
