@@ -6,7 +6,9 @@ committed slots and a chain of ``n`` tree rows), and the previous op is gone fro
 change lands. So this builds the baseline's source from ``git show REV:specblock/runtime/tree_attention.cpp``
 under another op namespace and times the two interleaved (medians of ``--reps`` calls, 30 calls a
 forward as the real model's 30 layers make). It also checks that both give the same attention
-(within 1e-5) on every shape it times.
+(within 1e-5) on every shape it times. ``--prompts`` adds an eager prompt's shape: ``L`` causal rows
+over an ``L``-slot span (what q4's int8 kernel sends the op, ``grouped_rows.EXACT_PROMPT``), timed
+``--prompt-reps`` times.
 
     python experiments/attention_op.py --baseline-rev 3d5610a --sizes 1,4,8 --ctx 150,250 --threads 2 \
         --out experiments/results/attention_op
@@ -26,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))  # results_io beside it, however it is loaded
 
+from specblock.compiled.target import span_of  # noqa: E402
 from specblock.runtime import cext, tree_attention  # noqa: E402
 from results_io import write_results  # noqa: E402
 
@@ -43,12 +46,38 @@ def inputs(n: int, ctx: int, g: torch.Generator):
     return q, k, v, mask
 
 
+def prompt_inputs(n: int, span: int, g: torch.Generator):
+    """A prompt of ``n`` tokens: ``n`` causal rows over a ``span``-slot span (``n`` for an eager
+    prompt; the compiled prefill pads it to a power of two, ``compiled.target.span_of``)."""
+    q = torch.randn(1, H, n, D, generator=g)
+    k, v = torch.randn(2, 1, HKV, span, D, generator=g)
+    mask = torch.full((n, span), torch.finfo(torch.float32).min).triu(1)[None, None].contiguous()
+    return q, k, v, mask
+
+
+def timed(ops: dict, args: tuple, reps: int) -> dict[str, float]:
+    """Median us a call of each op, interleaved, after a few untimed calls."""
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(min(20, reps)):
+        for op in ops.values():
+            op(*args)
+    for _ in range(reps):
+        for name, op in ops.items():
+            t0 = time.perf_counter()
+            op(*args)
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1e6 * statistics.median(t) for name, t in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline-rev", required=True, help="the git revision whose op is the baseline")
     ap.add_argument("--sizes", default="1,4,8", help="tree rows per call")
     ap.add_argument("--ctx", default="150,250", help="committed slots before the tree")
     ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--prompts", default="", help="eager prompt lengths to time as well (causal rows = span)")
+    ap.add_argument("--prompt-reps", type=int, default=5)
+    ap.add_argument("--padded", action="store_true", help="each prompt also over the compiled prefill's padded span")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "attention_op")
     args = ap.parse_args(argv)
@@ -60,28 +89,25 @@ def main(argv: list[str] | None = None) -> int:
     ops = {"baseline": base.tree_attention, "current": torch.ops.specblock_attention.tree_attention}
     g = torch.Generator().manual_seed(0)
     rows = []
-    for ctx in (int(c) for c in args.ctx.split(",")):
-        for n in (int(s) for s in args.sizes.split(",")):
-            q, k, v, mask = inputs(n, ctx, g)
-            outs = {name: op(q, k, v, mask, D**-0.5) for name, op in ops.items()}
-            diff = float((outs["current"] - outs["baseline"]).abs().max())
-            assert diff < 1e-5, (n, ctx, diff)
-            times = {name: [] for name in ops}
-            for _ in range(20):
-                for op in ops.values():
-                    op(q, k, v, mask, D**-0.5)
-            for _ in range(args.reps):
-                for name, op in ops.items():
-                    t0 = time.perf_counter()
-                    op(q, k, v, mask, D**-0.5)
-                    times[name].append(time.perf_counter() - t0)
-            us = {name: 1e6 * statistics.median(t) for name, t in times.items()}
-            rows.append({"ctx": ctx, "n": n, "baseline_us": round(us["baseline"], 2), "current_us": round(us["current"], 2),
-                         "max_abs_diff": diff})
+    cases = [(ctx, n, inputs(n, ctx, g), args.reps) for ctx in (int(c) for c in args.ctx.split(","))
+             for n in (int(s) for s in args.sizes.split(","))]
+    for n in (int(s) for s in args.prompts.split(",") if s):
+        spans = sorted({n, span_of(n, 1 << 30)}) if args.padded else [n]
+        cases += [("prompt" if span == n else f"prompt, {span} slots", n, prompt_inputs(n, span, g), args.prompt_reps)
+                  for span in spans]
+    for ctx, n, (q, k, v, mask), reps in cases:
+        outs = {name: op(q, k, v, mask, D**-0.5) for name, op in ops.items()}
+        diff = float((outs["current"] - outs["baseline"]).abs().max())
+        assert diff < 1e-5, (n, ctx, diff)
+        us = timed(ops, (q, k, v, mask, D**-0.5), reps)
+        rows.append({"ctx": ctx, "n": n, "baseline_us": round(us["baseline"], 2), "current_us": round(us["current"], 2),
+                     "max_abs_diff": diff})
     lines = [f"`python experiments/attention_op.py --baseline-rev {args.baseline_rev} --sizes {args.sizes} --ctx {args.ctx} "
-             f"--reps {args.reps} --threads {args.threads} --out {args.out}`: the fused attention op alone, "
-             f"{H} query heads on {HKV} key/value heads of {D}, a {SPAN}-slot span; median us a call, interleaved; "
-             f"a forward makes {LAYERS} calls", "",
+             f"--reps {args.reps}" + (f" --prompts {args.prompts} --prompt-reps {args.prompt_reps}" if args.prompts else "")
+             + (" --padded" if args.padded else "")
+             + f" --threads {args.threads} --out {args.out}`: the fused attention op alone, "
+             f"{H} query heads on {HKV} key/value heads of {D}, a {SPAN}-slot span (context 'prompt': L causal rows "
+             f"over L slots, or the padded span named); median us a call, interleaved; a forward makes {LAYERS} calls", "",
              f"| context | rows | op at {args.baseline_rev} | op now | ratio | ms a forward then / now | max abs diff |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -57,6 +57,25 @@ def test_a_rows_bits_do_not_depend_on_where_its_keys_sit(n_visible, span, seed):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+def test_a_long_causal_prompt_goes_in_chunks_with_each_rows_own_bits():
+    """A prompt's thousands of queries go in chunks whose scratch stays in L2, each row stopping at
+    its last visible slot (the compiled prefill pads the span past the prompt): 9 heads x 300 rows
+    over 512 slots make 11 chunks here. Rows keep their own bits; a row that sees nothing keeps
+    softmax's answer over the whole span."""
+    g = torch.Generator().manual_seed(0)
+    n, span, d = 300, 512, 64
+    q = torch.randn(1, 9, n, d, generator=g)
+    k, v = torch.randn(2, 1, 3, span, d, generator=g)
+    mask = torch.full((n, span), MIN).triu(1)
+    mask[n // 2] = MIN
+    mask = mask[None, None].contiguous()
+    out = tree_attention.tree_attention(q, k, v, mask, d**-0.5)
+    torch.testing.assert_close(out, hf(q, k, v, mask, d**-0.5), atol=2e-6, rtol=2e-6)
+    alone = torch.cat([tree_attention.tree_attention(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], d**-0.5)
+                       for i in range(n)], 1)
+    assert torch.equal(out, alone)
+
+
 def test_a_row_that_sees_nothing_averages_every_slot_as_softmax_does():
     q, k, v = torch.randn(1, 3, 2, 16), torch.randn(1, 1, 9, 16), torch.randn(1, 1, 9, 16)
     mask = torch.full((1, 1, 2, 9), MIN)

@@ -120,7 +120,7 @@ def _fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
 #: fused op too, not SDPA: they then leave the keys and values of the static cache's prefill, which
 #: passes its mask. What q4's int8 kernel needs to be lossless across eager and compiled
 #: (``exact_parts.use_exact_parts`` sets it); elsewhere SDPA stays, as the op is slower on long
-#: prompts (``experiments/prompt_attention.py``: about 2x SDPA's prefill at 1500 tokens, level at 512).
+#: prompts (``experiments/prompt_attention.py``: 1.19x SDPA's prefill at 1500 tokens, level at 512).
 EXACT_PROMPT = "specblock_exact_prompt"
 
 

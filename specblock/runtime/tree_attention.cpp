@@ -144,47 +144,98 @@ SPECBLOCK_AVX512 int64_t weights(const float* s, int64_t span, float* e, int32_t
 // each one streamed the whole span of keys and values from L2.)
 constexpr int64_t BLOCK = 64;
 
+// Scratch a pass keeps per query and slot (score, weight, slot index: 12 bytes) is held to about this
+// many bytes, so that it stays in L2: a prompt's thousands of queries then go in chunks. (All at
+// once, a 1,500-token prompt's group wrote and reread about 40 MB of scratch from DRAM, and the op
+// took 2x SDPA's prefill: experiments/prompt_attention.py.)
+constexpr int64_t SCRATCH = 512 * 1024;
+
+// One past the last slot a mask row leaves visible (the score's own test: above -1e30); the whole
+// span where it leaves none, so that such a row still gets softmax's answer over every slot. A
+// causal prompt's row i sees slots up to i: its passes stop there.
+SPECBLOCK_AVX512 int64_t visible_end(const float* mask, int64_t span) {
+  const __m512 floor = _mm512_set1_ps(-1e30f);
+  for (int64_t j = ((span + 15) / 16) * 16 - 16; j >= 0; j -= 16) {
+    const __mmask16 in = span - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (span - j)) - 1u);
+    const __mmask16 vis = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, mask + j), floor, _CMP_GT_OQ);
+    if (vis) return j + 32 - __builtin_clz(static_cast<unsigned>(vis));
+  }
+  return span;
+}
+
 // softmax(q k^T * scale + mask) v for queries [0, Q) of one key/value head (query r at q + r * D,
-// its mask row at mask + row[r] * span, its output at out[r]). The same operations for a query
-// whatever the call's other queries, and whatever slots its visible keys sit in, as long as they come
-// in the same order (a tree's ancestors follow the committed tokens, parents before children).
+// its mask row at mask + row[r] * span, its output at out[r]), in chunks of queries whose scratch
+// fits SCRATCH. The same operations for a query whatever the call's other queries (so whatever the
+// chunk), and whatever slots its visible keys sit in, as long as they come in the same order (a
+// tree's ancestors follow the committed tokens, parents before children). Slots past a query's last
+// visible one are not visited: they would add -inf scores and no weight.
 template <int CT>
 SPECBLOCK_AVX512 void group(const float* q, int64_t Q, const int64_t* row, float* const* out, const float* k, int64_t ks,
                             const float* v, int64_t vs, const float* mask, int64_t span, int64_t D, float scale) {
   const int64_t C = CT ? CT : (D + 15) / 16;  // 16-lane chunks of a head, the last one masked where D % 16
   const __mmask16 last = D % 16 ? static_cast<__mmask16>((1u << (D % 16)) - 1u) : static_cast<__mmask16>(0xFFFF);
-  std::vector<float> s(Q * span), e(Q * span), inv(Q), acc(Q * C * 16, 0.0f);
-  std::vector<int32_t> idx(Q * span);
-  std::vector<int64_t> cnt(Q), at(Q, 0);
-  __m512 qv[16];
-  for (int64_t b = 0; b < span; b += BLOCK)
-    for (int64_t r = 0; r < Q; ++r) {
-      for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_maskz_loadu_ps(c + 1 < C ? 0xFFFF : last, q + r * D + 16 * c);
-      scores<CT>(qv, C, last, k, ks, mask + row[r] * span, b, std::min(span, b + BLOCK), scale, s.data() + r * span);
-    }
-  for (int64_t r = 0; r < Q; ++r) cnt[r] = weights(s.data() + r * span, span, e.data() + r * span, idx.data() + r * span, &inv[r]);
-  __m512 a[16];
-  for (int64_t b = 0; b < span; b += BLOCK)  // each query's weighted values in its slot order, a block at a time
-    for (int64_t r = 0; r < Q; ++r) {
-      const float* er = e.data() + r * span;
-      const int32_t* ir = idx.data() + r * span;
-      int64_t t = at[r];
-      if (t >= cnt[r] || ir[t] >= b + BLOCK) continue;
-      float* ar = acc.data() + r * C * 16;
-      for (int64_t c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(ar + 16 * c);
-      for (; t < cnt[r] && ir[t] < b + BLOCK; ++t) {
-        const __m512 w = _mm512_set1_ps(er[t]);
-        const float* vj = v + ir[t] * vs;
-        for (int64_t c = 0; c < C; ++c)
-          a[c] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(c + 1 < C ? 0xFFFF : last, vj + 16 * c), a[c]);
+  const int64_t QC = std::min(Q, std::max<int64_t>(1, SCRATCH / (12 * span)));
+  // Reused across calls, sized up and never cleared; read through plain pointers below (a thread_local
+  // in a shared library is a function call each time it is named).
+  thread_local std::vector<float> s_, e_, inv_, acc_;
+  thread_local std::vector<int32_t> idx_;
+  thread_local std::vector<int64_t> cnt_, at_, end_;
+  if (static_cast<int64_t>(s_.size()) < QC * span) {
+    s_.resize(QC * span);
+    e_.resize(QC * span);
+    idx_.resize(QC * span);
+  }
+  if (static_cast<int64_t>(acc_.size()) < QC * C * 16) acc_.resize(QC * C * 16);
+  if (static_cast<int64_t>(cnt_.size()) < QC) {
+    inv_.resize(QC);
+    cnt_.resize(QC);
+    at_.resize(QC);
+    end_.resize(QC);
+  }
+  float *const s = s_.data(), *const e = e_.data(), *const inv = inv_.data(), *const acc = acc_.data();
+  int32_t* const idx = idx_.data();
+  int64_t *const cnt = cnt_.data(), *const at = at_.data(), *const end = end_.data();
+  __m512 qv[16], a[16];
+  for (int64_t c0 = 0; c0 < Q; c0 += QC) {
+    const int64_t n = std::min(QC, Q - c0), top = [&] {
+      int64_t t = 0;
+      for (int64_t r = 0; r < n; ++r) t = std::max(t, end[r] = visible_end(mask + row[c0 + r] * span, span));
+      return t;
+    }();
+    for (int64_t b = 0; b < top; b += BLOCK)
+      for (int64_t r = 0; r < n; ++r) {
+        if (b >= end[r]) continue;
+        const float* qr = q + (c0 + r) * D;
+        for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_maskz_loadu_ps(c + 1 < C ? 0xFFFF : last, qr + 16 * c);
+        scores<CT>(qv, C, last, k, ks, mask + row[c0 + r] * span, b, std::min(end[r], b + BLOCK), scale, s + r * span);
       }
-      at[r] = t;
-      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(ar + 16 * c, a[c]);
+    for (int64_t r = 0; r < n; ++r) {
+      cnt[r] = weights(s + r * span, end[r], e + r * span, idx + r * span, &inv[r]);
+      at[r] = 0;
     }
-  for (int64_t r = 0; r < Q; ++r)
-    for (int64_t c = 0; c < C; ++c)
-      _mm512_mask_storeu_ps(out[r] + 16 * c, c + 1 < C ? 0xFFFF : last,
-                            _mm512_mul_ps(_mm512_loadu_ps(acc.data() + (r * C + c) * 16), _mm512_set1_ps(inv[r])));
+    std::fill(acc, acc + n * C * 16, 0.0f);
+    for (int64_t b = 0; b < top; b += BLOCK)  // each query's weighted values in its slot order, a block at a time
+      for (int64_t r = 0; r < n; ++r) {
+        const float* er = e + r * span;
+        const int32_t* ir = idx + r * span;
+        int64_t t = at[r];
+        if (t >= cnt[r] || ir[t] >= b + BLOCK) continue;
+        float* ar = acc + r * C * 16;
+        for (int64_t c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(ar + 16 * c);
+        for (; t < cnt[r] && ir[t] < b + BLOCK; ++t) {
+          const __m512 w = _mm512_set1_ps(er[t]);
+          const float* vj = v + ir[t] * vs;
+          for (int64_t c = 0; c < C; ++c)
+            a[c] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(c + 1 < C ? 0xFFFF : last, vj + 16 * c), a[c]);
+        }
+        at[r] = t;
+        for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(ar + 16 * c, a[c]);
+      }
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t c = 0; c < C; ++c)
+        _mm512_mask_storeu_ps(out[c0 + r] + 16 * c, c + 1 < C ? 0xFFFF : last,
+                              _mm512_mul_ps(_mm512_loadu_ps(acc + (r * C + c) * 16), _mm512_set1_ps(inv[r])));
+  }
 }
 
 // q [1, H, n, D], k and v [1, Hkv, span, D] (rows strided, the last dim contiguous; the static
