@@ -29,6 +29,7 @@ FLAGS = {
     "--seed": (st.integers(0, 2**63 - 1).map(str), st.one_of(JUNK_NUMBERS, st.integers(-2**70, 2**70).map(str))),
     "--budget": (st.integers(0, 40).map(str), st.one_of(JUNK_NUMBERS, st.integers(-5, 300).map(str))),
     "--ngram": (st.integers(1, 4).map(str), JUNK_NUMBERS),
+    "--min-ngram": (st.integers(1, 4).map(str), JUNK_NUMBERS),
     "--lookup-depth": (st.integers(1, 9).map(str), JUNK_NUMBERS),
     "--branches": (st.integers(1, 4).map(str), JUNK_NUMBERS),
     "--compare": (st.just("ar"), st.sampled_from(["none", ""])),

@@ -19,7 +19,7 @@ from specblock.runtime.drafters.lookup_branch import SUFFIX as LOOKUP
 from specblock.runtime.drafters.lookup_branch import has_lookup
 from specblock.runtime.peers import is_peer
 
-_SHARED = ("ngram", "lookup_depth", "branches", "seed", "drafter", "M", "max_seeds", "widths", "budget",
+_SHARED = ("ngram", "min_ngram", "lookup_depth", "branches", "seed", "drafter", "M", "max_seeds", "widths", "budget",
            "adapt_window", "policy", "policy_kwargs", "seed_policy", "seed_policy_kwargs", "adapt_policy",
            "adapt_policy_kwargs", "rollback_policy", "rollback_policy_kwargs")
 _POSITIVE = (int | None, Field(None, ge=1))
@@ -109,6 +109,9 @@ def method_options(items: list[str], methods: list[str]) -> dict[str, dict]:
             known = ", ".join(MethodOptions.model_fields)
             msg = one_line(e, lambda k: f"--set {m}:{k}")
             raise SpecBlockError(msg + (f" (known: {known})" if "unknown option" in msg else "")) from None
+        shortest, longest = out[m].get("min_ngram", 1), out[m].get("ngram", RunConfig.model_fields["ngram"].default)
+        if shortest > longest:
+            raise SpecBlockError(f"--set {m}:min_ngram={shortest} is above its ngram {longest}; give at most {longest}")
     return out
 
 

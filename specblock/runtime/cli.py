@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", type=Path, help="write a per-iteration JSONL trace here")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model directory's own Python code")
     p.add_argument("--ngram", type=int, default=3, help="lookup: longest n-gram to match")
+    p.add_argument("--min-ngram", type=int, default=1,
+                   help="lookup: shortest n-gram to match (higher: fewer, surer drafts, for targets whose tree rows cost)")
     p.add_argument("--lookup-depth", type=int, default=8, help="lookup: tokens proposed per match")
     p.add_argument("--branches", type=int, default=1, help="lookup: distinct continuations merged into a tree")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up decode")

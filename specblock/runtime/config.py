@@ -43,6 +43,7 @@ class RunConfig(BaseModel):
     trace: Path | None = None
     trust_remote_code: bool = False
     ngram: int = Field(3, ge=1)
+    min_ngram: int = Field(1, ge=1)  # lookup: the shortest n-gram that may propose
     lookup_depth: int = Field(8, ge=1)
     branches: int = Field(1, ge=1)
     warmup: bool = True
@@ -76,6 +77,8 @@ class RunConfig(BaseModel):
             raise ValueError("give either --prompt or --prompt-file, not both")
         if self.prompt is not None and not self.prompt.strip():
             raise ValueError("the prompt is empty; give some text with --prompt")
+        if self.min_ngram > self.ngram:
+            raise ValueError(f"--min-ngram {self.min_ngram} is above --ngram {self.ngram}; give at most --ngram")
         return self
 
     @field_validator("prompt", "system")
@@ -159,7 +162,7 @@ class RunConfig(BaseModel):
 
     def drafter_options(self) -> dict:
         return {
-            "ngram": self.ngram, "lookup_depth": self.lookup_depth, "branches": self.branches, "seed": self.seed,
+            "ngram": self.ngram, "min_ngram": self.min_ngram, "lookup_depth": self.lookup_depth, "branches": self.branches, "seed": self.seed,
             "drafter": self.drafter, "M": self.M, "max_seeds": self.max_seeds, "widths": self.widths, "budget": self.budget,
             **self.policy_options(),
         }

@@ -18,7 +18,8 @@ __all__ = ["Drafter", "DraftRequest", "ARDrafter", "LookupDrafter", "RandomDraft
 METHODS: dict[str, Callable] = {
     "ar": lambda target, opt: ARDrafter(),
     "lookup": lambda target, opt: LookupDrafter(
-        max_ngram=opt.get("ngram", 3), depth=opt.get("lookup_depth", 8), branches=opt.get("branches", 1)
+        max_ngram=opt.get("ngram", 3), min_ngram=opt.get("min_ngram", 1), depth=opt.get("lookup_depth", 8),
+        branches=opt.get("branches", 1),
     ),
     "random": lambda target, opt: RandomDrafter(target.vocab_size, seed=opt.get("seed", 0)),
     "specblock": lambda target, opt: _specblock(target, opt),
