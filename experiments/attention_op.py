@@ -36,10 +36,12 @@ H, HKV, D, SPAN, LAYERS = 9, 3, 64, 256, 30
 
 
 def inputs(n: int, ctx: int, g: torch.Generator):
-    """A chain of ``n`` tree rows after ``ctx`` committed slots; the rest of the span hidden."""
+    """A chain of ``n`` tree rows after ``ctx`` committed slots; the rest of the span hidden. The span:
+    ``SPAN``, or from a context of ``SPAN`` on the compiled target's power of two (``span_of``)."""
+    span = SPAN if ctx < SPAN else span_of(ctx + n, 1 << 30)
     q = torch.randn(1, H, n, D, generator=g)
-    k, v = torch.randn(2, 1, HKV, SPAN + 64, D, generator=g)[:, :, :, :SPAN]  # a longer cache read in place
-    mask = torch.full((1, 1, n, SPAN), torch.finfo(torch.float32).min)
+    k, v = torch.randn(2, 1, HKV, span + 64, D, generator=g)[:, :, :, :span]  # a longer cache read in place
+    mask = torch.full((1, 1, n, span), torch.finfo(torch.float32).min)
     mask[..., :ctx] = 0
     for i in range(n):
         mask[0, 0, i, ctx: ctx + i + 1] = 0
@@ -55,17 +57,21 @@ def prompt_inputs(n: int, span: int, g: torch.Generator):
     return q, k, v, mask
 
 
-def timed(ops: dict, args: tuple, reps: int) -> dict[str, float]:
-    """Median us a call of each op, interleaved, after a few untimed calls."""
+def timed(ops: dict, layers: list[tuple], reps: int) -> dict[str, float]:
+    """Median us a call of each op, interleaved, after a few untimed calls. With several ``layers``
+    (each its own key/value tensors), a rep makes one call a layer in turn and counts their mean:
+    a layer's keys and values are then no longer in cache when it comes round again, as in a
+    forward, where the weights stream between layers."""
     times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(min(20, reps)):
         for op in ops.values():
-            op(*args)
+            op(*layers[0])
     for _ in range(reps):
         for name, op in ops.items():
             t0 = time.perf_counter()
-            op(*args)
-            times[name].append(time.perf_counter() - t0)
+            for args in layers:
+                op(*args)
+            times[name].append((time.perf_counter() - t0) / len(layers))
     return {name: 1e6 * statistics.median(t) for name, t in times.items()}
 
 
@@ -78,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", default="", help="eager prompt lengths to time as well (causal rows = span)")
     ap.add_argument("--prompt-reps", type=int, default=5)
     ap.add_argument("--padded", action="store_true", help="each prompt also over the compiled prefill's padded span")
+    ap.add_argument("--cold", action="store_true",
+                    help="decoding shapes over 30 layers' own keys and values in turn (read from memory, not cache)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "attention_op")
     args = ap.parse_args(argv)
@@ -99,15 +107,19 @@ def main(argv: list[str] | None = None) -> int:
         outs = {name: op(q, k, v, mask, D**-0.5) for name, op in ops.items()}
         diff = float((outs["current"] - outs["baseline"]).abs().max())
         assert diff < 1e-5, (n, ctx, diff)
-        us = timed(ops, (q, k, v, mask, D**-0.5), reps)
+        layers = [(q, k, v, mask, D**-0.5)]
+        if args.cold and not str(ctx).startswith("prompt"):
+            layers += [(q, k2, v2, mask, D**-0.5) for k2, v2 in torch.randn(LAYERS - 1, 2, *k.shape, generator=g)]
+        us = timed(ops, layers, reps)
         rows.append({"ctx": ctx, "n": n, "baseline_us": round(us["baseline"], 2), "current_us": round(us["current"], 2),
                      "max_abs_diff": diff})
     lines = [f"`python experiments/attention_op.py --baseline-rev {args.baseline_rev} --sizes {args.sizes} --ctx {args.ctx} "
              f"--reps {args.reps}" + (f" --prompts {args.prompts} --prompt-reps {args.prompt_reps}" if args.prompts else "")
-             + (" --padded" if args.padded else "")
+             + (" --padded" if args.padded else "") + (" --cold" if args.cold else "")
              + f" --threads {args.threads} --out {args.out}`: the fused attention op alone, "
-             f"{H} query heads on {HKV} key/value heads of {D}, a {SPAN}-slot span (context 'prompt': L causal rows "
-             f"over L slots, or the padded span named); median us a call, interleaved; a forward makes {LAYERS} calls", "",
+             f"{H} query heads on {HKV} key/value heads of {D}, a {SPAN}-slot span (from a context of {SPAN}: the next power of two; context 'prompt': L causal rows "
+             f"over L slots, or the padded span named); median us a call, interleaved; a forward makes {LAYERS} calls"
+             + (f" (--cold: over {LAYERS} layers' own keys and values in turn)" if args.cold else ""), "",
              f"| context | rows | op at {args.baseline_rev} | op now | ratio | ms a forward then / now | max abs diff |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
