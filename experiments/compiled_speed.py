@@ -319,6 +319,7 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
         "unfused": (args.unfused_baseline, {"fuse": False}),
         "fp16 head": (args.fp16_head_baseline, {"fp16_head": True}),
         "HF's norms and rotary": (args.hf_parts_baseline, {"hf_parts": True}),  # before exact_parts (int8 kernel)
+        "power-of-two spans": (args.spans_baseline, {"one_span": False}),  # before one_span (fused op)
         str(args.also_dtype): (args.also_dtype, {"dtype": args.also_dtype}),  # e.g. q4 beside packed-fp16
     }
     compiled.update({f"compiled whole, {label}": second(**kw) for label, (asked, kw) in variants.items() if asked})
@@ -361,6 +362,7 @@ def markdown(results: list[dict], args) -> str:
              f"--dtype {args.dtype} "
              f"--targets {args.targets} --modes {args.modes} --sizes {args.sizes} --threads {args.threads} --reps {args.reps} "
              f"--runs {args.runs} --tokens {args.tokens}{' --skip-compile-times' if args.skip_compile_times else ''}"
+             f"{'' if args.ctx == 192 else f' --ctx {args.ctx}'}{'' if args.prompt_len == 128 else f' --prompt-len {args.prompt_len}'}"
              f"{'' if args.compile_bucket_list == list(BUCKETS) else ' --compile-buckets ' + args.compile_buckets}"
              f"{' --repeat-kv-baseline' if args.repeat_kv_baseline else ''}"
              f"{' --sdpa-gqa-baseline' if args.sdpa_gqa_baseline else ''}"
@@ -368,6 +370,7 @@ def markdown(results: list[dict], args) -> str:
              f"{' --unfused-baseline' if args.unfused_baseline else ''}"
              f"{' --fp16-head-baseline' if args.fp16_head_baseline else ''}"
              f"{' --hf-parts-baseline' if args.hf_parts_baseline else ''}"
+             f"{' --spans-baseline' if args.spans_baseline else ''}"
              f"{' --frozen-variant' if args.frozen_variant else ''}"
              f"{' --unfrozen-variant' if args.unfrozen_variant else ''}"
              f"{' --dynamic-variant' if args.dynamic_variant else ''}"
@@ -451,6 +454,8 @@ def main() -> None:
                     help="q4: also time a compiled target whose LM head is packed fp16 (before the GGUF's Q8_0 head)")
     ap.add_argument("--hf-parts-baseline", action="store_true",
                     help="q4 on the int8 kernel: also time a compiled target with HF's RMSNorm and rotary (before exact_parts)")
+    ap.add_argument("--spans-baseline", action="store_true",
+                    help="also time a compiled target on power-of-two spans where the fused op allows the whole buffer")
     ap.add_argument("--also-dtype", choices=DTYPE_CHOICES, help="also time a compiled copy of the target in this dtype")
     ap.add_argument("--hf-also-dtypes", default="",
                     help="HF generate also on copies of the model in these dtypes (e.g. bfloat16: the issue's reference)")

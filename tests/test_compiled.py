@@ -400,6 +400,28 @@ def test_warm_compiles_every_bucket_a_budget_meets_before_decoding(monkeypatch, 
     assert StaticTarget(model, compile=False).warm(3) == []
 
 
+
+@pytest.mark.skipif(not tree_attention.load(), reason="the fused attention op needs AVX512F/DQ and a compiler")
+def test_one_span_serves_every_context_once_warmed(monkeypatch, tmp_path):
+    """Where every layer's attention is the fused op, compiled steps attend over the whole buffer:
+    a decode that grows past 256 and 512 slots after ``warm`` compiles nothing more, and stays HF's
+    greedy decoding; with ``one_span=False`` the same decode compiles its later spans."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = tiny_model("llama", vocab=VOCAB, seed=6, layers=2, ctx=1024)
+    prompt = np.random.default_rng(3).integers(2, VOCAB, 500)
+    ref = hf_greedy(model, prompt, 30)
+    for one_span in (True, False):
+        target = StaticTarget(model, compile=True, buckets=(1, 4), one_span=one_span)
+        assert target.one_span is one_span
+        target.warm(3)
+        graphs = counters["stats"]["unique_graphs"]
+        res = Engine(target, RandomDrafter(VOCAB, seed=1), budget=3).generate(prompt, 30)
+        assert res.token_ids == ref
+        assert (counters["stats"]["unique_graphs"] == graphs) is one_span
+
+
 def test_the_server_warms_every_tree_size_with_compile(tmp_path, monkeypatch):
     """``serve --compile``: the service warms the buckets of its budget before it listens (the
     target is compiled for real by the test above; here its static step runs eagerly)."""

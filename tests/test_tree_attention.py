@@ -57,6 +57,30 @@ def test_a_rows_bits_do_not_depend_on_where_its_keys_sit(n_visible, span, seed):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+
+@settings(max_examples=40, deadline=None)
+@given(span=st.integers(1, 600), ends=st.lists(st.integers(1, 600), min_size=1, max_size=6), seed=st.integers(0, 2**16))
+def test_rows_that_end_early_in_a_long_span(span, ends, seed):
+    """A compiled step's span is the whole buffer (``StaticTarget.one_span``): each row's visible
+    slots end far before it, and the op stops at each row's last one (skipping hidden slots 64 at a
+    time, then 16, whatever the span's tail): HF's result, and the row's own bits."""
+    g = torch.Generator().manual_seed(seed)
+    rows = len(ends)
+    q = torch.randn(1, 6, rows, 16, generator=g)
+    k, v = torch.randn(2, 1, 2, span, 16, generator=g)
+    visible = torch.rand(rows, span, generator=g) > 0.3
+    for i, end in enumerate(ends):
+        end = min(end, span)
+        visible[i, end:] = False
+        visible[i, end - 1] = True
+    mask = torch.where(visible, 0.0, MIN)[None, None]
+    out = tree_attention.tree_attention(q, k, v, mask, 0.25)
+    torch.testing.assert_close(out, hf(q, k, v, mask, 0.25), atol=2e-6, rtol=2e-6)
+    alone = torch.cat([tree_attention.tree_attention(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], 0.25)
+                       for i in range(rows)], 1)
+    assert torch.equal(out, alone)
+
+
 def test_a_long_causal_prompt_goes_in_chunks_with_each_rows_own_bits():
     """A prompt's thousands of queries go in chunks whose scratch stays in L2, each row stopping at
     its last visible slot (the compiled prefill pads the span past the prompt): 9 heads x 300 rows

@@ -9,7 +9,12 @@ C++ kernels on CPU, CUDA graphs via ``mode="reduce-overhead"`` on CUDA). Fixed s
   padded slots get token ``tokens[0]``, depth 0 and see only themselves, and no real slot ever
   sees them, so real rows' logits are those of the unpadded tree;
 - attention over a span of the cache rounded up to a power of two (at least ``MIN_SPAN``), the
-  rest of the span hidden by the mask, so the context grows without a new shape per token;
+  rest of the span hidden by the mask, so the context grows without a new shape per token. Where
+  every layer's attention is our fused op (fp32 inside: packed-fp16 and q4, on AVX512), the span is
+  the whole buffer (``one_span``): the op reads a row's visible slots only and stops at the last,
+  so a longer span costs a longer mask and nothing else, and one graph a tree bucket serves every
+  context (a server no longer compiles mid-request when a conversation passes 256, 512, ...
+  slots);
 - the mask, positions and write slots built *inside* the graph from ``past`` (a 0-d tensor, so
   its value never recompiles), the padded depths and the padded ancestor mask.
 
@@ -40,7 +45,7 @@ from transformers import PreTrainedModel
 from specblock.buckets import BUCKETS, bucket_of
 from specblock.compiled import precompile
 from specblock.compiled.fuse import FusePackedLinears
-from specblock.compiled.gqa import use_gqa_attention
+from specblock.compiled.gqa import FUSED_NAME, use_gqa_attention
 from specblock.compiled.native import pin_python_kernel, use_native_kernel
 from specblock.compiled.notice import notice_if_slow
 from specblock.compiled.regions import RegionFns, check_regional, embed, head, layer_step, regional_forward
@@ -90,7 +95,9 @@ class StaticTarget(TargetModel):
     ``dynamic`` is ``torch.compile``'s. None was tried so that one graph would serve every bucket past
     1: each tree size still compiled its own graph (the model code specializes the sizes), at the
     same speed (``compiled_speed.py --dynamic-variant``, docs/compiled.md), so the default stays False;
-    ``skip_guards`` False evaluates all of dynamo's guards on every call (see ``step_fns``)."""
+    ``skip_guards`` False evaluates all of dynamo's guards on every call (see ``step_fns``);
+    ``one_span`` False keeps power-of-two spans where the fused op would allow the whole buffer
+    (the baseline of ``compiled_speed.py --spans-baseline``)."""
 
     def __init__(
         self,
@@ -108,6 +115,7 @@ class StaticTarget(TargetModel):
         saved: bool = True,
         dynamic: bool | None = False,
         skip_guards: bool = True,
+        one_span: bool = True,
     ) -> None:
         super().__init__(model, tap_layers)
         types = getattr(self.config, "layer_types", None)
@@ -129,6 +137,7 @@ class StaticTarget(TargetModel):
             self._check_regions()
         self.compiled, self.gqa, self.native = compile, False, False
         self.fused = self.saved = False
+        self.one_span = False  # compiled steps attend over the whole buffer (see the module)
         self.step_fns: dict[tuple, Callable] = {}  # each shape run compiled: its compiled step
         # A shape met before runs with dynamo's differentiating guards only: the step's inputs are
         # tensors of that fixed shape plus the ints and flags of ``shape``, this copy of the code is
@@ -142,6 +151,8 @@ class StaticTarget(TargetModel):
             use_disk_cache()
             _allow_recompiles()
             self.gqa = gqa and use_gqa_attention(model, gqa_kernel)  # grouped heads read in place (compiled/gqa.py)
+            self.one_span = (one_span and self.gqa and not regions and self.dtype == torch.float32
+                             and model.config._attn_implementation == FUSED_NAME)
             self.native = self.packed and native and use_native_kernel()  # packed linears in C++ (compiled/native.py)
             if self.packed and not native:
                 pin_python_kernel(model)
@@ -211,13 +222,13 @@ class StaticTarget(TargetModel):
         b = ids.shape[0]
         slots = past + torch.arange(b, device=ids.device)
         cols = torch.arange(span, device=ids.device)
-        rel = cols - past
-        in_tree = (rel >= 0) & (rel < b)
-        seen = anc[:, rel.clamp(0, b - 1)] & in_tree  # [B, span]: tree slots each row may read
-        visible = seen | (cols < past)
         zero = torch.zeros((), dtype=self.dtype, device=ids.device)
-        mask = torch.where(visible, zero, torch.full_like(zero, self._min))[None, None]
-        return mask, slots, (past + depth)[None]
+        hidden = torch.full_like(zero, self._min)
+        # The committed slots, then each row's tree block written at the tree's slots: no gather over
+        # the span (a compiled step's span may be the whole buffer, ``one_span``)
+        mask = torch.where((cols < past).expand(b, span), zero, hidden)  # a tensor of its own, not a view
+        mask = mask.index_copy(1, slots, torch.where(anc, zero, hidden))
+        return mask[None, None], slots, (past + depth)[None]
 
     def _region_inputs(self, ids: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor, past: torch.Tensor, span: int):
         """The regional mode's first piece: the tree inputs, then embeddings and rotary tables."""
@@ -227,7 +238,7 @@ class StaticTarget(TargetModel):
     def _run(self, ids: np.ndarray, depth: np.ndarray, anc: np.ndarray, n: int, compiled: bool, last_only: bool):
         dev = self.device
         past = torch.tensor(self.past_len, device=dev)
-        span = span_of(self.past_len + len(ids), self.capacity)
+        span = self.capacity if compiled and self.one_span else span_of(self.past_len + len(ids), self.capacity)
         args = (torch.as_tensor(ids, device=dev), torch.as_tensor(depth, device=dev), torch.as_tensor(anc, device=dev),
                 past, span, self.want_features, last_only)
         shape = (len(ids), span, self.want_features, last_only)
@@ -311,8 +322,8 @@ class StaticTarget(TargetModel):
     @torch.no_grad()
     def warm(self, max_nodes: int) -> list[int]:
         """Compile (or load) the step of every bucket a tree of up to ``max_nodes`` nodes can meet, at
-        the first span, now rather than in the middle of a request: what a server does before it
-        listens. Runs with the current ``want_features`` and taps (set them as the engine will);
+        the first span (with ``one_span``, the only one), now rather than in the middle of a request:
+        what a server does before it listens. Runs with the current ``want_features`` and taps (set them as the engine will);
         leaves the cache empty. Returns the buckets warmed."""
         if not self.compiled:
             return []

@@ -39,7 +39,9 @@ CTX_GRID = [64, 256, 512]
 #: ``--compile``: the compiled target attends over a power-of-two span (``compiled.target.span_of``),
 #: so its cost steps up where ``ctx + n`` passes 256 or 512. Contexts that leave room for a 64-node
 #: tree inside each span measure the spans, not the steps: at 256 every tree already paid span
-#: 512 (``--ctx 64,256``: T(1) 11.0 ms at 256 against 9.3 at 64).
+#: 512 (``--ctx 64,256``: T(1) 11.0 ms at 256 against 9.3 at 64). Where the fused attention op runs
+#: (packed-fp16 and q4 on AVX512) the span is the whole buffer (``StaticTarget.one_span``): no steps
+#: there, and the grid still spans the contexts.
 CTX_GRID_COMPILED = [64, 192, 448]
 
 

@@ -153,13 +153,30 @@ constexpr int64_t SCRATCH = 512 * 1024;
 // One past the last slot a mask row leaves visible (the score's own test: above -1e30); the whole
 // span where it leaves none, so that such a row still gets softmax's answer over every slot. A
 // causal prompt's row i sees slots up to i: its passes stop there.
+// One past the last visible slot of [j, j + 16) (the span's end cuts it), or 0 where none is.
+SPECBLOCK_AVX512 inline int64_t block_end(const float* mask, int64_t span, int64_t j) {
+  const __mmask16 in = span - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (span - j)) - 1u);
+  const __mmask16 vis = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, mask + j), _mm512_set1_ps(-1e30f), _CMP_GT_OQ);
+  return vis ? j + 32 - __builtin_clz(static_cast<unsigned>(vis)) : 0;
+}
+
 SPECBLOCK_AVX512 int64_t visible_end(const float* mask, int64_t span) {
   const __m512 floor = _mm512_set1_ps(-1e30f);
-  for (int64_t j = ((span + 15) / 16) * 16 - 16; j >= 0; j -= 16) {
-    const __mmask16 in = span - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (span - j)) - 1u);
-    const __mmask16 vis = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, mask + j), floor, _CMP_GT_OQ);
-    if (vis) return j + 32 - __builtin_clz(static_cast<unsigned>(vis));
+  int64_t j = ((span + 15) / 16) * 16 - 16;
+  if (j >= 0 && span - j < 16) {  // a partial last block
+    if (const int64_t e = block_end(mask, span, j)) return e;
+    j -= 16;
   }
+  // Then 64 hidden slots at a time, one compare each (a compiled step's mask is the whole buffer,
+  // mostly hidden), and the block that holds the last visible slot 16 at a time.
+  while (j >= 48) {
+    const __m512 m = _mm512_max_ps(_mm512_max_ps(_mm512_loadu_ps(mask + j), _mm512_loadu_ps(mask + j - 16)),
+                                   _mm512_max_ps(_mm512_loadu_ps(mask + j - 32), _mm512_loadu_ps(mask + j - 48)));
+    if (_mm512_cmp_ps_mask(m, floor, _CMP_GT_OQ)) break;
+    j -= 64;
+  }
+  for (; j >= 0; j -= 16)
+    if (const int64_t e = block_end(mask, span, j)) return e;
   return span;
 }
 
@@ -170,20 +187,23 @@ SPECBLOCK_AVX512 int64_t visible_end(const float* mask, int64_t span) {
 // tree's ancestors follow the committed tokens, parents before children). Slots past a query's last
 // visible one are not visited: they would add -inf scores and no weight.
 template <int CT>
-SPECBLOCK_AVX512 void group(const float* q, int64_t Q, const int64_t* row, float* const* out, const float* k, int64_t ks,
-                            const float* v, int64_t vs, const float* mask, int64_t span, int64_t D, float scale) {
+SPECBLOCK_AVX512 void group(const float* q, int64_t Q, const int64_t* row, const int64_t* ends, float* const* out,
+                            const float* k, int64_t ks, const float* v, int64_t vs, const float* mask, int64_t span,
+                            int64_t D, float scale) {
   const int64_t C = CT ? CT : (D + 15) / 16;  // 16-lane chunks of a head, the last one masked where D % 16
   const __mmask16 last = D % 16 ? static_cast<__mmask16>((1u << (D % 16)) - 1u) : static_cast<__mmask16>(0xFFFF);
-  const int64_t QC = std::min(Q, std::max<int64_t>(1, SCRATCH / (12 * span)));
+  int64_t W = 1;  // scratch a query: up to the group's last visible slot (a compiled step's span is the whole buffer)
+  for (int64_t r = 0; r < Q; ++r) W = std::max(W, ends[row[r]]);
+  const int64_t QC = std::min(Q, std::max<int64_t>(1, SCRATCH / (12 * W)));
   // Reused across calls, sized up and never cleared; read through plain pointers below (a thread_local
   // in a shared library is a function call each time it is named).
   thread_local std::vector<float> s_, e_, inv_, acc_;
   thread_local std::vector<int32_t> idx_;
   thread_local std::vector<int64_t> cnt_, at_, end_;
-  if (static_cast<int64_t>(s_.size()) < QC * span) {
-    s_.resize(QC * span);
-    e_.resize(QC * span);
-    idx_.resize(QC * span);
+  if (static_cast<int64_t>(s_.size()) < QC * W) {
+    s_.resize(QC * W);
+    e_.resize(QC * W);
+    idx_.resize(QC * W);
   }
   if (static_cast<int64_t>(acc_.size()) < QC * C * 16) acc_.resize(QC * C * 16);
   if (static_cast<int64_t>(cnt_.size()) < QC) {
@@ -199,7 +219,7 @@ SPECBLOCK_AVX512 void group(const float* q, int64_t Q, const int64_t* row, float
   for (int64_t c0 = 0; c0 < Q; c0 += QC) {
     const int64_t n = std::min(QC, Q - c0), top = [&] {
       int64_t t = 0;
-      for (int64_t r = 0; r < n; ++r) t = std::max(t, end[r] = visible_end(mask + row[c0 + r] * span, span));
+      for (int64_t r = 0; r < n; ++r) t = std::max(t, end[r] = ends[row[c0 + r]]);
       return t;
     }();
     for (int64_t b = 0; b < top; b += BLOCK)
@@ -207,17 +227,17 @@ SPECBLOCK_AVX512 void group(const float* q, int64_t Q, const int64_t* row, float
         if (b >= end[r]) continue;
         const float* qr = q + (c0 + r) * D;
         for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_maskz_loadu_ps(c + 1 < C ? 0xFFFF : last, qr + 16 * c);
-        scores<CT>(qv, C, last, k, ks, mask + row[c0 + r] * span, b, std::min(end[r], b + BLOCK), scale, s + r * span);
+        scores<CT>(qv, C, last, k, ks, mask + row[c0 + r] * span, b, std::min(end[r], b + BLOCK), scale, s + r * W);
       }
     for (int64_t r = 0; r < n; ++r) {
-      cnt[r] = weights(s + r * span, end[r], e + r * span, idx + r * span, &inv[r]);
+      cnt[r] = weights(s + r * W, end[r], e + r * W, idx + r * W, &inv[r]);
       at[r] = 0;
     }
     std::fill(acc, acc + n * C * 16, 0.0f);
     for (int64_t b = 0; b < top; b += BLOCK)  // each query's weighted values in its slot order, a block at a time
       for (int64_t r = 0; r < n; ++r) {
-        const float* er = e + r * span;
-        const int32_t* ir = idx + r * span;
+        const float* er = e + r * W;
+        const int32_t* ir = idx + r * W;
         int64_t t = at[r];
         if (t >= cnt[r] || ir[t] >= b + BLOCK) continue;
         float* ar = acc + r * C * 16;
@@ -264,6 +284,8 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const float* vp = v.data_ptr<float>();
   const float* mp = mc.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  std::vector<int64_t> ends(n);  // per mask row, not per query: a row's query heads share it
+  for (int64_t i = 0; i < n; ++i) ends[i] = visible_end(mp + i * span, span);
   at::parallel_for(0, Hkv * parts, 1, [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> row(per);
     std::vector<float*> dst(per);
@@ -275,8 +297,9 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
         dst[r - r0] = op + (i * H + h) * D;
       }
       if (r1 > r0)
-        (D == 64 ? group<4> : group<0>)(qp + (kvh * g * n + r0) * D, r1 - r0, row.data(), dst.data(), kp + kvh * k.stride(1), k.stride(2),
-              vp + kvh * v.stride(1), v.stride(2), mp, span, D, static_cast<float>(scale));
+        (D == 64 ? group<4> : group<0>)(qp + (kvh * g * n + r0) * D, r1 - r0, row.data(), ends.data(), dst.data(),
+                                        kp + kvh * k.stride(1), k.stride(2), vp + kvh * v.stride(1), v.stride(2), mp,
+                                        span, D, static_cast<float>(scale));
     }
   });
   return out;

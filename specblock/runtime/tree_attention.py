@@ -19,7 +19,10 @@ softmax weighs them exactly 0), 16 slots' dot products summed at once by one shu
 ``attention_op.md``).
 A prompt's thousands of queries go in chunks whose scratch stays in L2, and each row stops at its
 last visible slot (a causal row sees up to itself): a 1,500-token prompt's attention took a quarter
-of the time it did without (``attention_op.py --prompts``, ``attention_op_chunks.md``).
+of the time it did without (``attention_op.py --prompts``, ``attention_op_chunks.md``). That last
+slot is found once per mask row (a row's query heads share it), skipping hidden slots 64 at a time,
+so a span far longer than the context costs next to nothing: compiled steps attend over the whole
+cache buffer (``StaticTarget.one_span``), one graph for every context.
 
 Each row is computed by the same operations whatever the call's other rows, in fp32, and its
 visible weights are summed, and its values weighted, in slot order over the visible slots alone:
