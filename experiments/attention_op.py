@@ -35,10 +35,10 @@ from results_io import write_results  # noqa: E402
 H, HKV, D, SPAN, LAYERS = 9, 3, 64, 256, 30
 
 
-def inputs(n: int, ctx: int, g: torch.Generator):
+def inputs(n: int, ctx: int, g: torch.Generator, span: int | None = None):
     """A chain of ``n`` tree rows after ``ctx`` committed slots; the rest of the span hidden. The span:
     ``SPAN``, or from a context of ``SPAN`` on the compiled target's power of two (``span_of``)."""
-    span = SPAN if ctx < SPAN else span_of(ctx + n, 1 << 30)
+    span = span or (SPAN if ctx < SPAN else span_of(ctx + n, 1 << 30))
     q = torch.randn(1, H, n, D, generator=g)
     k, v = torch.randn(2, 1, HKV, span + 64, D, generator=g)[:, :, :, :span]  # a longer cache read in place
     mask = torch.full((1, 1, n, span), torch.finfo(torch.float32).min)
@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", default="", help="eager prompt lengths to time as well (causal rows = span)")
     ap.add_argument("--prompt-reps", type=int, default=5)
     ap.add_argument("--padded", action="store_true", help="each prompt also over the compiled prefill's padded span")
+    ap.add_argument("--span", type=int, help="decoding shapes over this many slots (a compiled step's whole buffer: 8256)")
     ap.add_argument("--cold", action="store_true",
                     help="decoding shapes over 30 layers' own keys and values in turn (read from memory, not cache)")
     ap.add_argument("--threads", type=int, default=2)
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ops = {"baseline": base.tree_attention, "current": torch.ops.specblock_attention.tree_attention}
     g = torch.Generator().manual_seed(0)
     rows = []
-    cases = [(ctx, n, inputs(n, ctx, g), args.reps) for ctx in (int(c) for c in args.ctx.split(","))
+    cases = [(ctx, n, inputs(n, ctx, g, args.span), args.reps) for ctx in (int(c) for c in args.ctx.split(","))
              for n in (int(s) for s in args.sizes.split(","))]
     for n in (int(s) for s in args.prompts.split(",") if s):
         spans = sorted({n, span_of(n, 1 << 30)}) if args.padded else [n]
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"`python experiments/attention_op.py --baseline-rev {args.baseline_rev} --sizes {args.sizes} --ctx {args.ctx} "
              f"--reps {args.reps}" + (f" --prompts {args.prompts} --prompt-reps {args.prompt_reps}" if args.prompts else "")
              + (" --padded" if args.padded else "") + (" --cold" if args.cold else "")
+             + (f" --span {args.span}" if args.span else "")
              + f" --threads {args.threads} --out {args.out}`: the fused attention op alone, "
              f"{H} query heads on {HKV} key/value heads of {D}, a {SPAN}-slot span (from a context of {SPAN}: the next power of two; context 'prompt': L causal rows "
              f"over L slots, or the padded span named); median us a call, interleaved; a forward makes {LAYERS} calls"
