@@ -59,6 +59,29 @@ def test_tree_is_eagle2_shaped_and_within_budget():
     assert short.max_depth <= 2
 
 
+
+def test_trees_take_the_one_size_tree_sizes_names():
+    """A compiled server warms only ``tree_sizes`` (``Engine.warm_compiled``): with the default
+    policy every tree away from the context's end has that size, whatever the depth, top-k and
+    budget; a user's policy gets every size."""
+    model, target, net = make("llama", seed=2)
+    target.want_features = True
+    rng = np.random.default_rng(5)
+    prompt = np.arange(2, 12)
+    for _ in range(12):
+        depth, top_k, budget = (int(x) for x in rng.integers(1, [7, 5, 30]))
+        drafter = Eagle3Drafter(net, depth=depth, top_k=top_k)
+        drafter.reset()
+        drafter.prefill(prompt, target.prefill(prompt[:-1]))
+        tree = drafter.propose(DraftRequest(tokens=prompt, budget=budget, max_depth=100))
+        assert (tree.size,) == drafter.tree_sizes(budget), (depth, top_k, budget)
+
+    class Wider(DynamicBranching):
+        pass
+
+    assert Eagle3Drafter(net, policy=Wider(top_k=2)).tree_sizes(3) == (1, 2, 3, 4)
+
+
 def test_traces_log_each_expanded_nodes_candidates_and_the_targets_rank():
     """Per expanded node the trace holds the drafter's whole top-k and the target's rank among it
     (the sim's position pool); a correct child's rank is that rank."""

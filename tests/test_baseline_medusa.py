@@ -41,6 +41,19 @@ def test_lossless_greedy(family, noise):
     assert max(res.stats.tree_size) > 1
 
 
+
+def test_trees_take_the_one_size_tree_sizes_names():
+    """One static tree a budget: every proposal away from the context's end has the size a compiled
+    server warms alone (``Drafter.tree_sizes``)."""
+    model, target, net = make("llama", seed=3)
+    target.want_features = True
+    prompt = np.arange(2, 12)
+    drafter = MedusaDrafter(net)
+    drafter.prefill(prompt, target.prefill(prompt[:-1]))
+    for budget in range(1, 40, 3):
+        tree = drafter.propose(DraftRequest(tokens=prompt, budget=budget, max_depth=100))
+        assert (tree.size,) == drafter.tree_sizes(budget) and tree.size <= budget + 1
+
 def test_untrained_heads_are_the_target_head():
     """Zero-initialised residual blocks: every head predicts the target's own next token."""
     model, target, net = make()

@@ -138,6 +138,7 @@ class StaticTarget(TargetModel):
         self.compiled, self.gqa, self.native = compile, False, False
         self.fused = self.saved = False
         self.one_span = False  # compiled steps attend over the whole buffer (see the module)
+        self.warmed: list[int] = []  # buckets ``warm`` compiled: later trees pad up to one of them
         self.step_fns: dict[tuple, Callable] = {}  # each shape run compiled: its compiled step
         # A shape met before runs with dynamo's differentiating guards only: the step's inputs are
         # tensors of that fixed shape plus the ints and flags of ``shape``, this copy of the code is
@@ -310,7 +311,7 @@ class StaticTarget(TargetModel):
         n = tree.size
         if self.past_len + tree.max_depth >= self.max_context:
             raise SpecBlockError("tree reaches past the model's context; the engine should have cut it")
-        b = bucket_of(n, self.buckets)
+        b = self.bucket(n)
         ids = np.full(b, int(tree.tokens[0]), dtype=np.int64)
         ids[:n] = tree.tokens
         depth = np.zeros(b, dtype=np.int64)
@@ -319,16 +320,27 @@ class StaticTarget(TargetModel):
         anc[:n, :n] = tree.ancestor_mask
         return self._run(ids, depth, anc, n, compiled=self.compiled, last_only=False)
 
+    def bucket(self, n: int) -> int:
+        """The padded size of an ``n``-node tree: its bucket, or once ``warm`` ran, the smallest
+        bucket warmed that holds it (padding is free of results; a compile mid-request is not)."""
+        if self.warmed and n <= self.warmed[-1]:
+            return bucket_of(n, tuple(self.warmed))
+        return bucket_of(n, self.buckets)
+
     @torch.no_grad()
-    def warm(self, max_nodes: int) -> list[int]:
-        """Compile (or load) the step of every bucket a tree of up to ``max_nodes`` nodes can meet, at
-        the first span (with ``one_span``, the only one), now rather than in the middle of a request:
-        what a server does before it listens. Runs with the current ``want_features`` and taps (set them as the engine will);
-        leaves the cache empty. Returns the buckets warmed."""
+    def warm(self, max_nodes: int, sizes: tuple[int, ...] | None = None) -> list[int]:
+        """Compile (or load) the step of every bucket a tree of up to ``max_nodes`` nodes can meet
+        (only those of ``sizes``, where the drafter names them: ``Drafter.tree_sizes``), at the first
+        span (with ``one_span``, the only one), now rather than in the middle of a request: what a
+        server does before it listens. Later trees pad up to a warmed bucket (``bucket``); several
+        engines on one target warm the union. Runs with the current ``want_features`` and taps (set
+        them as the engine will); leaves the cache empty. Returns the buckets warmed."""
         if not self.compiled:
             return []
         top = bucket_of(max(1, max_nodes), self.buckets)
-        warmed = [b for b in self.buckets if b <= top]
+        wanted = {bucket_of(s, self.buckets) for s in sizes if 1 <= s <= max_nodes} if sizes else set()
+        warmed = sorted(wanted) or [b for b in self.buckets if b <= top]
+        self.warmed = sorted(set(self.warmed) | set(warmed))
         for b in warmed:
             self.prefill(np.zeros(1, dtype=np.int64))
             self.tree_forward(DraftTree.from_parents(np.zeros(b, dtype=np.int64), np.arange(-1, b - 1)))

@@ -57,15 +57,15 @@ class Engine:
 
     def warm_compiled(self) -> list[int]:
         """Compile (or load) every shape this engine can meet at the first span, before anything is
-        timed or served: the compiled target's tree buckets up to the largest tree the drafter can
-        propose under the budget (``warm``, ``Drafter.max_tree``) and a compiled drafter's steps (its
+        timed or served: the compiled target's buckets of the tree sizes the drafter proposes under
+        the budget (``warm``, ``Drafter.tree_sizes``) and a compiled drafter's steps (its
         ``warm``, under a lookup branch too). Duck-typed, so the
         runtime needs nothing from ``specblock.compiled``; an eager target and drafter warm nothing.
         Returns the target's buckets warmed."""
         warmed = []
         if callable(getattr(self.target, "warm", None)):
             self._point_target()  # the graphs depend on the features and taps this drafter reads
-            warmed = self.target.warm(self.drafter.max_tree(self.budget))
+            warmed = self.target.warm(self.drafter.max_tree(self.budget), self.drafter.tree_sizes(self.budget))
         inner = getattr(self.drafter, "inner", self.drafter)
         if callable(getattr(inner, "warm", None)):
             inner.warm()

@@ -47,6 +47,14 @@ class Drafter:
         compiled target compiles before it serves (``Engine.warm_compiled``)."""
         return budget + 1
 
+    def tree_sizes(self, budget: int) -> tuple[int, ...]:
+        """The tree sizes (root included) worth a compiled graph of their own before a server
+        listens: every size up to ``max_tree`` here. A drafter whose trees take one shape away from
+        the context's end names that size alone; a tree of another size then pads up to the next
+        size warmed (``StaticTarget.warm``): a few padded rows now and then, no compile mid-request,
+        and fewer graphs to compile on a first start (EAGLE-3 at q4: 1 instead of 3)."""
+        return tuple(range(1, self.max_tree(budget) + 1))
+
 
 class ARDrafter(Drafter):
     """No draft at all: every iteration is one target forward of one token (the baseline)."""

@@ -102,6 +102,16 @@ class Eagle3Drafter(Drafter):
         self.device, self.dtype = p.device, p.dtype
         self.reset()
 
+    def tree_sizes(self, budget: int) -> tuple[int, ...]:
+        """With the default policy and frontier every expanded node offers ``width`` children and
+        the frontier takes ``width`` of them, so ``depth`` steps offer ``width + (depth - 1) *
+        width**2`` candidates and the rerank keeps the budget's best of them: one size away from the
+        context's end (``propose``'s limits). A user's policy or frontier: every size."""
+        if type(self.policy) is not DynamicBranching or type(self.seed_policy) is not TopScoreSeeds or budget < 1:
+            return super().tree_sizes(budget)
+        depth, width = rerank_limits(self.policy, self.seed_policy, budget, self.depth, self.top_k)
+        return (1 + min(budget, width + (depth - 1) * width * width),)
+
     @classmethod
     def load(cls, path: str | Path, target: TargetModel, **kw) -> "Eagle3Drafter":
         net = Eagle3Net.load(path, target.model)

@@ -113,6 +113,10 @@ class MedusaDrafter(Drafter):
     def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
         self.top = features.top[-1:]  # the last accepted node: the bonus token was predicted there
 
+    def tree_sizes(self, budget: int) -> tuple[int, ...]:
+        """One static tree a budget (``tree_shape``): one size."""
+        return (self.tree_shape(budget)[0].size,) if budget >= 1 else (1,)
+
     def tree_shape(self, budget: int):
         if budget not in self._trees:
             self._trees[budget] = static_tree(self.acc, budget)
