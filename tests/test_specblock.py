@@ -9,6 +9,7 @@ from hypothesis import given, strategies as st
 from specblock.errors import SpecBlockError
 from specblock.policies.branching import RankBucketBranching
 from specblock.policies.tree import rank_to_bucket
+from specblock.runtime.drafters.base import DraftRequest
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
 from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
 from specblock.runtime.engine import Engine
@@ -49,6 +50,25 @@ def test_lossless_greedy(family, M):
         assert res.token_ids == hf_greedy(model, prompt, 30)
         assert max(res.stats.tree_size) > 1
 
+
+
+def test_one_block_without_cuts_fills_budgets_up_to_k():
+    """``tree_sizes``: M = 1 under widths with no 0 (the shipped serving settings) always fills a
+    budget up to K, the one size a compiled server then warms; a 0 width or a second block: every
+    size."""
+    model, target, net = make("llama", seed=4)
+    target.want_features = True
+    rng = np.random.default_rng(6)
+    prompt = np.arange(2, 14)
+    for _ in range(10):
+        widths = tuple(int(w) for w in rng.integers(1, 6, 4))
+        drafter = SpecBlockDrafter(net, M=1, policy=RankBucketBranching(widths))
+        for budget in range(1, net.cfg.K + 1):
+            drafter.prefill(prompt, target.prefill(prompt[:-1]))
+            tree = drafter.propose(DraftRequest(tokens=prompt, budget=budget, max_depth=100))
+            assert (tree.size,) == drafter.tree_sizes(budget), (widths, budget)
+    assert SpecBlockDrafter(net, M=1, policy=RankBucketBranching((2, 4, 10, 0))).tree_sizes(3) == (1, 2, 3, 4)
+    assert SpecBlockDrafter(net, M=2, policy=RankBucketBranching((4, 4, 4, 4))).tree_sizes(3) == (1, 2, 3, 4)
 
 @pytest.mark.parametrize("shift,broadcast", [(False, True), (True, False)])
 def test_ablations_stay_lossless(shift, broadcast):
