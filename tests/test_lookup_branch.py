@@ -76,6 +76,25 @@ def test_the_budget_is_shared_and_never_exceeded():
     assert inner.budgets[-1] == 6 and tree.size - 1 == 5
 
 
+
+class Full(Fixed):
+    """``Fixed`` whose chain always fills the budget, and says so (``tree_sizes``)."""
+
+    def tree_sizes(self, budget):
+        return (min(budget, len(self.chain)) + 1,)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), min_size=2, max_size=30), budget=st.integers(0, 9), nodes=st.integers(1, 4))
+def test_the_branchs_trees_take_the_sizes_it_names(tokens, budget, nodes):
+    """A compiled server warms ``tree_sizes`` alone (``Engine.warm_compiled``): whatever lookup
+    finds, the grafted tree's size is among them; an inner drafter of every size gives every size."""
+    drafter = LookupBranch(Full(np.arange(10, 30)), nodes=nodes)
+    tree = drafter.propose(DraftRequest(np.asarray(tokens), budget=budget, max_depth=20))
+    assert tree.size in drafter.tree_sizes(budget)
+    assert LookupBranch(Full(np.arange(10, 30)), nodes=3).tree_sizes(6) == (4, 5, 6, 7)
+    assert LookupBranch(Fixed(np.arange(10, 30)), nodes=3).tree_sizes(6) == tuple(range(1, 8))
+
 @pytest.mark.parametrize("inner", ["random", "lookup"])
 def test_decoding_with_a_lookup_branch_is_the_targets_greedy_decoding(inner):
     model = tiny_model("llama", vocab=V, seed=3, layers=2)

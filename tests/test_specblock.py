@@ -52,10 +52,10 @@ def test_lossless_greedy(family, M):
 
 
 
-def test_one_block_without_cuts_fills_budgets_up_to_k():
+def test_one_block_without_cuts_fills_its_budgets():
     """``tree_sizes``: M = 1 under widths with no 0 (the shipped serving settings) always fills a
-    budget up to K, the one size a compiled server then warms; a 0 width or a second block: every
-    size."""
+    budget up to K times the smallest width, the one size a compiled server then warms; a 0 width or
+    a second block: every size."""
     model, target, net = make("llama", seed=4)
     target.want_features = True
     rng = np.random.default_rng(6)
@@ -63,7 +63,7 @@ def test_one_block_without_cuts_fills_budgets_up_to_k():
     for _ in range(10):
         widths = tuple(int(w) for w in rng.integers(1, 6, 4))
         drafter = SpecBlockDrafter(net, M=1, policy=RankBucketBranching(widths))
-        for budget in range(1, net.cfg.K + 1):
+        for budget in range(1, net.cfg.K * min(widths) + 1):
             drafter.prefill(prompt, target.prefill(prompt[:-1]))
             tree = drafter.propose(DraftRequest(tokens=prompt, budget=budget, max_depth=100))
             assert (tree.size,) == drafter.tree_sizes(budget), (widths, budget)

@@ -82,6 +82,16 @@ class LookupBranch(Drafter):
     def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
         self.inner.accept(tree, verdict, features)
 
+    def tree_sizes(self, budget: int) -> tuple[int, ...]:
+        """A chain of ``g`` tokens leaves the drafter ``budget - g`` nodes and grafts 0 to ``g`` of
+        its own: the drafter's sizes at each such budget, plus 0..g (SpecBlock's shipped settings
+        with the branch: 4 to 7 nodes, three buckets instead of every one up to 8)."""
+        sizes = set()
+        for g in range(min(self.nodes, budget) + 1):
+            for s in self.inner.tree_sizes(budget - g):
+                sizes.update(range(s, s + g + 1))
+        return tuple(sorted(x for x in sizes if x <= self.max_tree(budget)))
+
 
 def with_branch(drafter: Drafter, budget: int, nodes: int, budget_given: bool) -> tuple[LookupBranch, int]:
     """``drafter`` with the branch, and the engine's node budget for it (the CLI's and the bench's

@@ -47,12 +47,13 @@ class SpecBlockDrafter(Drafter):
 
     def tree_sizes(self, budget: int) -> tuple[int, ...]:
         """One block (``M = 1``) under rank widths that never end a branch (no 0) grows its spine
-        all ``K`` positions deep, so a budget up to ``K`` is always filled: one size (the shipped
-        serving settings: M = 1, widths 4, budget 3). Otherwise the rank head's cuts and the later
-        blocks' seeds vary the size: every size."""
+        all ``K`` positions deep, each keeping at least the smallest width, so a budget up to ``K``
+        times that is always filled: one size (the shipped serving settings: M = 1, widths 4, budget
+        3; 6 under the lookup branch). Otherwise the rank head's cuts and the later blocks' seeds
+        vary the size: every size."""
         pol = self.policy
         if self.M == 1 and type(pol) is RankBucketBranching and min(pol.widths_by_bucket) >= 1 \
-                and 1 <= budget <= self.net.cfg.K:
+                and 1 <= budget <= self.net.cfg.K * min(pol.widths_by_bucket):
             return (budget + 1,)
         return super().tree_sizes(budget)
 
