@@ -411,14 +411,14 @@ def test_warm_with_sizes_pads_other_trees_up_to_a_warmed_bucket(monkeypatch, tmp
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     model = tiny_model("llama", vocab=VOCAB, seed=6, layers=2)
     target = StaticTarget(model, compile=True, buckets=(1, 2, 4, 8))
-    assert target.warm(3, (3,)) == [4] and target.warmed == [4]
+    assert target.warm(3, (3,)) == [4] and target.warmed == (4,)
     assert [target.bucket(n) for n in (1, 3, 4, 5)] == [4, 4, 4, 8]
     graphs = counters["stats"]["unique_graphs"]
     prompt = np.random.default_rng(4).integers(2, VOCAB, 20)
     res = Engine(target, LookupDrafter(max_ngram=3, min_ngram=3), budget=3).generate(prompt, 24)  # trees of 1 and 4
     assert res.token_ids == hf_greedy(model, prompt, 24)
     assert {1, 4} <= set(res.stats.tree_size) and counters["stats"]["unique_graphs"] == graphs
-    assert target.warm(1, (1,)) == [1] and target.warmed == [1, 4]  # engines on one target: the union
+    assert target.warm(1, (1,)) == [1] and target.warmed == (1, 4)  # engines on one target: the union
 
 @pytest.mark.skipif(not tree_attention.load(), reason="the fused attention op needs AVX512F/DQ and a compiler")
 def test_one_span_serves_every_context_once_warmed(monkeypatch, tmp_path):

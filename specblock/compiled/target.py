@@ -138,7 +138,7 @@ class StaticTarget(TargetModel):
         self.compiled, self.gqa, self.native = compile, False, False
         self.fused = self.saved = False
         self.one_span = False  # compiled steps attend over the whole buffer (see the module)
-        self.warmed: list[int] = []  # buckets ``warm`` compiled: later trees pad up to one of them
+        self.warmed: tuple[int, ...] = ()  # buckets ``warm`` compiled, ascending: later trees pad up to one
         self.step_fns: dict[tuple, Callable] = {}  # each shape run compiled: its compiled step
         # A shape met before runs with dynamo's differentiating guards only: the step's inputs are
         # tensors of that fixed shape plus the ints and flags of ``shape``, this copy of the code is
@@ -324,7 +324,7 @@ class StaticTarget(TargetModel):
         """The padded size of an ``n``-node tree: its bucket, or once ``warm`` ran, the smallest
         bucket warmed that holds it (padding is free of results; a compile mid-request is not)."""
         if self.warmed and n <= self.warmed[-1]:
-            return bucket_of(n, tuple(self.warmed))
+            return bucket_of(n, self.warmed)
         return bucket_of(n, self.buckets)
 
     @torch.no_grad()
@@ -340,7 +340,7 @@ class StaticTarget(TargetModel):
         top = bucket_of(max(1, max_nodes), self.buckets)
         wanted = {bucket_of(s, self.buckets) for s in sizes if 1 <= s <= max_nodes} if sizes else set()
         warmed = sorted(wanted) or [b for b in self.buckets if b <= top]
-        self.warmed = sorted(set(self.warmed) | set(warmed))
+        self.warmed = tuple(sorted(set(self.warmed) | set(warmed)))
         for b in warmed:
             self.prefill(np.zeros(1, dtype=np.int64))
             self.tree_forward(DraftTree.from_parents(np.zeros(b, dtype=np.int64), np.arange(-1, b - 1)))
