@@ -61,7 +61,16 @@ class Eagle3Result:
     postfix: dict = field(default_factory=dict)
 
 
-def eagle3_step(net: Eagle3Net, tp: TargetPass, steps: int) -> Eagle3Result:
+def depth_ce(net: Eagle3Net, s: torch.Tensor, e_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One depth's soft cross-entropy [B, R] against the target's head-row expectation, and the
+    drafter's argmax (no gradient): the only part of the step that runs over the vocabulary."""
+    normed = net.normed(s)
+    logits = net.lm_head(normed).float()
+    return torch.logsumexp(logits, -1) - (normed.float() * e_t).sum(-1), logits.detach().argmax(-1)
+
+
+def eagle3_step(net: Eagle3Net, tp: TargetPass, steps: int, ce_fn=None) -> Eagle3Result:
+    """``ce_fn``: :func:`depth_ce` or a compiled copy of it (``--compile``)."""
     b, w = tp.tokens.shape
     r, dev = w - 1, tp.tokens.device
     p = torch.arange(r, device=dev)
@@ -70,12 +79,10 @@ def eagle3_step(net: Eagle3Net, tp: TargetPass, steps: int) -> Eagle3Result:
     loss = torch.zeros((), device=dev)
     top1, valid = [], []
     for d, s in enumerate(ttt_states(net, tp.taps, tp.tokens, steps), start=1):
-        normed = net.normed(s)
-        logits = net.lm_head(normed).float()
-        ce = torch.logsumexp(logits, -1) - (normed.float() * e_t).sum(-1)  # [B, R]
+        ce, pred = (ce_fn or depth_ce)(net, s, e_t)  # [B, R] each
         ok = (p >= d - 1) & y_ok  # [B, R]
         loss = loss + STEP_DECAY ** (d - 1) * (ce * ok).sum() / ok.sum().clamp_min(1)
-        top1.append((logits.detach().argmax(-1) == y_t) & y_ok)
+        top1.append((pred == y_t) & y_ok)
         valid.append(p >= d - 1)
     return Eagle3Result(loss, top1, valid)
 

@@ -35,6 +35,9 @@ class Recipe:
     # The feature-cache array the step reads in place of a target pass ("taps", "top", or "tokens":
     # the top-k alone; the cache's top-k gives the soft targets), None: no --features for this method.
     cached: str | None = None
+    # ``--compile``: compiles in place the part of the step that runs over the draft vocabulary (the
+    # head, its log-normaliser, softmax statistics), None: the method has no such hook yet.
+    compile: Callable[[torch.nn.Module], None] | None = None
 
 
 RECIPES: dict[str, Recipe] = {}
@@ -130,7 +133,15 @@ def _specblock_evaluate(net, target, windows, args) -> dict:
     return out
 
 
-register(Recipe("specblock", _specblock_build, _taps_pass, _specblock_step, _specblock_evaluate, "taps"))
+def _compile_heads(net) -> None:
+    """Why: on a CPU the step's cost is its passes over [positions x K x draft vocabulary] floats
+    (logits, log-normaliser and its backward, rank statistics), each one op in eager mode; inductor
+    fuses them. Static shapes: training windows have one shape (held-out evaluation another)."""
+    net.heads = torch.compile(net.heads, dynamic=False)
+
+
+register(Recipe("specblock", _specblock_build, _taps_pass, _specblock_step, _specblock_evaluate, "taps",
+                compile=_compile_heads))
 
 
 # --------------------------------------------------------------------------- eagle3
@@ -151,7 +162,7 @@ def _eagle3_build(target, args):
 def _eagle3_step(net, tp, gen, args, progress):
     from specblock.training.eagle3_step import eagle3_step
 
-    res = eagle3_step(net, tp, args.ttt_steps)
+    res = eagle3_step(net, tp, args.ttt_steps, getattr(net, "step_ce", None))
     d1 = float(res.top1[0].float().mean())
     return StepOut(res.loss, {"top1_d1": f"{d1:.2f}"})
 
@@ -173,7 +184,14 @@ def _eagle3_evaluate(net, target, windows, args) -> dict:
     return {"chain_acc": [round(float(x), 4) for x in torch.tensor(accs).mean(0)]}
 
 
-register(Recipe("eagle3", _eagle3_build, _taps_pass, _eagle3_step, _eagle3_evaluate, "taps"))
+def _compile_depth_ce(net) -> None:
+    """The head and soft cross-entropy of each TTT depth, compiled (why: as ``_compile_heads``)."""
+    from specblock.training.eagle3_step import depth_ce
+
+    net.step_ce = torch.compile(depth_ce, dynamic=False)
+
+
+register(Recipe("eagle3", _eagle3_build, _taps_pass, _eagle3_step, _eagle3_evaluate, "taps", compile=_compile_depth_ce))
 
 
 # --------------------------------------------------------------------------- medusa
