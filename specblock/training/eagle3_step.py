@@ -19,6 +19,7 @@ frozen, shared LM head (its draft-vocabulary rows).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +70,7 @@ def depth_ce(net: Eagle3Net, s: torch.Tensor, e_t: torch.Tensor) -> tuple[torch.
     return torch.logsumexp(logits, -1) - (normed.float() * e_t).sum(-1), logits.detach().argmax(-1)
 
 
-def eagle3_step(net: Eagle3Net, tp: TargetPass, steps: int, ce_fn=None) -> Eagle3Result:
+def eagle3_step(net: Eagle3Net, tp: TargetPass, steps: int, ce_fn: Callable | None = None) -> Eagle3Result:
     """``ce_fn``: :func:`depth_ce` or a compiled copy of it (``--compile``)."""
     b, w = tp.tokens.shape
     r, dev = w - 1, tp.tokens.device
