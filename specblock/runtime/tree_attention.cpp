@@ -150,9 +150,6 @@ constexpr int64_t BLOCK = 64;
 // took 2x SDPA's prefill: experiments/prompt_attention.py.)
 constexpr int64_t SCRATCH = 512 * 1024;
 
-// One past the last slot a mask row leaves visible (the score's own test: above -1e30); the whole
-// span where it leaves none, so that such a row still gets softmax's answer over every slot. A
-// causal prompt's row i sees slots up to i: its passes stop there.
 // One past the last visible slot of [j, j + 16) (the span's end cuts it), or 0 where none is.
 SPECBLOCK_AVX512 inline int64_t block_end(const float* mask, int64_t span, int64_t j) {
   const __mmask16 in = span - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (span - j)) - 1u);
@@ -160,6 +157,9 @@ SPECBLOCK_AVX512 inline int64_t block_end(const float* mask, int64_t span, int64
   return vis ? j + 32 - __builtin_clz(static_cast<unsigned>(vis)) : 0;
 }
 
+// One past the last slot a mask row leaves visible (the score's own test: above -1e30); the whole
+// span where it leaves none, so that such a row still gets softmax's answer over every slot. A
+// causal prompt's row i sees slots up to i: its passes stop there.
 SPECBLOCK_AVX512 int64_t visible_end(const float* mask, int64_t span) {
   const __m512 floor = _mm512_set1_ps(-1e30f);
   int64_t j = ((span + 15) / 16) * 16 - 16;
