@@ -2,7 +2,7 @@
 # Drafters for the real target (SmolLM2-135M-Instruct, issue 14), every command in order. Each
 # step is resumable: rerun the same line after an interruption and it continues where it stopped.
 # Data and features live in $SPECBLOCK_HOME (default ~/.cache/specblock), never in git.
-#   experiments/real_drafters.sh data|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|compiled|compiled-budgets|lossless|widths|lookup-branch|eval
+#   experiments/real_drafters.sh data|ask|refs|features|specblock|eagle3|medusa|parallelspec|falcon|sps|finetune|finetune-check|vocab|vocab-heads|export|bench|calibrate|table|packed|compiled|compiled-budgets|lossless|widths|lookup-branch|eval
 # One thread each: on this shared 2-core CPU under load ~9, two OpenMP threads spin-waited and
 # generation ran 9x slower (3.9 against 30-44 answer tokens/s); data, features and training run
 # side by side (featcache --follow picks up new chatgen shards, training new feature shards).
@@ -14,6 +14,7 @@ T=smollm2-135m-instruct
 H=$($PY -c "from specblock.models import specblock_home; print(specblock_home())")
 DATA=$H/data/chatgen/$T          # the target's own greedy answers (jsonl shards of token ids)
 REFS=$H/data/reference/$T        # reference answers from ../shared/data in the same format (refanswers)
+ASK=$H/data/chatgen-ask/$T       # the target's own answers to instructions it wrote itself (selfask, then chatgen)
 FEAT=$H/features/$T              # taps, top hidden state, top-8 soft targets (memory-mapped .npy)
 RUN=${RUN:-$H/runs/$T/specblock} # checkpoints and metrics.jsonl of the SpecBlock drafter
 OUT=specblock/assets/drafters/$T/specblock
@@ -43,13 +44,23 @@ case "${1:-}" in
     #            answer tokens/s against 43 in fp32 on 1 thread; a cache's answers and features keep one dtype
     $PY -m specblock.training chatgen --target $T --out $DATA --shard-size 64 --batch ${BATCH:-16} --max-new-tokens 256 \
         --dtype ${FEAT_DTYPE:-float32} --threads ${THREADS:-1} ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
+  ask)       # 1a. chat-like instructions written by the target (selfask: ASK_COUNT=2048 of them, search questions and
+    #            requests to an assistant, seed ASK_SEED=0), then its greedy answers to them as chatgen shards ask_NNNNN
+    #            (none held out); `features` adds them to the cache. FEAT_DTYPE= / THREADS= / BATCH= / MAX_MINUTES= as for data
+    LIST=$H/data/selfask/$T/instructions_s${ASK_SEED:-0}_n${ASK_COUNT:-2048}.jsonl
+    $PY -m specblock.training selfask --target $T --out "$LIST" --count "${ASK_COUNT:-2048}" --seed "${ASK_SEED:-0}" \
+        --dtype ${FEAT_DTYPE:-float32} --threads ${THREADS:-1}
+    $PY -m specblock.training chatgen --target $T --out "$ASK" --instructions "$LIST" --shard-size 64 --batch ${BATCH:-16} \
+        --max-new-tokens 256 --dtype ${FEAT_DTYPE:-float32} --threads ${THREADS:-1} ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
   refs)      # 1b. reference answers (AlpacaEval responses, GSM8K solutions, stdlib functions): ~10x the
     #            tokens per CPU minute of generation, since only features are computed for them
     $PY -m specblock.training refanswers --target $T --out $REFS ;;
   features)  # 2. the feature cache: every finished chatgen shard first, then reference shards (--follow: wait for more;
     #            69 reference shards of ~70k tokens wait, ~8 min each: MAX_SHARDS=n or MAX_MINUTES=m bound a run)
     #            (reference shards only where `refs` has run; FEAT_DTYPE= / THREADS= as for data)
-    [[ -f $REFS/manifest.json ]] && SRC=(--data "$DATA" --data "$REFS") || SRC=(--data "$DATA")
+    SRC=(--data "$DATA")
+    [[ -f $ASK/manifest.json ]] && SRC+=(--data "$ASK")
+    [[ -f $REFS/manifest.json ]] && SRC+=(--data "$REFS")
     $PY -m specblock.training featcache --target $T "${SRC[@]}" --out $FEAT --k 8 --dtype ${FEAT_DTYPE:-float32} --threads ${THREADS:-1} \
         ${FOLLOW:+--follow} ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ${MAX_SHARDS:+--max-shards $MAX_SHARDS} ;;
   specblock) # 3. SpecBlock from the cache: K = 4, M = 2, the lab recipe (2 layers: the layer-wise shift sits between

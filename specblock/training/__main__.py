@@ -1,4 +1,4 @@
-"""``python -m specblock.training {drafter,target,chatgen,featcache,refanswers} ...``"""
+"""``python -m specblock.training {drafter,target,chatgen,featcache,refanswers,selfask} ...``"""
 
 import importlib
 import sys
@@ -7,7 +7,8 @@ from specblock.errors import SpecBlockError
 
 COMMANDS = {"drafter": "specblock.training.drafter", "target": "specblock.training.target",
             "chatgen": "specblock.training.chatgen", "featcache": "specblock.training.featcache",
-            "refanswers": "specblock.training.refanswers"}
+            "refanswers": "specblock.training.refanswers",
+            "selfask": "specblock.training.selfask"}
 
 
 def main(argv: list[str]) -> int:

@@ -173,8 +173,11 @@ def _write_json(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def generate_batch(model, prompts: list[list[int]], max_new: int, stops: frozenset[int], pad: int) -> list[tuple[list[int], bool]]:
+def generate_batch(model, prompts: list[list[int]], max_new: int, stops: frozenset[int], pad: int,
+                   temperature: float = 0.0, top_k: int = 0, generator=None) -> list[tuple[list[int], bool]]:
     """Greedy answers for a batch of prompts (left-padded), each cut after its first stop token.
+    ``temperature > 0`` samples instead (top-k where ``top_k > 0``, from ``generator``): selfask's
+    instructions; every answer chatgen stores is greedy.
 
     A plain loop rather than HF ``generate``: a row that has stopped leaves the batch and its KV
     cache (``generate`` kept computing it until the longest answer ended: 1.41x the answer tokens
@@ -189,11 +192,21 @@ def generate_batch(model, prompts: list[list[int]], max_new: int, stops: frozens
     alive = list(range(len(prompts)))  # batch row -> prompt index
     cache = DynamicCache(config=model.config)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def pick(logits):
+        if temperature <= 0:
+            return logits.argmax(-1)
+        logits = logits.float() / temperature
+        if top_k > 0:
+            kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                        use_cache=True, logits_to_keep=1).logits[:, -1]
         for step in range(max_new):
-            nxt = logits.argmax(-1)
+            nxt = pick(logits)
             keep = []
             for row, tok in enumerate(nxt.tolist()):
                 answers[alive[row]].append(tok)
@@ -227,11 +240,27 @@ def run_shard(model, tok, items: list[Instruction], args, stops: frozenset[int],
 
 
 def _settings(args) -> dict:
-    return {"seed": args.seed, "shard_size": args.shard_size, "max_new_tokens": args.max_new_tokens,
-            "max_prompt_tokens": args.max_prompt_tokens}
+    out = {"seed": args.seed, "shard_size": args.shard_size, "max_new_tokens": args.max_new_tokens,
+           "max_prompt_tokens": args.max_prompt_tokens}
+    if args.instructions is not None:  # the file's hash: a directory answers one list of instructions
+        out["instructions_sha256"] = _sha256(args.instructions)
+    return out
 
 
-def open_manifest(out: Path, target_dir: Path, settings: dict) -> dict:
+def read_instructions(path: Path) -> list[Instruction]:
+    """A jsonl of ``{"id", "domain", "text"}`` (selfask's output), in file order."""
+    try:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        items = [Instruction(str(r["id"]), str(r["domain"]), str(r["text"])) for r in rows]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SpecBlockError(f"--instructions {path}: not a jsonl of {{id, domain, text}} rows ({e})") from None
+    if not items:
+        raise SpecBlockError(f"--instructions {path} holds no instruction")
+    return items
+
+
+def open_manifest(out: Path, target_dir: Path, settings: dict, heldout: tuple[int, ...] = HELDOUT_SHARDS,
+                  prefix: str = "shard_") -> dict:
     from specblock.training.featcache import target_identity
 
     ident = target_identity(target_dir)
@@ -244,7 +273,7 @@ def open_manifest(out: Path, target_dir: Path, settings: dict) -> dict:
             raise SpecBlockError(f"{out} was generated with settings {man.get('settings')}; pass the same or use another --out")
         return man
     return {"kind": "specblock-chatgen", "target": ident["name"], "target_sha256": ident["weights_sha256"],
-            "settings": settings, "heldout_shards": list(HELDOUT_SHARDS), "shards": {}}
+            "settings": settings, "heldout_shards": list(heldout), "shard_prefix": prefix, "shards": {}}
 
 
 def summarize(man: dict) -> dict:
@@ -268,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--instructions", type=Path, default=None,
+                    help="answer this jsonl of {id, domain, text} (selfask) instead of the data set's instructions; "
+                         "its shards are named ask_NNNNN, none held out")
     return ap
 
 
@@ -285,8 +317,14 @@ def main(argv: list[str] | None = None) -> int:
 
     target_dir = resolve_target(args.target)
     torch.set_num_threads(args.threads)
+    if args.instructions is not None:  # its own shard names, so one feature cache holds both directories
+        items, heldout, prefix = read_instructions(args.instructions), (), "ask_"
+    else:
+        items, heldout, prefix = all_instructions(args.seed), HELDOUT_SHARDS, "shard_"
     args.out.mkdir(parents=True, exist_ok=True)
-    man = open_manifest(args.out, target_dir, _settings(args))
+    man = open_manifest(args.out, target_dir, _settings(args), heldout, prefix)
+    if man.get("shard_prefix", "shard_") != prefix:
+        raise SpecBlockError(f"{args.out} holds {man.get('shard_prefix', 'shard_')}* shards; use another --out")
     if man.get("dtype", args.dtype) != args.dtype:  # answers of one run come from one dtype (they differ at near-ties)
         raise SpecBlockError(f"{args.out} holds answers generated in {man['dtype']}; pass --dtype {man['dtype']} or use another --out")
     man["dtype"] = args.dtype
@@ -297,14 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     stops = stop_ids(tok, set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
                                else [model.generation_config.eos_token_id]))
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(stops)
-    items = all_instructions(args.seed)
     n_shards = -(-len(items) // args.shard_size)
     if args.max_shards is not None:
         n_shards = min(n_shards, args.max_shards)
     t_start = time.perf_counter()
     bar = tqdm(total=n_shards, desc="chatgen", dynamic_ncols=True)
     for i in range(n_shards):
-        name = f"shard_{i:05d}"
+        name = f"{prefix}{i:05d}"
         path = args.out / f"{name}.jsonl"
         if name in man["shards"] and path.is_file():
             bar.update(1)

@@ -258,7 +258,7 @@ def build_cache(data: Path | list[Path], out: Path, target_dir: Path, model, k: 
     settings = {"taps": list(taps), "k": k, "dtype": dtype, "hidden_size": model.config.hidden_size}
     out.mkdir(parents=True, exist_ok=True)
     man = open_manifest(out, ident, settings)
-    man["heldout_shards"] = [f"shard_{i:05d}" for g in gens for i in g.get("heldout_shards", [])]
+    man["heldout_shards"] = [f"{g.get('shard_prefix', 'shard_')}{i:05d}" for g in gens for i in g.get("heldout_shards", [])]
     man["sources"] = {str(d): g.get("kind", "specblock-chatgen") for d, g in zip(data, gens)}
     t0 = time.perf_counter()
     for done, (d, name) in enumerate(pending(data, out, man)):
