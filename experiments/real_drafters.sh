@@ -43,7 +43,8 @@ case "${1:-}" in
     #            FEAT_DTYPE=bfloat16 THREADS=2 BATCH=32: on a CPU with AMX (native bf16 products, ~6x fp32's rate) 210-237
     #            answer tokens/s against 43 in fp32 on 1 thread; a cache's answers and features keep one dtype
     $PY -m specblock.training chatgen --target $T --out $DATA --shard-size 64 --batch ${BATCH:-16} --max-new-tokens 256 \
-        --dtype ${FEAT_DTYPE:-float32} --threads ${THREADS:-1} ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
+        --dtype ${FEAT_DTYPE:-float32} --threads ${THREADS:-1} ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} \
+        ${MAX_SHARDS:+--max-shards $MAX_SHARDS} ;;  # MAX_SHARDS=n: shards 0..n-1 in all
   ask)       # 1a. chat-like instructions written by the target (selfask: ASK_COUNT=2048 of them, search questions and
     #            requests to an assistant, seed ASK_SEED=0), then its greedy answers to them as chatgen shards ask_NNNNN
     #            (none held out); `features` adds them to the cache. FEAT_DTYPE= / THREADS= / BATCH= / MAX_MINUTES= as for data

@@ -122,3 +122,12 @@ def test_one_cache_holds_both_directories_and_holds_out_shard_0_only(tmp_path):
     man = build_cache([tmp_path / "gen", tmp_path / "ask"], tmp_path / "cache", target, model, k=4, log=lambda s: None)
     assert sorted(man["shards"]) == ["ask_00000", "ask_00001", "shard_00000", "shard_00001"]
     assert man["heldout_shards"] == ["shard_00000"]
+
+
+def test_an_existing_list_is_kept_or_refused_before_any_model_loads(tmp_path, capsys):
+    out = tmp_path / "ask.jsonl"
+    out.write_text("".join(json.dumps({"id": f"a/{i}", "domain": "ask-qa", "text": "who is it"}) + "\n" for i in range(3)))
+    assert selfask.main(["--target", str(tmp_path / "no-such-model"), "--out", str(out), "--count", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["existed"] is True
+    with pytest.raises(SpecBlockError, match="already holds 3 instructions"):
+        selfask.main(["--target", str(tmp_path / "no-such-model"), "--out", str(out), "--count", "5"])

@@ -134,8 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.count < 1 or args.batch < 1:
         raise SpecBlockError("--count and --batch must be positive")
-    if args.out.is_file():
-        print(json.dumps({"out": str(args.out), "exists": True}))
+    if args.out.is_file():  # written whole or not at all (a rename): a rerun keeps it
+        have = sum(1 for line in args.out.read_text(encoding="utf-8").splitlines() if line.strip())
+        if have != args.count:
+            raise SpecBlockError(f"{args.out} already holds {have} instructions, not --count {args.count}; use another --out")
+        print(json.dumps({"out": str(args.out), "instructions": have, "existed": True}))
         return 0
     import torch
     from tqdm import tqdm
