@@ -119,7 +119,7 @@ def _stopped_line(run: dict, last: dict) -> str:
             f"the learning rate at {lr:.2g}.")
 
 
-def _training_line(run: dict, method: str, last: dict) -> str:
+def _training_line(run: dict, method: str, last: dict, has_refs: bool = True) -> str:
     a = run["args"]
     extra = {"specblock": f", rank head frozen for the first {a['rank_freeze']:.0%}, valid-prefix mask {a['valid_prefix']}, "
                           f"cross-block {a['cross_block']}, shared norm {not a['per_k_norm']}",
@@ -128,6 +128,8 @@ def _training_line(run: dict, method: str, last: dict) -> str:
              "falcon": f", glancing {a['glance_start']} -> {a['glance_end']}",
              "sps": ", soft targets from the cached top-8 (no target pass per step)"}.get(method, "")
     mix = (f"; {a['own_share']:.0%} of windows from the target's own answers" if a.get("own_share") is not None else "")
+    if not has_refs and a.get("own_share") is not None:  # the trainer applies --own-share only where both kinds exist
+        mix = "; all windows from the target's own answers (no reference shards to mix in)"
     return (f"{run['step']:,} steps in {run['train_s'] / 60:.1f} minutes of training on {a['threads']} thread(s): batch {a['batch']} x "
             f"{a['window']}-token windows ({run['step'] * a['batch'] * a['window']:,} window tokens seen), AdamW lr {a['lr']} with "
             f"warmup and cosine decay over wall time{extra}{mix}.{_stopped_line(run, last)}{_init_line(run)}")
@@ -144,7 +146,8 @@ def gen_totals(gen: dict, feat: dict) -> dict:
             "answer_tokens_per_s": round(ans / secs, 1) if secs else 0}
 
 
-def card(run: dict, last: dict, gen: dict, refs: dict | None, feat: dict, net, target_name: str, sessions: str = "") -> str:
+def card(run: dict, last: dict, gen: dict, refs: dict | None, feat: dict, net, target_name: str, sessions: str = "",
+         ask: dict | None = None) -> str:
     method = run["method"]
     cfg = net.cfg if hasattr(net, "cfg") else net.model.config  # SpS: an HF model's config
     vocab = (VOCAB_LM.format(v=cfg.vocab_size) if method == "sps" else
@@ -157,6 +160,11 @@ def card(run: dict, last: dict, gen: dict, refs: dict | None, feat: dict, net, t
                     f"{sum(1 for n in feat.get('shards', {}) if is_reference(n))} shards, {ref_tokens:,} answer tokens of "
                     "AlpacaEval 0-699 responses by 11 open chat models, GSM8K training solutions and whole stdlib "
                     "functions, encoded with the target's chat template; soft targets and features from the target.")
+    if ask is not None:
+        a = gen_totals(ask, feat)
+        ref_line += (f"\n- Instructions the target wrote itself (`training/selfask.py`: search questions and requests to an "
+                     f"assistant), answered the same way (`chatgen --instructions`, `ask_*` shards): {a.get('sequences', 0):,} "
+                     f"sequences, {a.get('answer_tokens', 0):,} answer tokens in {a.get('minutes', 0)} minutes.")
     held = set(feat.get("heldout_shards", []))
     own = sum(s["tokens"] for n, s in feat.get("shards", {}).items() if not is_reference(n) and n not in held)
     ref = sum(s["tokens"] for n, s in feat.get("shards", {}).items() if is_reference(n))
@@ -175,7 +183,7 @@ def card(run: dict, last: dict, gen: dict, refs: dict | None, feat: dict, net, t
   {g.get('minutes', 0)} minutes ({g.get('answer_tokens_per_s', 0)} answer tokens/s; `training/chatgen.py`). Held-out: chatgen shard 0.{ref_line}
 - Features: {f.get('tokens', 0):,} tokens (prompts and answers) in {f.get('shards', 0)} shards, {f.get('gb', 0)} GB,
   {f.get('minutes', 0)} minutes, the target in {feat.get('dtype')} (`training/featcache.py`).{mix_line}
-- {_training_line(run, method, last)}{sessions}
+- {_training_line(run, method, last, ref > 0)}{sessions}
 - Held-out figures at the run's last evaluation (step {last.get('step')}), from `metrics.jsonl`:
 {figures}
 """
@@ -187,6 +195,8 @@ def main() -> None:
     ap.add_argument("--features", type=Path, required=True)
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--refs", type=Path, default=None, help="the refanswers directory, when the cache holds reference shards")
+    ap.add_argument("--ask", type=Path, default=None,
+                    help="the chatgen --instructions directory (selfask), when the cache holds ask_ shards")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     run = load_checkpoint(args.run_dir / CKPT)
@@ -204,9 +214,10 @@ def main() -> None:
     lines = [json.loads(x) for x in (args.run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     gen = json.loads((args.data / "manifest.json").read_text())
     refs = json.loads((args.refs / "manifest.json").read_text()) if args.refs else None
+    ask = json.loads((args.ask / "manifest.json").read_text()) if args.ask else None
     feat = json.loads((args.features / "manifest.json").read_text())
     write_atomic(args.out / "README.md", card(run, lines[-1] if lines else {}, gen, refs, feat, net, Path(targs.target).name,
-                                                  _sessions_line(lines)))
+                                                  _sessions_line(lines), ask))
     print(f"exported step {run['step']} to {args.out} "
           f"({(args.out / 'model.safetensors').stat().st_size / 1e6:.1f} MB)")
 

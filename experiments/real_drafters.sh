@@ -128,6 +128,7 @@ case "${1:-}" in
   export)    # 4. the last checkpoint as a drafter plus its model card
     METHOD=${METHOD:-specblock}  # METHOD=eagle3 / medusa / parallelspec / falcon / specblock-ft export those runs
     [[ -f $REFS/manifest.json ]] && R=(--refs "$REFS") || R=()
+    [[ -f $ASK/manifest.json ]] && R+=(--ask "$ASK")
     $PY experiments/export_drafter.py --run-dir $H/runs/$T/$METHOD --features $FEAT --data $DATA "${R[@]}" \
         --out "${DEST:-specblock/assets/drafters/$T/${METHOD%-ft}}" ;;
   bench)     # 5. a short check against plain decoding and prompt lookup

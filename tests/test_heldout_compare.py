@@ -74,9 +74,14 @@ def test_a_fine_tune_card_names_its_source_and_mix(tmp_path, monkeypatch):
                                       "--data", str(tmp_path / "gen"), "--out", str(out)])
     mod.main()
     card = (out / "README.md").read_text()
-    assert "- 2 steps in" in card and "50% of windows from the target's own answers" in card
+    assert "- 2 steps in" in card and "all windows from the target's own answers (no reference shards" in card
+    assert "50% of windows" not in card  # --own-share 0.5, but the cache holds no reference shard to mix in
     assert "Fine-tuned from the run in `base` (3 steps" in card and "all rounds together: 5 steps" in card
     assert "Stopped by hand" not in card  # it ran to the end of its schedule
+    assert "Instructions the target wrote itself" not in card
+    monkeypatch.setattr(sys, "argv", sys.argv + ["--ask", str(tmp_path / "gen")])  # selfask's answers: their own line
+    mod.main()
+    assert "Instructions the target wrote itself (`training/selfask.py`" in (out / "README.md").read_text()
     assert (out / "model.safetensors").is_file()
     # a second round names the whole lineage; a run stopped early says where its schedule was
     train_main(flags + ["--run-dir", str(tmp_path / "base-ft2"), "--init-from", str(tmp_path / "base-ft"), "--max-steps", "1"])
