@@ -14,6 +14,8 @@ instructions of ``../shared/data`` and keeps its greedy answers as token ids:
 Never the evaluation prompts (HumanEval, GSM8K test, AlpacaEval ``eval_prompts.jsonl``,
 Spec-Bench). The domains are interleaved by fixed weights, so any prefix of shards is a mix and a
 run stopped early still covers every domain. Shard 0 is the held-out shard by convention.
+``--instructions FILE`` answers another list instead (selfask's, written by the target itself) into
+``ask_NNNNN`` shards, none held out, so one feature cache can hold both directories.
 
 Output: ``DIR/shard_NNNNN.jsonl`` (one ``{"id", "domain", "prompt_ids", "answer_ids", "stopped"}``
 per line; answers end with the stop token when the target stopped) and ``DIR/manifest.json``
