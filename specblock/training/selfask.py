@@ -85,7 +85,7 @@ def sample_lines(model, tok, prompts: list[str], max_new: int, seed: int) -> lis
 
     from specblock.training.chatgen import generate_batch
 
-    newline = set(tok.encode("\n"))
+    newline = set(tok.encode("\n", add_special_tokens=False))
     if len(newline) != 1:
         raise SpecBlockError("selfask needs a tokenizer with a single newline token")
     stops = frozenset(newline | ({tok.eos_token_id} if tok.eos_token_id is not None else set()))
