@@ -12,7 +12,7 @@ then answers each one greedily through the template (``chatgen --instructions``)
 the data set's own.
 
 Output: one ``{"id", "domain", "text"}`` per line (``ask-qa`` or ``ask-chat``), deduplicated
-without regard to case, written to a temp file then renamed. The same seed and count give the
+without regard to case, written atomically (``specblock.atomic``). The same seed and count give the
 same file.
 """
 
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 from pathlib import Path
 
+from specblock.atomic import check_output, write_atomic
 from specblock.errors import SpecBlockError
 
 TEMPERATURE = 1.0
@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecBlockError(f"{args.out} already holds {have} instructions, not --count {args.count}; use another --out")
         print(json.dumps({"out": str(args.out), "instructions": have, "existed": True}))
         return 0
+    check_output(args.out, "--out", make_parents=True)  # before the model loads, not after the minutes of sampling
     import torch
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -153,9 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     model = load_causal_lm(target_dir, args.dtype, "cpu", "sdpa", False).eval()
     with tqdm(total=args.count, desc="selfask", dynamic_ncols=True) as bar:
         rows = write_instructions(model, tok, args.count, args.seed, args.batch, progress=bar.update)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, args.out)
+    write_atomic(args.out, "".join(json.dumps(r) + "\n" for r in rows))
     print(json.dumps({"out": str(args.out), "instructions": len(rows)}))
     return 0
