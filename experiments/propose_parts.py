@@ -1,10 +1,12 @@
-"""Where a SpecBlock propose goes, part by part, in a real decode loop.
+"""Where a SpecBlock or EAGLE-3 propose goes, part by part, in a real decode loop.
 
 Why: ``drafter_cost.py`` gives a propose's whole time; this splits it, timing the parts of the
 drafter that runs (wrapped in place, after a first pass that compiles and warms everything): the
 whole propose (the lookup branch's included where the method has one), SpecBlock's own propose,
 its block 1 (``_first_block``) and the compiled call inside it (``_run_block``), the candidates'
-host copy and ``grow_block``. Medians over every call of a second pass over the prompts.
+host copy and ``grow_block``; for EAGLE-3 (``--method eagle3@c``) the flush of committed positions
+and its compiled call, each depth step's compiled call, the host copies of top-k, the tree's
+expansion and the final rerank. Medians over every call of a second pass over the prompts.
 
     SPECBLOCK_Q4_KERNEL=int8 python experiments/propose_parts.py --method specblock+lookup@c --dtype q4 \
         --threads 2 --out experiments/results/propose_parts
@@ -31,6 +33,7 @@ from specblock.runtime import chat  # noqa: E402
 from specblock.runtime.bench import Targets, build_engine  # noqa: E402
 from specblock.runtime.bench_config import method_options  # noqa: E402
 from specblock.runtime.cli import load_tokenizer  # noqa: E402
+from specblock.compiled import eagle3 as eagle3_module  # noqa: E402
 from specblock.runtime.drafters import specblock as specblock_module  # noqa: E402
 from specblock.runtime.q4 import default_kernel  # noqa: E402
 from specblock.runtime.target import TargetModel  # noqa: E402
@@ -40,7 +43,7 @@ from results_io import write_results  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
-    ap.add_argument("--method", default="specblock+lookup@c", help="a bench method name with SpecBlock's drafter (run compiled)")
+    ap.add_argument("--method", default="specblock+lookup@c", help="a bench method name with SpecBlock's or EAGLE-3's drafter (run compiled)")
     ap.add_argument("--dtype", default="q4")
     ap.add_argument("--domains", default="code,chat,math")
     ap.add_argument("--prompts", type=int, default=1)
@@ -77,19 +80,28 @@ def main(argv: list[str] | None = None) -> int:
             eng.generate(ids, args.tokens)
         wrap(outer, "propose", "propose, all")
         if inner is not outer:
-            wrap(inner, "propose", "SpecBlock's propose")
-        wrap(inner, "_first_block", "block 1")
-        if hasattr(inner, "_run_block"):
-            wrap(inner, "_run_block", "block 1's compiled call")
-        wrap(inner, "_candidates", "candidates to host")
-        wrap(specblock_module, "grow_block", "grow_block")
+            wrap(inner, "propose", f"{inner.name}'s propose")
+        if isinstance(inner, eagle3_module.StaticEagle3Drafter):
+            wrap(inner, "_flush_static", "flush")
+            wrap(inner, "flush", "flush's compiled call")
+            wrap(inner, "depth_step", "depth step's compiled call")
+            wrap(inner, "_unpack", "top-k to host")
+            wrap(eagle3_module, "expand", "expand")
+            wrap(inner.policy, "prune", "rerank to the budget")
+        else:
+            wrap(inner, "_first_block", "block 1")
+            if hasattr(inner, "_run_block"):
+                wrap(inner, "_run_block", "block 1's compiled call")
+            wrap(inner, "_candidates", "candidates to host")
+            wrap(specblock_module, "grow_block", "grow_block")
+        wrap(eng.target, "tree_forward", "verify: the target's tree forward")
         for ids in prompts:
             eng.generate(ids, args.tokens)
     rows = [{"part": k, "calls": len(v), "median_ms": round(1e3 * statistics.median(v), 3)} for k, v in times.items()]
     kernel = f" ({default_kernel()} kernel)" if args.dtype == "q4" else ""
     lines = [f"`python experiments/propose_parts.py --method {args.method} --dtype {args.dtype} --domains {args.domains} "
              f"--prompts {args.prompts} --tokens {args.tokens} --threads {args.threads} --out {args.out}`{kernel}: "
-             "median ms a call over a second pass (parts nest: block 1 holds its compiled call)", "",
+             "median ms a call over a second pass (parts nest: a call holds the compiled call inside it)", "",
              "| part | calls | median ms |", "|---|---|---|"]
     lines += [f"| {r['part']} | {r['calls']} | {r['median_ms']:.3f} |" for r in rows]
     write_results(args.out, args, rows, lines)

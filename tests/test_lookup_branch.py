@@ -76,6 +76,20 @@ def test_the_budget_is_shared_and_never_exceeded():
     assert inner.budgets[-1] == 6 and tree.size - 1 == 5
 
 
+def test_on_top_the_drafter_keeps_its_budget_whatever_lookup_finds():
+    """``on_top``: lookup's chain adds nodes where it has a guess and never takes the drafter's."""
+    inner = Fixed([4, 4, 4, 4, 4])
+    drafter = LookupBranch(inner, nodes=3, inner_budget=2)
+    tree = drafter.propose(DraftRequest(np.array([1, 2, 3, 1, 2, 3, 1, 2]), budget=5, max_depth=10))
+    assert inner.budgets == [2] and tree.size - 1 == 5  # the drafter's 2, lookup's 3 on top
+    tree = drafter.propose(DraftRequest(np.array([5, 6]), budget=5, max_depth=10))  # no match: no more for the drafter
+    assert inner.budgets[-1] == 2 and tree.size - 1 == 2
+    tree = drafter.propose(DraftRequest(np.array([1, 2, 3, 1, 2, 3, 1, 2]), budget=3, max_depth=10))
+    assert inner.budgets[-1] == 0 and tree.size - 1 == 3  # near the context's end the budget still holds
+    with pytest.raises(ValueError, match="at least 0"):
+        LookupBranch(inner, nodes=3, inner_budget=-1)
+
+
 
 class Full(Fixed):
     """``Fixed`` whose chain always fills the budget, and says so (``tree_sizes``)."""
@@ -85,14 +99,17 @@ class Full(Fixed):
 
 
 @settings(max_examples=200, deadline=None)
-@given(tokens=st.lists(st.integers(0, 3), min_size=2, max_size=30), budget=st.integers(0, 9), nodes=st.integers(1, 4))
-def test_the_branchs_trees_take_the_sizes_it_names(tokens, budget, nodes):
+@given(tokens=st.lists(st.integers(0, 3), min_size=2, max_size=30), budget=st.integers(0, 9), nodes=st.integers(1, 4),
+       own=st.one_of(st.none(), st.integers(0, 5)))
+def test_the_branchs_trees_take_the_sizes_it_names(tokens, budget, nodes, own):
     """A compiled server warms ``tree_sizes`` alone (``Engine.warm_compiled``): whatever lookup
-    finds, the grafted tree's size is among them; an inner drafter of every size gives every size."""
-    drafter = LookupBranch(Full(np.arange(10, 30)), nodes=nodes)
+    finds, the grafted tree's size is among them, shared or on top (``own``: the drafter's own
+    budget); an inner drafter of every size gives every size."""
+    drafter = LookupBranch(Full(np.arange(10, 30)), nodes=nodes, inner_budget=own)
     tree = drafter.propose(DraftRequest(np.asarray(tokens), budget=budget, max_depth=20))
-    assert tree.size in drafter.tree_sizes(budget)
+    assert tree.size in drafter.tree_sizes(budget) and tree.size <= budget + 1
     assert LookupBranch(Full(np.arange(10, 30)), nodes=3).tree_sizes(6) == (4, 5, 6, 7)
+    assert LookupBranch(Full(np.arange(10, 30)), nodes=3, inner_budget=1).tree_sizes(4) == (2, 3, 4, 5)
     assert LookupBranch(Fixed(np.arange(10, 30)), nodes=3).tree_sizes(6) == tuple(range(1, 8))
 
 @pytest.mark.parametrize("inner", ["random", "lookup"])
@@ -128,6 +145,7 @@ def test_bench_runs_a_lookup_branch_and_refuses_what_does_not_combine(tmp_path, 
     assert rows["random+lookup"]["match_rate"] == 1.0 and rows["random+lookup"]["mean_tree_size"] <= 5
     capsys.readouterr()
     for bad, needle in ((["--methods", "random", "--set", "random:lookup_nodes=2"], "for a METHOD+lookup method"),
+                        (["--methods", "random", "--set", "random:lookup_on_top=true"], "for a METHOD+lookup method"),
                         (["--methods", "specblock+adapt+lookup"], "do not combine")):
         assert main(flags[:-2] + ["--out", str(tmp_path / "bad")] + bad) == 2
         err = capsys.readouterr().err.strip()
@@ -145,7 +163,12 @@ def test_cli_lookup_branch_is_identical_to_plain_decoding_and_refuses_bad_values
     assert code == 0 and rec["method"] == "random" and rec["lookup_branch"] == 3 and rec["identical_to_ar"] is True
     code, _, err = run_cli(capsys, *flags, "--method", "random", "--lookup-branch", 3, "--compare", "ar")
     assert code == 0 and "[random + lookup branch]" in err + _ and "identical to ar: True" in err + _
+    code, out, _ = run_cli(capsys, *flags, "--method", "random", "--lookup-branch", 3, "--lookup-on-top", "--budget", 2,
+                           "--json", "--compare", "ar")
+    rec = json.loads(out.strip().splitlines()[0])
+    assert code == 0 and rec["lookup_on_top"] is True and rec["identical_to_ar"] is True
     for bad, needle in ((["--method", "random", "--lookup-branch", 0], "--lookup-branch"),
+                        (["--method", "random", "--lookup-on-top"], "give --lookup-branch N"),
                         (["--method", "specblock", "--adapt", "--lookup-branch", 2], "do not combine")):
         code, _, err = run_cli(capsys, *flags, *bad)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
@@ -169,6 +192,9 @@ def test_bench_budget_of_a_lookup_method_is_the_drafters_plus_the_branch_unless_
     assert budget("random+lookup", "random+lookup:lookup_nodes=5") == drafters.DEFAULT_BUDGET + 5
     assert budget("random+lookup", "random+lookup:budget=6") == 6  # the whole tree's, as set
     assert budget("random+lookup", flag=9) == 9
+    # on top: the budget set (or measured) stays the drafter's own, the chain comes on top of it
+    assert budget("random+lookup", "random+lookup:budget=6", "random+lookup:lookup_on_top=true") == 9
+    assert budget("random+lookup", "random+lookup:lookup_on_top=true") == drafters.DEFAULT_BUDGET + 3
 
 
 def test_the_server_takes_lookup_branch_from_the_runtime_flags(tmp_path):

@@ -124,6 +124,21 @@ def test_the_chain_takes_its_nodes_from_the_whole_budget(tmp_path):
     assert on_top.budget == 4 + 3
 
 
+def test_on_top_the_drafter_keeps_its_budget(tmp_path):
+    """``method.lookup_on_top`` (the runtime's ``--lookup-on-top``): the budget stays SpS's own and
+    the chain comes on top, so the tree grows by the chain only where lookup matched."""
+    p = tmp_path / "sps+lookup.code.jsonl"
+    share = _write_branch_trace(p)
+    m = build_method(_cfg(p, gamma=5, budget=2, lookup_nodes=3, lookup_on_top=True).method)
+    assert m.budget == 2 + 3 and m.inner_budget == 2
+    res = simulate(_cfg(p, gamma=5, budget=2, lookup_nodes=3, lookup_on_top=True))
+    assert res["tree_size"] == pytest.approx(1 + 2 + share * 3, rel=0.05)  # SpS's 2 always, lookup's 3 where it matched
+    shared = simulate(_cfg(p, gamma=5, budget=5, lookup_nodes=3))
+    assert shared["tree_size"] > res["tree_size"] + 1  # shared, SpS takes all 5 where lookup found nothing
+    with pytest.raises(ValidationError, match="set method.lookup_nodes too"):
+        _cfg(p, lookup_on_top=True)
+
+
 def test_a_branch_needs_a_drafter_and_traces(tmp_path):
     p = tmp_path / "sps+lookup.code.jsonl"
     _write_branch_trace(p)

@@ -143,7 +143,8 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
     if args.budget is not None and opts.get("budget") is None:  # RunConfig's options carry budget=None
         opts["budget"] = args.budget
     given = opts.get("budget") is not None  # the whole tree's, lookup's branch included
-    nodes = opts.pop("lookup_nodes", None)  # check_bench_flags refused it on other methods
+    nodes = opts.pop("lookup_nodes", None)  # check_bench_flags refused both on other methods
+    on_top = bool(opts.pop("lookup_on_top", None))
     opts = drafters.serving_settings(_base(m), target, opts)
     budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
     drafter = drafters.build(_base(m), target, opts)
@@ -152,7 +153,7 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
 
         drafter = maybe_compile_drafter(drafter, target)
     if lookup_branch.has_lookup(m):
-        drafter, budget = lookup_branch.with_branch(drafter, budget, nodes or lookup_branch.DEFAULT_NODES, given)
+        drafter, budget = lookup_branch.with_branch(drafter, budget, nodes or lookup_branch.DEFAULT_NODES, given, on_top)
     if ADAPT in m:
         from specblock.runtime.adapt import AdaptSettings, Adapter
 

@@ -34,6 +34,7 @@ MethodOptions = create_model(
     depth=_POSITIVE, top_k=_POSITIVE, gamma=_POSITIVE, forwards=_POSITIVE, falcon_seeds=_POSITIVE,
     num_assistant_tokens=_POSITIVE,
     lookup_nodes=_POSITIVE,  # METHOD+lookup: the most nodes prompt lookup's branch may take
+    lookup_on_top=(bool | None, None),  # METHOD+lookup: the drafter keeps its budget, the chain on top
     # this method on the compiled target (specblock/compiled, one model shared with the eager one):
     # compiled against eager in one run, e.g. --methods ar,ar@c --set ar@c:compiled=true
     compiled=(bool | None, None),
@@ -129,8 +130,9 @@ def check_bench_flags(args) -> dict[str, dict]:
             raise SpecBlockError(f"{m}: adapting and a lookup branch do not combine yet; use specblock+adapt or specblock{LOOKUP}")
     opts = method_options(args.set, methods)
     for m, o in opts.items():
-        if o.get("lookup_nodes") is not None and not has_lookup(m):
-            raise SpecBlockError(f"--set {m}:lookup_nodes is for a METHOD{LOOKUP} method, e.g. eagle3{LOOKUP}")
+        for key in ("lookup_nodes", "lookup_on_top"):
+            if o.get(key) is not None and not has_lookup(m):
+                raise SpecBlockError(f"--set {m}:{key} is for a METHOD{LOOKUP} method, e.g. eagle3{LOOKUP}")
         base = m.split("@")[0].removesuffix(LOOKUP)
         if o.get("drafter_compiled") is not None and base not in COMPILED_DRAFTERS:
             raise SpecBlockError(f"--set {m}:drafter_compiled: only {', '.join(COMPILED_DRAFTERS)} have a compiled drafter "

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-branch", type=int, metavar="N",
                    help="graft prompt lookup's chain of up to N tokens onto the drafter's tree; the node budget grows "
                         "by N unless --budget is given (drafters/lookup_branch.py)")
+    p.add_argument("--lookup-on-top", action="store_true",
+                   help="with --lookup-branch: the drafter keeps its own node budget (--budget or its measured one) and "
+                        "the chain comes on top, instead of sharing one budget")
     p.add_argument("--adapt", action="store_true", help="specblock: adapt the drafter while serving (runtime/adapt.py)")
     p.add_argument("--adapt-window", type=int, default=128, help="adapt: decoding iterations per window")
     p.add_argument("--adapt-lambda", type=float, default=0.1, help="adapt: weight of the KL anchor to the pretrained drafter")
@@ -167,7 +170,7 @@ class Session:
         if cfg.lookup_branch:
             from specblock.runtime.drafters.lookup_branch import with_branch
 
-            drafter, budget = with_branch(drafter, budget, cfg.lookup_branch, cfg.budget is not None)
+            drafter, budget = with_branch(drafter, budget, cfg.lookup_branch, cfg.budget is not None, cfg.lookup_on_top)
         if cfg.adapt:
             from specblock.runtime.adapt import AdaptSettings, Adapter
 
@@ -239,6 +242,7 @@ def result_record(s: Session, res: GenerationResult, base: GenerationResult | No
     rec = {
         "method": s.cfg.method,
         **({"lookup_branch": s.cfg.lookup_branch} if s.cfg.lookup_branch else {}),
+        **({"lookup_on_top": True} if s.cfg.lookup_on_top else {}),
         "token_ids": res.token_ids,
         "text": s.tokenizer.decode(res.token_ids, skip_special_tokens=True),
         "stopped": res.stopped,
@@ -288,7 +292,8 @@ def run(cfg: RunConfig) -> int:
                 print("\n" + summary_line(rec), flush=True)
         if cfg.prompt_file:
             summary = {"summary": True, "method": cfg.method, "prompts": len(rows), **total.summary(),
-                       **({"lookup_branch": cfg.lookup_branch} if cfg.lookup_branch else {})}
+                       **({"lookup_branch": cfg.lookup_branch} if cfg.lookup_branch else {}),
+                       **({"lookup_on_top": True} if cfg.lookup_on_top else {})}
             if s.baseline:
                 summary.update(speedup=round(speedup(total, total_base), 4), identical_to_ar=identical)
             if s.adapter is not None:

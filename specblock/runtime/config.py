@@ -57,6 +57,8 @@ class RunConfig(BaseModel):
     adapt: bool = False  # serving-time adaptation of the SpecBlock drafter (runtime/adapt.py)
     # prompt lookup's chain of up to N tokens grafted onto the drafter's tree (drafters/lookup_branch.py)
     lookup_branch: int | None = Field(None, ge=1, le=64)
+    # with it: the drafter keeps its own budget and the chain comes on top, instead of sharing one
+    lookup_on_top: bool = False
     adapt_window: int = Field(128, ge=2)  # decoding iterations per adaptation window
     adapt_lambda: float = Field(0.1, ge=0.0, allow_inf_nan=False)  # weight of the KL anchor to the pretrained drafter
     adapt_arms: tuple[str, ...] = ("skip", "heads", "full")  # one arm: always play it
@@ -125,6 +127,8 @@ class RunConfig(BaseModel):
             raise ValueError("--adapt adapts the SpecBlock drafter; use it with --method specblock")
         if self.adapt and self.lookup_branch:
             raise ValueError("--lookup-branch and --adapt do not combine yet; give one of them")
+        if self.lookup_on_top and not self.lookup_branch:
+            raise ValueError("--lookup-on-top places prompt lookup's branch; give --lookup-branch N with it")
         return self
 
     @model_validator(mode="after")

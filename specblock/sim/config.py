@@ -68,6 +68,8 @@ class MethodCfg(_Strict):
     # the whole tree's ``budget`` (the runtime's ``lookup_nodes``); its chains are replayed from
     # traces (``lookup.LookupBranchModel``); 0: no branch
     lookup_nodes: int = Field(0, ge=0, le=16)
+    # with it: the drafter keeps its own budget and the chain comes on top (the runtime's lookup_on_top)
+    lookup_on_top: bool = False
     budget: int | None = Field(None, ge=1, le=512)
     policy_class: str | None = None
     policy_kwargs: dict = Field(default_factory=dict)
@@ -217,6 +219,8 @@ class SimConfig(_Strict):
             if self.acceptance.kind != "traces":
                 raise ValueError("method.lookup_nodes replays lookup chains from runtime traces: set "
                                  "acceptance.kind=traces (and acceptance.lookup_traces for chains from other traces)")
+        if self.method.lookup_on_top and not self.method.lookup_nodes:
+            raise ValueError("method.lookup_on_top places prompt lookup's branch: set method.lookup_nodes too")
         return self
 
 
@@ -267,9 +271,12 @@ def build_method(m: MethodCfg):
         def inner(budget: int):
             return build_method(m.model_copy(update={"lookup_nodes": 0, "budget": budget}))
 
-        # no budget given: the drafter keeps its default and the branch comes on top, as in the runtime
-        whole = m.budget if m.budget is not None else build_method(m.model_copy(update={"lookup_nodes": 0})).budget + m.lookup_nodes
-        return LookupBranchModel(inner=inner, nodes=m.lookup_nodes, budget=whole, search_ms=m.search_ms or 0.0)
+        # as in the runtime (lookup_branch.with_branch): no budget given, the tree holds the drafter's
+        # default plus the chain; on top, the budget (given or default) stays the drafter's own
+        own = m.budget if m.budget is not None else build_method(m.model_copy(update={"lookup_nodes": 0, "lookup_on_top": False})).budget
+        whole = own + m.lookup_nodes if m.lookup_on_top or m.budget is None else m.budget
+        return LookupBranchModel(inner=inner, nodes=m.lookup_nodes, budget=whole, search_ms=m.search_ms or 0.0,
+                                 inner_budget=own if m.lookup_on_top else None)
     if m.name == "ar":
         return mm.Autoregressive()
     if m.name == "lookup":

@@ -224,7 +224,9 @@ class LookupBranchModel(MethodModel):
     """``METHOD+lookup``: the inner drafter's tree with a replayed lookup chain grafted on.
 
     ``budget`` is the whole tree's, as the runtime shares it: the chain (at most ``nodes``) takes
-    what it needs and the drafter is built for the rest (``inner(budget)``, one model per budget).
+    what it needs and the drafter is built for the rest (``inner(budget)``, one model per budget);
+    ``inner_budget`` (the runtime's ``lookup_on_top``) caps the drafter at its own budget whatever
+    the chain leaves.
     A chain longer than ``nodes`` in the traces is cut to ``nodes``; a shorter ``nodes`` than the
     traced runs can be asked, a longer one cannot (the traces never saw those tokens)."""
 
@@ -232,6 +234,7 @@ class LookupBranchModel(MethodModel):
     nodes: int
     budget: int
     search_ms: float = 0.0
+    inner_budget: int | None = None
     name: str = "lookup-branch"
     drafter: str | None = None
 
@@ -265,5 +268,6 @@ class LookupBranchModel(MethodModel):
         i = int(rng.integers(src.chains.size.size))
         size = int(min(src.chains.size[i], self.nodes, self.budget))
         correct = int(min(src.chains.correct[i], size))
-        d = self._drafted(rng, src.rm, self.budget - size)
+        left = self.budget - size
+        d = self._drafted(rng, src.rm, left if self.inner_budget is None else min(self.inner_budget, left))
         return graft_chain(d, size, correct, self.search_ms)  # the search runs whether it matches or not

@@ -7,9 +7,14 @@ EAGLE-3 and 0.571 for lookup. With lookup's chain beside them, counting the long
 they accept 1.046 and 1.164 (``python experiments/served_gap.py ... --lookup``,
 ``experiments/results/served_gap_lookup_smollm2.md``). One verification checks both guesses.
 
-The node budget is shared: lookup's chain (its most recent match, up to ``nodes`` tokens) takes
-what it needs and the drafter gets the rest. Where the chain starts like one of the drafter's
-branches, it follows that branch and adds only the tokens that differ. The drafters learn only
+By default the node budget is shared: lookup's chain (its most recent match, up to ``nodes``
+tokens) takes what it needs and the drafter gets the rest, so where lookup finds nothing the
+drafter drafts the whole budget. With ``on_top`` (``--lookup-on-top``) the drafter keeps its own
+budget whatever lookup finds and the chain comes on top: the tree grows only where lookup has a
+guess, which costs nothing to propose. That is the better deal where each tree row costs much
+of a token's forward (compiled q4: docs/compiled.md, "The lookup branch on top"). Where the
+chain starts like one of the drafter's branches, it follows that branch and adds only the tokens
+that differ. The drafters learn only
 from the committed tokens and the target's features at them (``accept``), so a path the lookup
 branch won teaches them as well as their own.
 """
@@ -58,10 +63,14 @@ class LookupBranch(Drafter):
     """``inner``'s tree with prompt lookup's chain grafted on. Lossless like any drafter: only the
     tree changes, never the verification."""
 
-    def __init__(self, inner: Drafter, nodes: int = DEFAULT_NODES, max_ngram: int = 3) -> None:
+    def __init__(self, inner: Drafter, nodes: int = DEFAULT_NODES, max_ngram: int = 3,
+                 inner_budget: int | None = None) -> None:
         if nodes < 1:
             raise ValueError(f"lookup_nodes must be at least 1 (got {nodes})")
+        if inner_budget is not None and inner_budget < 0:
+            raise ValueError(f"the drafter's own budget must be at least 0 (got {inner_budget})")
         self.inner, self.nodes, self.max_ngram = inner, nodes, max_ngram
+        self.inner_budget = inner_budget  # None: shared (the drafter gets what the chain leaves)
         self.name = f"{inner.name}{SUFFIX}"
         self.needs_features = inner.needs_features
         self.tap_layers = getattr(inner, "tap_layers", None)
@@ -74,10 +83,14 @@ class LookupBranch(Drafter):
 
     def propose(self, req: DraftRequest) -> DraftTree:
         guess = first_match(req.tokens, self.max_ngram, 1, min(self.nodes, req.budget, req.max_depth))
-        tree = self.inner.propose(DraftRequest(req.tokens, req.budget - guess.size, req.max_depth))
+        tree = self.inner.propose(DraftRequest(req.tokens, self._inner_budget(req.budget, guess.size), req.max_depth))
         if guess.size:
             graft(tree, guess.astype(np.int64))
         return tree
+
+    def _inner_budget(self, budget: int, chain: int) -> int:
+        shared = budget - chain
+        return shared if self.inner_budget is None else min(self.inner_budget, shared)
 
     def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
         self.inner.accept(tree, verdict, features)
@@ -88,14 +101,19 @@ class LookupBranch(Drafter):
         with the branch: 4 to 7 nodes, three buckets instead of every one up to 8)."""
         sizes = set()
         for g in range(min(self.nodes, budget) + 1):
-            for s in self.inner.tree_sizes(budget - g):
+            for s in self.inner.tree_sizes(self._inner_budget(budget, g)):
                 sizes.update(range(s, s + g + 1))
         return tuple(sorted(x for x in sizes if x <= self.max_tree(budget)))
 
 
-def with_branch(drafter: Drafter, budget: int, nodes: int, budget_given: bool) -> tuple[LookupBranch, int]:
+def with_branch(drafter: Drafter, budget: int, nodes: int, budget_given: bool,
+                on_top: bool = False) -> tuple[LookupBranch, int]:
     """``drafter`` with the branch, and the engine's node budget for it (the CLI's and the bench's
-    one rule): a budget the user gave is the whole tree's; otherwise the drafter keeps its measured
-    budget and the branch comes on top."""
+    one rule). Shared (the default): a budget the user gave is the whole tree's; otherwise the
+    tree holds the drafter's measured budget plus ``nodes``, and the drafter gets what the chain
+    leaves of it. ``on_top``: ``budget`` (given or measured) stays the drafter's own and the chain
+    comes on top of it."""
+    if on_top:
+        return LookupBranch(drafter, nodes, inner_budget=budget), budget + nodes
     branched = LookupBranch(drafter, nodes)
     return branched, budget if budget_given else budget + branched.nodes
