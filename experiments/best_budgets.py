@@ -98,7 +98,11 @@ def write_serving(drafters: Path, best: dict[str, int], means: dict[str, dict[in
         if tried:
             where += " and of " + ", ".join(f"{v} ({VARIANTS[v]})" for v in tried)
         cfg["measured"] = where
-        write_atomic(drafters / method / "serving.json", json.dumps(cfg, indent=1) + "\n")
+        path = drafters / method / "serving.json"
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        if isinstance(old, dict) and old.get("overrides"):  # settings measured on other targets stay
+            cfg["overrides"] = old["overrides"]
+        write_atomic(path, json.dumps(cfg, indent=1) + "\n")
         print(f"wrote {drafters / method / 'serving.json'}: {cfg}", file=sys.stderr)
 
 

@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE",
+                    help="more of the bench's per-method options, e.g. eagle3@c:budget=1")
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "propose_parts")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = Targets(TargetModel.load(path, args.dtype, "cpu"), "whole")
     tok = load_tokenizer(path, False)
     prompts = [chat.encode_prompt(tok, p) for d in args.domains.split(",") for p in load_prompts(d, args.prompts)]
-    sets = [f"{args.method}:compiled=true"]  # the static drafter and the compiled target, as the bench's --set
+    sets = [f"{args.method}:compiled=true", *args.set]  # the static drafter and the compiled target, as the bench's --set
     eng = build_engine(args.method, targets, argparse.Namespace(set=sets, method_options=method_options(sets, [args.method]),
                                                                 drafter_dir=None, compile=False, budget=None), frozenset())
     eng.warm_compiled()
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"part": k, "calls": len(v), "median_ms": round(1e3 * statistics.median(v), 3)} for k, v in times.items()]
     kernel = f" ({default_kernel()} kernel)" if args.dtype == "q4" else ""
     lines = [f"`python experiments/propose_parts.py --method {args.method} --dtype {args.dtype} --domains {args.domains} "
-             f"--prompts {args.prompts} --tokens {args.tokens} --threads {args.threads} --out {args.out}`{kernel}: "
+             f"--prompts {args.prompts} --tokens {args.tokens} --threads {args.threads}"
+             + "".join(f" --set {x}" for x in args.set) + f" --out {args.out}`{kernel}: "
              "median ms a call over a second pass (parts nest: a call holds the compiled call inside it)", "",
              "| part | calls | median ms |", "|---|---|---|"]
     lines += [f"| {r['part']} | {r['calls']} | {r['median_ms']:.3f} |" for r in rows]

@@ -212,7 +212,7 @@ case "${1:-}" in
         --prompts ${PROMPTS:-1} --runs 3 --max-new-tokens 48 --threads 2 --out "experiments/results/${NAME:-bench_smollm2_compiled}" ;;
   compiled-budgets) # 6f. Node budgets on the compiled target (its tree cost differs from eager's: compiled_rows.md), a
     #            diagnostic, not written to serving.json: METHOD@cB at budget B for B in BUDGETS (default 2 3 5),
-    #            SWEEP_METHODS (default specblock medusa parallelspec), 1 prompt per domain, 2 runs, DTYPE= as above.
+    #            SWEEP_METHODS (default specblock medusa parallelspec), 1 prompt per domain, 2 runs (PROMPTS= / RUNS=), DTYPE= as above.
     M="ar,ar@c"; SETS=(--set "ar@c:compiled=true"); PIN=()
     for m in ${SWEEP_METHODS:-specblock medusa parallelspec}; do
       for b in ${BUDGETS:-2 3 5}; do
@@ -220,8 +220,8 @@ case "${1:-}" in
         [[ $m == specblock ]] && PIN+=(--set "specblock@c$b:M=2")
       done
     done
-    $PY -m specblock.runtime bench --target $T --methods "$M" "${SETS[@]}" "${PIN[@]}" --dtype ${DTYPE:-packed-fp16} --prompts 1 \
-        --runs 2 --max-new-tokens 48 --threads 2 --out "experiments/results/${NAME:-bench_smollm2_compiled_budgets}" ;;
+    $PY -m specblock.runtime bench --target $T --methods "$M" "${SETS[@]}" "${PIN[@]}" --dtype ${DTYPE:-packed-fp16} --prompts ${PROMPTS:-1} \
+        --runs ${RUNS:-2} --max-new-tokens 48 --threads 2 --out "experiments/results/${NAME:-bench_smollm2_compiled_budgets}" ;;
   lossless)  # 6d. Every method against plain decoding at fp32 (the lossless run: match rate and divergences, not
     #            speed), 3 prompts per domain, 48 new tokens, each at its serving.json settings. METHODS= and NAME= pick a subset and its file.
     M=${METHODS:-ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt,eagle3+lookup,specblock+lookup}

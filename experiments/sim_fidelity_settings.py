@@ -73,21 +73,23 @@ def drafter_root(cfg: dict) -> Path:
 
 def sim_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
     """The sim's ``method`` section with the settings the runtime engine used, and notes. With
-    lookup's branch, the budget is the whole tree's as the bench's engine set it
-    (``lookup_branch.with_branch``): a budget the bench gave, else the drafter's plus the branch's."""
+    lookup's branch, as the bench's engine set it (``lookup_branch.with_branch``): the drafter's
+    measured budget stays its own and the chain comes on top; a budget the bench gave is the whole
+    tree's, shared, unless ``lookup_on_top`` was set."""
     d, notes = _drafter_method(method, cfg)
     if has_lookup(method):
         sets = bench_sets(cfg, method)
         d["lookup_nodes"] = int(sets.get("lookup_nodes") or DEFAULT_NODES)
-        if not (sets.get("budget") or cfg.get("budget")):
-            d["budget"] += d["lookup_nodes"]
+        on_top = str(sets.get("lookup_on_top", "")).lower() in ("1", "true", "yes")
+        if on_top or not (sets.get("budget") or cfg.get("budget")):
+            d["lookup_on_top"] = True
     return d, notes
 
 
 def _drafter_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
     name, sets, notes = sim_name(method), bench_sets(cfg, method), []
     root = drafter_root(cfg)
-    served = serving(sets.get("drafter") or root / name)
+    served = serving(sets.get("drafter") or root / name, cfg.get("dtype"), compiled(cfg, method))
     # the engine's order: --set METHOD:budget, --budget, the drafter's serving.json, the default
     budget = int(sets.get("budget") or cfg.get("budget") or served.get("budget") or DEFAULT_BUDGET)
     if name == "lookup":  # the replay carries the runtime's ngram / lookup_depth / branches as run
@@ -132,10 +134,15 @@ def _drafter_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
             "seeds": "deepest-confident", "use_rank_head": True, **user_policies(sets)}, notes
 
 
-def serving(drafter_dir: str | Path) -> dict:
-    """The drafter's measured best serving settings (serving.json beside it), as the engine reads them."""
-    f = Path(drafter_dir) / "serving.json"
-    return json.loads(f.read_text()) if f.is_file() else {}
+def serving(drafter_dir: str | Path, dtype: str | None = None, compiled_target: bool = False) -> dict:
+    """The drafter's measured best serving settings (serving.json beside it), as the engine reads
+    them: its ``overrides`` for the bench's dtype and compiled target applied
+    (``drafters.serving_settings``)."""
+    from types import SimpleNamespace
+
+    from specblock.runtime.drafters import read_serving
+
+    return read_serving(Path(drafter_dir) / "serving.json", SimpleNamespace(dtype_name=dtype, compiled=compiled_target))
 
 
 def user_policies(sets: dict) -> dict:
@@ -151,11 +158,13 @@ def user_policies(sets: dict) -> dict:
 
 def drafter_share(rec: TraceRecord, method_cfg: dict) -> tuple[TraceRecord, dict]:
     """The drafter's part of an iteration and its settings for it: with lookup's branch, the
-    record without the chain's nodes and the whole budget less the chain (``sim/lookup.py``)."""
+    record without the chain's nodes, and the drafter's own budget (on top) or the whole budget
+    less the chain (shared; ``sim/lookup.py``)."""
     if not method_cfg.get("lookup_nodes"):
         return rec, method_cfg
     size = min(chain_of(rec)[0], method_cfg["lookup_nodes"])
-    return drafter_part(rec), {**method_cfg, "budget": method_cfg["budget"] - size, "lookup_nodes": 0}
+    own = method_cfg["budget"] if method_cfg.get("lookup_on_top") else method_cfg["budget"] - size
+    return drafter_part(rec), {**method_cfg, "budget": own, "lookup_nodes": 0, "lookup_on_top": False}
 
 
 def depthwise_forwards(rec: TraceRecord, method_cfg: dict) -> int:

@@ -184,17 +184,22 @@ def test_bench_budget_of_a_lookup_method_is_the_drafters_plus_the_branch_unless_
     target = TargetModel(tiny_model("llama", vocab=V, seed=3, layers=2))
     targets = bench.Targets(target, "whole")
 
-    def budget(method, *items, flag=None):
+    def engine(method, *items, flag=None):
         args = argparse.Namespace(drafter_dir=None, set=list(items), method_options=None, budget=flag, compile=False)
-        return bench.build_engine(method, targets, args, frozenset()).budget
+        return bench.build_engine(method, targets, args, frozenset())
+
+    def budget(method, *items, flag=None):
+        return engine(method, *items, flag=flag).budget
 
     assert budget("random+lookup") == drafters.DEFAULT_BUDGET + 3
+    assert engine("random+lookup").drafter.inner_budget == drafters.DEFAULT_BUDGET  # measured: the drafter's own
     assert budget("random+lookup", "random+lookup:lookup_nodes=5") == drafters.DEFAULT_BUDGET + 5
-    assert budget("random+lookup", "random+lookup:budget=6") == 6  # the whole tree's, as set
+    assert budget("random+lookup", "random+lookup:budget=6") == 6  # the whole tree's, as set, and shared
+    assert engine("random+lookup", "random+lookup:budget=6").drafter.inner_budget is None
     assert budget("random+lookup", flag=9) == 9
-    # on top: the budget set (or measured) stays the drafter's own, the chain comes on top of it
+    # on top: a budget set stays the drafter's own too, the chain comes on top of it
     assert budget("random+lookup", "random+lookup:budget=6", "random+lookup:lookup_on_top=true") == 9
-    assert budget("random+lookup", "random+lookup:lookup_on_top=true") == drafters.DEFAULT_BUDGET + 3
+    assert engine("random+lookup", "random+lookup:budget=6", "random+lookup:lookup_on_top=true").drafter.inner_budget == 6
 
 
 def test_the_server_takes_lookup_branch_from_the_runtime_flags(tmp_path):

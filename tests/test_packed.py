@@ -49,6 +49,7 @@ def test_every_drafter_equals_the_packed_models_own_greedy(family):
     model = packed_model(family, layers=3)
     target = TargetModel(model)
     assert target.dtype == torch.float32 and target.drafter_dtype == torch.float32
+    assert (target.dtype_name, target.compiled) == ("packed-fp16", False)
     torch.manual_seed(1)  # EAGLE-3 reads the target's head rows and embeddings through .weight
     net = Eagle3Net(Eagle3Config(vocab_size=V, hidden_size=32, num_heads=4, intermediate_size=64,
                                  tap_layers=target.tap_layers, top_k=4))

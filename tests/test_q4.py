@@ -327,6 +327,7 @@ def test_compiled_q4_target_matches_its_greedy(tmp_path, kernel):
     path = save_tiny_q4(tmp_path / "t", layers=2)
     model = TargetModel.load(path, "q4", "cpu").model
     target = StaticTarget(model, compile=True, buckets=(1, 8), saved=False)
+    assert (target.dtype_name, target.compiled) == ("q4", True)  # serving.json's overrides key on these
     rng = np.random.default_rng(6)
     prompt = rng.integers(2, V, 10)
     ref = hf_greedy(model, prompt, 16)

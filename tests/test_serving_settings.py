@@ -29,6 +29,36 @@ def test_serving_json_under_explicit_options(tmp_path):
     assert drafters.serving_settings("lookup", target, {"budget": None}) == {}  # untrained methods: no file
 
 
+def test_serving_json_overrides_per_dtype_and_compiled(tmp_path, capsys):
+    """A tree's cost depends on the target's dtype and on compiling, so serving.json's
+    ``overrides`` hold settings measured there; they apply where both keys match, in order."""
+    from types import SimpleNamespace
+
+    from specblock.runtime.target import dtype_name_of
+
+    d = drafter_copy(tmp_path, {"budget": 2, "M": 2, "overrides": [
+        {"dtype": "q4", "compiled": True, "budget": 1, "measured": "ignored"},
+        {"dtype": "q4", "M": 1}]})
+    opts = {"drafter": d, "budget": None}
+
+    def at(dtype, compiled):
+        return drafters.serving_settings("specblock", SimpleNamespace(dtype_name=dtype, compiled=compiled), dict(opts))
+
+    assert at("q4", True) == {"budget": 1, "M": 1, "drafter": d}
+    assert at("q4", False) == {"budget": 2, "M": 1, "drafter": d}  # only the dtype-wide override
+    assert at("packed-fp16", True) == {"budget": 2, "M": 2, "drafter": d}
+    got = drafters.serving_settings("specblock", SimpleNamespace(dtype_name="q4", compiled=True), {"drafter": d, "budget": 5})
+    assert got["budget"] == 5  # a flag still wins
+    # the names the targets answer to
+    target = TargetModel.load(DEFAULT_TARGET, "float32", "cpu")
+    assert (target.dtype_name, target.compiled) == ("float32", False)
+    assert dtype_name_of(target.model, target.dtype) == "float32"
+    code, _, err = run(capsys, "--target", "lab", "--method", "specblock", "--dtype", "float32", "--prompt", "x",
+                       "--max-new-tokens", "2", "--no-warmup",
+                       "--drafter", drafter_copy(tmp_path / "bad", {"budget": 2, "overrides": {"dtype": "q4"}}))
+    assert code == 2 and "must be a list of objects" in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
 
 def test_cli_uses_the_drafters_budget_unless_told(tmp_path, capsys):
     d = drafter_copy(tmp_path, {"budget": 3})

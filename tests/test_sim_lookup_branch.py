@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from specblock.policies.acceptance import accept_longest
 from specblock.policies.tree import DraftTree
-from specblock.sim.config import SimConfig, build_method
+from specblock.sim.config import MethodCfg, SimConfig, build_method
 from specblock.sim.engine import simulate
 from specblock.sim.lookup import LookupBranchModel, chain_of, drafter_part, graft_chain
 from specblock.sim.methods import Drafted
@@ -121,7 +121,7 @@ def test_the_chain_takes_its_nodes_from_the_whole_budget(tmp_path):
     res = simulate(_cfg(p, gamma=5, budget=5, lookup_nodes=3))
     assert res["tree_size"] <= 1 + 5 + 1e-9
     on_top = build_method(_cfg(p, gamma=4, budget=None, lookup_nodes=3).method)  # no budget: the branch on top
-    assert on_top.budget == 4 + 3
+    assert on_top.budget == 4 + 3 and on_top.inner_budget == 4  # and the drafter's default stays its own
 
 
 def test_on_top_the_drafter_keeps_its_budget(tmp_path):
@@ -162,12 +162,16 @@ def test_fidelity_reads_a_branch_row_as_the_bench_ran_it(tmp_path):
     (tmp_path / "eagle3").mkdir()
     (tmp_path / "eagle3" / "serving.json").write_text(json.dumps({"budget": 2}))
     cfg = {"drafter_dir": str(tmp_path)}
-    m, _ = fs.sim_method("eagle3+lookup", cfg)  # the engine's rule: served budget, the branch on top
-    assert m["name"] == "eagle3" and m["lookup_nodes"] == 3 and m["budget"] == 2 + 3
+    m, _ = fs.sim_method("eagle3+lookup", cfg)  # the engine's rule: served budget kept, the branch on top
+    assert m["name"] == "eagle3" and m["lookup_nodes"] == 3 and m["budget"] == 2 and m["lookup_on_top"]
+    built = build_method(MethodCfg.model_validate(m))
+    assert built.budget == 2 + 3 and built.inner_budget == 2
     m, _ = fs.sim_method("eagle3+lookup", dict(cfg, set=["eagle3+lookup:lookup_nodes=2"]))
-    assert m["lookup_nodes"] == 2 and m["budget"] == 2 + 2
+    assert m["lookup_nodes"] == 2 and m["budget"] == 2 and m["lookup_on_top"]
     m, _ = fs.sim_method("eagle3+lookup", dict(cfg, budget=6))  # a budget given is the whole tree's
-    assert m["budget"] == 6
+    assert m["budget"] == 6 and "lookup_on_top" not in m
+    m, _ = fs.sim_method("eagle3+lookup", dict(cfg, budget=6, set=["eagle3+lookup:lookup_on_top=true"]))
+    assert m["budget"] == 6 and m["lookup_on_top"]
     assert "lookup_nodes" not in fs.sim_method("eagle3", cfg)[0]
 
 

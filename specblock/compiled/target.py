@@ -118,6 +118,7 @@ class StaticTarget(TargetModel):
         one_span: bool = True,
     ) -> None:
         super().__init__(model, tap_layers)
+        self.compiled = compile
         types = getattr(self.config, "layer_types", None)
         if getattr(self.config, "sliding_window", None) and (types is None or any(t != "full_attention" for t in types)):
             # Our one 4D mask would give every layer the full context, not its window.

@@ -96,10 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--widths", type=_widths, help="specblock: siblings per bucket b0,b1,b2,b3 (default 2,4,10,0)")
     p.add_argument("--lookup-branch", type=int, metavar="N",
                    help="graft prompt lookup's chain of up to N tokens onto the drafter's tree; the node budget grows "
-                        "by N unless --budget is given (drafters/lookup_branch.py)")
+                        "by N on top of the drafter's measured one unless --budget is given (drafters/lookup_branch.py)")
     p.add_argument("--lookup-on-top", action="store_true",
-                   help="with --lookup-branch: the drafter keeps its own node budget (--budget or its measured one) and "
-                        "the chain comes on top, instead of sharing one budget")
+                   help="with --lookup-branch and --budget: the budget stays the drafter's own and the chain comes on top, "
+                        "instead of the whole tree's and shared (its measured budget always stays its own)")
     p.add_argument("--adapt", action="store_true", help="specblock: adapt the drafter while serving (runtime/adapt.py)")
     p.add_argument("--adapt-window", type=int, default=128, help="adapt: decoding iterations per window")
     p.add_argument("--adapt-lambda", type=float, default=0.1, help="adapt: weight of the KL anchor to the pretrained drafter")

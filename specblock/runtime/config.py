@@ -57,7 +57,8 @@ class RunConfig(BaseModel):
     adapt: bool = False  # serving-time adaptation of the SpecBlock drafter (runtime/adapt.py)
     # prompt lookup's chain of up to N tokens grafted onto the drafter's tree (drafters/lookup_branch.py)
     lookup_branch: int | None = Field(None, ge=1, le=64)
-    # with it: the drafter keeps its own budget and the chain comes on top, instead of sharing one
+    # with it and --budget: the budget stays the drafter's own and the chain comes on top, instead of
+    # the whole tree's and shared (a measured budget always stays the drafter's own)
     lookup_on_top: bool = False
     adapt_window: int = Field(128, ge=2)  # decoding iterations per adaptation window
     adapt_lambda: float = Field(0.1, ge=0.0, allow_inf_nan=False)  # weight of the KL anchor to the pretrained drafter

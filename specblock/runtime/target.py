@@ -96,6 +96,17 @@ class TargetOutput:
         return TargetOutput(self.logits.index_select(0, idx), pick(self.top), pick(self.taps))
 
 
+def dtype_name_of(model: PreTrainedModel, dtype: torch.dtype) -> str:
+    """The ``--dtype`` name a loaded model answers to: q4 and packed-fp16 by their linears, else the
+    torch dtype's own name (``float32``, ``bfloat16``)."""
+    kinds = {type(m) for m in model.modules()}
+    if kinds & {Int4Linear, Int8Linear}:
+        return Q4
+    if PackedLinear in kinds:
+        return PACKED_FP16
+    return str(dtype).removeprefix("torch.")
+
+
 class TargetModel:
     """A causal LM plus its KV cache, driven one tree at a time (batch size 1)."""
 
@@ -115,6 +126,9 @@ class TargetModel:
         self.dtype = next(model.parameters()).dtype
         # --dtype packed-fp16 or q4 (fp32 arithmetic on compact weights): drafters are packed beside it
         self.packed = any(isinstance(m, (PackedLinear, Int4Linear, Int8Linear)) for m in model.modules())
+        # --dtype's name for what the model holds (serving.json's per-dtype settings key on it)
+        self.dtype_name = dtype_name_of(model, self.dtype)
+        self.compiled = False  # a compiled target (specblock/compiled) says True
         # Trained drafters run in this dtype: the target's where bf16 is native, else fp32 (their
         # weights are small, and on an AVX2 CPU a bf16 linear ran 1.7x slower than fp32 at 1 row
         # and 3.5-6x at 8-256 rows). Verification by the target keeps the output lossless either way.

@@ -68,7 +68,8 @@ class MethodCfg(_Strict):
     # the whole tree's ``budget`` (the runtime's ``lookup_nodes``); its chains are replayed from
     # traces (``lookup.LookupBranchModel``); 0: no branch
     lookup_nodes: int = Field(0, ge=0, le=16)
-    # with it: the drafter keeps its own budget and the chain comes on top (the runtime's lookup_on_top)
+    # with a budget: it stays the drafter's own and the chain comes on top (the runtime's lookup_on_top);
+    # without one the drafter's default is always its own
     lookup_on_top: bool = False
     budget: int | None = Field(None, ge=1, le=512)
     policy_class: str | None = None
@@ -271,12 +272,12 @@ def build_method(m: MethodCfg):
         def inner(budget: int):
             return build_method(m.model_copy(update={"lookup_nodes": 0, "budget": budget}))
 
-        # as in the runtime (lookup_branch.with_branch): no budget given, the tree holds the drafter's
-        # default plus the chain; on top, the budget (given or default) stays the drafter's own
+        # as in the runtime (lookup_branch.with_branch): the drafter's default budget stays its own and
+        # the chain comes on top; a budget given is the whole tree's, shared, unless lookup_on_top
+        on_top = m.lookup_on_top or m.budget is None
         own = m.budget if m.budget is not None else build_method(m.model_copy(update={"lookup_nodes": 0, "lookup_on_top": False})).budget
-        whole = own + m.lookup_nodes if m.lookup_on_top or m.budget is None else m.budget
-        return LookupBranchModel(inner=inner, nodes=m.lookup_nodes, budget=whole, search_ms=m.search_ms or 0.0,
-                                 inner_budget=own if m.lookup_on_top else None)
+        return LookupBranchModel(inner=inner, nodes=m.lookup_nodes, budget=own + m.lookup_nodes if on_top else own,
+                                 search_ms=m.search_ms or 0.0, inner_budget=own if on_top else None)
     if m.name == "ar":
         return mm.Autoregressive()
     if m.name == "lookup":

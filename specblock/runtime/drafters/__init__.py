@@ -155,15 +155,35 @@ def serving_settings(name: str, target, options: dict) -> dict:
     A trained drafter ships ``serving.json`` beside its config (the budget sweep's winner, e.g.
     the lab SpecBlock drafter's 8 nodes), so a user who sets nothing gets the measured best and
     not one budget for every method. Options left at None do not override it.
+
+    What a tree costs depends on the target's dtype and on whether it runs compiled (a row of a
+    compiled q4 tree costs about a sixth of a token's forward, of an eager packed-fp16 one far
+    less), so ``serving.json`` may hold ``"overrides"``: a list of objects, each with ``dtype``
+    and/or ``compiled`` to match the target (``target.dtype_name``, ``target.compiled``) and the
+    settings measured there, applied in order over the file's own.
     """
     explicit = {k: v for k, v in options.items() if v is not None}
     if name not in TRAINED:
         return explicit
-    f = _path(explicit, name, target) / "serving.json"
+    return {**read_serving(_path(explicit, name, target) / "serving.json", target), **explicit}
+
+
+def read_serving(f: Path, target) -> dict:
+    """The settings of serving.json ``f`` (none where it is absent) for ``target``: its own, then
+    each of its ``overrides`` whose ``dtype`` and ``compiled`` match the target's."""
     try:
         saved = json.loads(f.read_text()) if f.is_file() else {}
     except (OSError, ValueError):
         raise SpecBlockError(f"{f} is not valid JSON; fix or delete it") from None
     if not isinstance(saved, dict):
         raise SpecBlockError(f"{f} must hold a JSON object of serving settings")
-    return {**{k: v for k, v in saved.items() if k in SERVING_KEYS}, **explicit}
+    settings = {k: v for k, v in saved.items() if k in SERVING_KEYS}
+    overrides = saved.get("overrides", [])
+    if not isinstance(overrides, list) or not all(isinstance(o, dict) for o in overrides):
+        raise SpecBlockError(f"{f}: \"overrides\" must be a list of objects, e.g. "
+                             '[{"dtype": "q4", "compiled": true, "budget": 1}]')
+    here = {"dtype": getattr(target, "dtype_name", None), "compiled": bool(getattr(target, "compiled", False))}
+    for o in overrides:
+        if all(o[k] == v for k, v in here.items() if k in o):
+            settings.update({k: v for k, v in o.items() if k in SERVING_KEYS})
+    return settings
