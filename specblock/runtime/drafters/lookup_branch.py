@@ -15,7 +15,8 @@ lookup finds nothing the drafter drafts all of it; ``on_top`` (``--lookup-on-top
 budget the drafter's own too. Sharing was the rule for every budget until it was measured against
 on top, which won in both dtypes: eager packed-fp16 1.37x against 1.29x for EAGLE-3 and 1.31x
 against 1.28x for SpecBlock, compiled q4 2.29x against 2.07x for SpecBlock (docs/real_model.md,
-"The lookup branch on top"). Where the chain starts like one of the drafter's branches, it follows
+"Cross-block training again, and prompt lookup's branch on top"; docs/compiled.md, "The lookup
+branch on top"). Where the chain starts like one of the drafter's branches, it follows
 that branch and adds only the tokens that differ. The drafters learn only
 from the committed tokens and the target's features at them (``accept``), so a path the lookup
 branch won teaches them as well as their own.
