@@ -80,7 +80,7 @@ def sim_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
     if has_lookup(method):
         sets = bench_sets(cfg, method)
         d["lookup_nodes"] = int(sets.get("lookup_nodes") or DEFAULT_NODES)
-        on_top = str(sets.get("lookup_on_top", "")).lower() in ("1", "true", "yes")
+        on_top = ((cfg.get("method_options") or {}).get(method) or {}).get("lookup_on_top")  # as the bench parsed it
         if on_top or not (sets.get("budget") or cfg.get("budget")):
             d["lookup_on_top"] = True
     return d, notes

@@ -170,7 +170,8 @@ def test_fidelity_reads_a_branch_row_as_the_bench_ran_it(tmp_path):
     assert m["lookup_nodes"] == 2 and m["budget"] == 2 and m["lookup_on_top"]
     m, _ = fs.sim_method("eagle3+lookup", dict(cfg, budget=6))  # a budget given is the whole tree's
     assert m["budget"] == 6 and "lookup_on_top" not in m
-    m, _ = fs.sim_method("eagle3+lookup", dict(cfg, budget=6, set=["eagle3+lookup:lookup_on_top=true"]))
+    m, _ = fs.sim_method("eagle3+lookup", dict(cfg, budget=6, set=["eagle3+lookup:lookup_on_top=true"],
+                                               method_options={"eagle3+lookup": {"lookup_on_top": True}}))  # as the bench wrote it
     assert m["budget"] == 6 and m["lookup_on_top"]
     assert "lookup_nodes" not in fs.sim_method("eagle3", cfg)[0]
 

@@ -150,6 +150,14 @@ class DynamicBranching(TreePolicy):
         return np.minimum(self.raw_widths(parent_score, cand_logprob, bucket), k)
 
 
+def drafter_budget(budget: int, chain: int, own: int | None) -> int:
+    """The nodes a drafter gets in a tree of ``budget`` beside prompt lookup's chain of ``chain``
+    tokens (``METHOD+lookup``, the runtime's and the simulator's one rule): what the chain leaves
+    (shared, ``own`` None), and at most its own budget (the chain on top)."""
+    left = budget - chain
+    return left if own is None else min(own, left)
+
+
 def rerank_limits(policy: TreePolicy, seeds: SeedPolicy, budget: int, *limits: int) -> tuple[int, ...]:
     """``limits`` (an EAGLE-2-style expansion's depth, frontier nodes per depth, children per
     node) cut to what it needs when its tree is then reranked to ``budget`` nodes.

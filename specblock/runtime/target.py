@@ -124,10 +124,10 @@ class TargetModel:
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        # --dtype packed-fp16 or q4 (fp32 arithmetic on compact weights): drafters are packed beside it
-        self.packed = any(isinstance(m, (PackedLinear, Int4Linear, Int8Linear)) for m in model.modules())
         # --dtype's name for what the model holds (serving.json's per-dtype settings key on it)
         self.dtype_name = dtype_name_of(model, self.dtype)
+        # --dtype packed-fp16 or q4 (fp32 arithmetic on compact weights): drafters are packed beside it
+        self.packed = self.dtype_name in (PACKED_FP16, Q4)
         self.compiled = False  # a compiled target (specblock/compiled) says True
         # Trained drafters run in this dtype: the target's where bf16 is native, else fp32 (their
         # weights are small, and on an AVX2 CPU a bf16 linear ran 1.7x slower than fp32 at 1 row

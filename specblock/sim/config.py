@@ -275,7 +275,7 @@ def build_method(m: MethodCfg):
         # as in the runtime (lookup_branch.with_branch): the drafter's default budget stays its own and
         # the chain comes on top; a budget given is the whole tree's, shared, unless lookup_on_top
         on_top = m.lookup_on_top or m.budget is None
-        own = m.budget if m.budget is not None else build_method(m.model_copy(update={"lookup_nodes": 0, "lookup_on_top": False})).budget
+        own = m.budget if m.budget is not None else build_method(m.model_copy(update={"lookup_nodes": 0})).budget
         return LookupBranchModel(inner=inner, nodes=m.lookup_nodes, budget=own + m.lookup_nodes if on_top else own,
                                  search_ms=m.search_ms or 0.0, inner_budget=own if on_top else None)
     if m.name == "ar":

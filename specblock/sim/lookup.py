@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specblock.policies.acceptance import accept_longest
+from specblock.policies.branching import drafter_budget
 from specblock.policies.tree import DraftTree
 from specblock.sim.methods import Autoregressive, Drafted, MethodModel
 from specblock.sim.traces import TraceRecord, read_traces
@@ -268,6 +269,5 @@ class LookupBranchModel(MethodModel):
         i = int(rng.integers(src.chains.size.size))
         size = int(min(src.chains.size[i], self.nodes, self.budget))
         correct = int(min(src.chains.correct[i], size))
-        left = self.budget - size
-        d = self._drafted(rng, src.rm, left if self.inner_budget is None else min(self.inner_budget, left))
+        d = self._drafted(rng, src.rm, drafter_budget(self.budget, size, self.inner_budget))
         return graft_chain(d, size, correct, self.search_ms)  # the search runs whether it matches or not

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from specblock.policies.branching import drafter_budget
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
 from specblock.runtime.drafters.lookup import first_match
@@ -86,14 +87,11 @@ class LookupBranch(Drafter):
 
     def propose(self, req: DraftRequest) -> DraftTree:
         guess = first_match(req.tokens, self.max_ngram, 1, min(self.nodes, req.budget, req.max_depth))
-        tree = self.inner.propose(DraftRequest(req.tokens, self._inner_budget(req.budget, guess.size), req.max_depth))
+        tree = self.inner.propose(DraftRequest(req.tokens, drafter_budget(req.budget, guess.size, self.inner_budget),
+                                               req.max_depth))
         if guess.size:
             graft(tree, guess.astype(np.int64))
         return tree
-
-    def _inner_budget(self, budget: int, chain: int) -> int:
-        shared = budget - chain
-        return shared if self.inner_budget is None else min(self.inner_budget, shared)
 
     def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
         self.inner.accept(tree, verdict, features)
@@ -104,7 +102,7 @@ class LookupBranch(Drafter):
         with the branch: 4 to 7 nodes, three buckets instead of every one up to 8)."""
         sizes = set()
         for g in range(min(self.nodes, budget) + 1):
-            for s in self.inner.tree_sizes(self._inner_budget(budget, g)):
+            for s in self.inner.tree_sizes(drafter_budget(budget, g, self.inner_budget)):
                 sizes.update(range(s, s + g + 1))
         return tuple(sorted(x for x in sizes if x <= self.max_tree(budget)))
 
