@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from specblock.runtime.adapt_signal import QueryRecord, Sample, block1_rows
-from specblock.runtime.drafters.specblock_net import SpecBlockNet
-from specblock.training.losses import bucket_of, rank_of
+from specblock.runtime.drafters.specblock_net import SpecBlockNet, bucket_of, rank_of
 
 HEAD_PREFIXES = ("lm_head.", "norm.", "rank_head.")  # the heads arm; full trains all but embed.weight
 

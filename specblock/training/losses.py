@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specblock.policies.tree import BUCKET_UPPER
+from specblock.runtime.drafters.specblock_net import bucket_of, rank_of
 
 
 def valid_prefix_mask(correct: torch.Tensor, valid: torch.Tensor, enabled: bool = True) -> torch.Tensor:
@@ -23,18 +23,6 @@ def valid_prefix_mask(correct: torch.Tensor, valid: torch.Tensor, enabled: bool 
         return valid.float()
     prev_ok = torch.cat([torch.ones_like(correct[..., :1]), correct[..., :-1]], dim=-1)
     return (valid & prev_ok).float().cumprod(dim=-1)
-
-
-def rank_of(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
-    """0-based rank of each target token in the draft distribution (ties count in its favour)."""
-    tgt = logits.gather(-1, target_ids[..., None])
-    return (logits > tgt).sum(-1)
-
-
-def bucket_of(rank: torch.Tensor) -> torch.Tensor:
-    """Ranks (0-based) to buckets b0..b3: the same thresholds as policies.tree.rank_to_bucket."""
-    edges = torch.tensor(BUCKET_UPPER, device=rank.device)
-    return torch.bucketize(rank + 1, edges, right=False)
 
 
 @dataclass

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from specblock.errors import SpecBlockError
+from specblock.policies.tree import BUCKET_UPPER
 from specblock.runtime.drafters.draftvocab import DraftVocab, DraftVocabSize
 from specblock.runtime.drafters.layers import DecoderLayer, RMSNorm, flat_kv, rope_cos_sin
 from specblock.runtime.drafters.netio import load_weights, read_config, save_net
@@ -35,6 +36,20 @@ N_STATS = 15
 
 
 FROZEN_FROM_TARGET = ("embed.weight", "lm_head.weight")
+
+
+def rank_of(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    """0-based rank of each target token in the draft distribution (ties count in its favour): the
+    rank head's label, here beside the head so that training and serving-time adaptation share it
+    without the runtime importing ``training``."""
+    tgt = logits.gather(-1, target_ids[..., None])
+    return (logits > tgt).sum(-1)
+
+
+def bucket_of(rank: torch.Tensor) -> torch.Tensor:
+    """Ranks (0-based) to buckets b0..b3: the same thresholds as policies.tree.rank_to_bucket."""
+    edges = torch.tensor(BUCKET_UPPER, device=rank.device)
+    return torch.bucketize(rank + 1, edges, right=False)
 
 
 class SpecBlockConfig(BaseModel):
