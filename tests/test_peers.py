@@ -71,3 +71,32 @@ def test_bench_skips_hf_assisted_without_a_draft_model(tmp_path, capsys, monkeyp
     assert [r["method"] for r in res["rows"]] == ["ar"] and "no SpS draft model" in res["skipped"]["hf-assisted"]
     assert "note: hf-assisted skipped" in capsys.readouterr().out
     assert "Note: hf-assisted skipped" in out.with_suffix(".md").read_text()
+
+
+def test_a_peer_may_run_on_a_model_of_its_own_dtype(tmp_path, monkeypatch, capsys):
+    """``--set hf-greedy@bf16:dtype=bfloat16``: HF's loop on the model loaded in bf16 beside methods on
+    ``--dtype float32`` (issue 16's baseline); the same dtype as the bench reuses its model."""
+    import torch
+
+    save_tiny(tmp_path / "t", "llama", vocab=96, ctx=2048)
+    seen = {}
+    build = peers.build
+
+    def spy(method, target, opt, eos):
+        seen[method] = target.model.dtype
+        return build(method, target, opt, eos)
+
+    monkeypatch.setattr(peers, "build", spy)
+    out = tmp_path / "bench"
+    code = main(["bench", "--target", str(tmp_path / "t"), "--methods", "hf-greedy,hf-greedy@bf16,hf-greedy@f32",
+                 "--set", "hf-greedy@bf16:dtype=bfloat16", "--set", "hf-greedy@f32:dtype=float32", "--domains", "code",
+                 "--prompts", "1", "--max-new-tokens", "6", "--runs", "1", "--dtype", "float32", "--out", str(out)])
+    assert code == 0
+    assert seen == {"hf-greedy": torch.float32, "hf-greedy@bf16": torch.bfloat16, "hf-greedy@f32": torch.float32}
+    rows = {r["method"] for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert rows == {"ar", "hf-greedy", "hf-greedy@bf16", "hf-greedy@f32"}
+    # one of this project's methods runs on the bench's --dtype, refused in one line before anything loads
+    code = main(["bench", "--target", str(tmp_path / "t"), "--methods", "lookup", "--set", "lookup:dtype=bfloat16",
+                 "--domains", "code", "--prompts", "1", "--runs", "1", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert code != 0 and "only an HF peer" in err and "Traceback" not in err

@@ -188,10 +188,19 @@ def run_bench(args, traces: AtomicFiles | None = None) -> dict:
     # "name@variant" runs method "name" with the options given for "name@variant" (e.g.
     # --methods specblock,specblock@m1 --set specblock@m1:M=1): two settings in one run.
     engines, skipped = {}, {}
+    other_models: dict[str, TargetModel] = {}  # a peer's own dtype (--set hf-greedy@bf16:dtype=bfloat16), loaded once
     for m in methods:
         if peers.is_peer(m):
+            opt = _options(m, args)
+            own = opt.get("dtype")
+            if own is not None and resolve_dtype(own) != resolve_dtype(args.dtype):
+                if own not in other_models:
+                    other_models[own] = TargetModel.load(path, own, "auto")
+                peer_target = other_models[own]
+            else:
+                peer_target = target
             try:
-                engines[m] = peers.build(m, target, _options(m, args), eos)
+                engines[m] = peers.build(m, peer_target, opt, eos)
             except peers.PeerUnavailable as e:
                 skipped[m] = str(e)
         else:

@@ -41,6 +41,9 @@ MethodOptions = create_model(
     # SpecBlock's block forward compiled (compiled/drafter.py): by default with the target; true also
     # beside the eager target, false eager beside the compiled one (A/Bs in one run)
     drafter_compiled=(bool | None, None),
+    # an HF peer on the model loaded in another dtype (issue 16's baseline, HF's generate on the bf16
+    # checkpoint, beside methods on --dtype q4): another model, so its outputs may part from ar's
+    dtype=(RunConfig.model_fields["dtype"].annotation | None, None),
 )
 
 
@@ -137,6 +140,9 @@ def check_bench_flags(args) -> dict[str, dict]:
         if o.get("drafter_compiled") is not None and base not in COMPILED_DRAFTERS:
             raise SpecBlockError(f"--set {m}:drafter_compiled: only {', '.join(COMPILED_DRAFTERS)} have a compiled drafter "
                                  "(an adapting one has not); use it on one of them or its +lookup")
+        if o.get("dtype") is not None and not is_peer(m):
+            raise SpecBlockError(f"--set {m}:dtype: every method of a bench runs on --dtype; only an HF peer "
+                                 "(hf-greedy, hf-lookup, hf-assisted) takes a model of its own, e.g. --set hf-greedy@bf16:dtype=bfloat16")
         if o.get("compiled") and is_peer(m):
             raise SpecBlockError(f"--set {m}:compiled: HF generate peers run HF's own loop; "
                                  "compiled=true is for this project's methods")
