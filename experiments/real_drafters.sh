@@ -201,9 +201,10 @@ case "${1:-}" in
     #            every one at its serving.json settings; Spd divides by eager plain decoding (ar), so ar@c is the
     #            compiled target's own gain. COMPILED_METHODS= picks the methods, PROMPTS= prompts per domain (default 1),
     #            DTYPE= the target's dtype (default packed-fp16; q4: the GGUF's own 4-bit weights). hf-greedy (HF's own
-    #            plain generate on the same model object: issue 16's baseline in the same run) unless HF_GREEDY=0.
+    #            plain generate on the same model object) and hf-greedy@bf16 (the same on the bf16 checkpoint: issue 16's
+    #            stated baseline) in the same run unless HF_GREEDY=0.
     M=""; SETS=()
-    [[ ${HF_GREEDY:-1} == 0 ]] || M="hf-greedy," 
+    [[ ${HF_GREEDY:-1} == 0 ]] || { M="hf-greedy,hf-greedy@bf16,"; SETS+=(--set "hf-greedy@bf16:dtype=bfloat16"); }
     for m in ${COMPILED_METHODS:-ar lookup medusa parallelspec falcon eagle3 specblock}; do
       M+="$m,$m@c,"; SETS+=(--set "$m@c:compiled=true")
       [[ $m == specblock ]] && SETS+=(--set "specblock:M=2" --set "specblock@c:M=2")
