@@ -192,13 +192,10 @@ def run_bench(args, traces: AtomicFiles | None = None) -> dict:
     for m in methods:
         if peers.is_peer(m):
             opt = _options(m, args)
-            own = opt.get("dtype")
-            if own is not None and resolve_dtype(own) != resolve_dtype(args.dtype):
-                if own not in other_models:
-                    other_models[own] = TargetModel.load(path, own, "auto")
-                peer_target = other_models[own]
-            else:
-                peer_target = target
+            own = resolve_dtype(opt["dtype"], "auto") if opt.get("dtype") else args.dtype  # args.dtype: resolved above
+            if own != args.dtype and own not in other_models:
+                other_models[own] = TargetModel.load(path, own, "auto")
+            peer_target = other_models.get(own, target)
             try:
                 engines[m] = peers.build(m, peer_target, opt, eos)
             except peers.PeerUnavailable as e:
