@@ -3,6 +3,7 @@ greedy decoding while updates land mid-query, a crashed update is reported once 
 on, a harmful update is rolled back within three windows, and the bandit skips updates that cost
 more than they gain. (Bandit and rollback rules alone: test_bandit.py, test_rollback.py.)"""
 
+import copy
 import json
 import logging
 import threading
@@ -118,6 +119,44 @@ def test_greedy_output_unchanged_while_updates_land_mid_query(arms):
         served, base = adapter.theta_inf, adapter.theta_0
         assert not torch.equal(served.lm_head.weight.float(), base.lm_head.weight)
         assert torch.equal(served.layers[0].qkv.weight.float(), base.layers[0].qkv.weight)
+
+
+@pytest.mark.parametrize("arm", ["heads", "full"])
+def test_a_bf16_update_learns_what_the_fp32_one_learns(arm):
+    """``amp="bf16"`` (the default where bf16 products are native, e.g. AMX: about half an update's
+    time on the real model) autocasts the update's products; the trained weights stay float32, and
+    the update moves them and the loss on the buffered queries as the fp32 update does."""
+    states, losses = {}, {}
+    for amp in ("off", "bf16"):
+        model, target, adapter, engine = setup(arms=(arm,), window=10**6, steps=4, batch=4, amp=amp)  # every query in each step
+        assert adapter.trainer.amp == (amp == "bf16")
+        for p in prompts(4):
+            engine.generate(p, 30)
+        trainer, records = adapter.trainer, list(adapter.buffer)
+        samples, _ = trainer.samples(records)
+
+        def loss(weights: dict) -> float:
+            net = copy.deepcopy(trainer.theta_0)
+            net.load_state_dict({**net.state_dict(), **weights})
+            with torch.no_grad():
+                return float(sum(trainer.sample_loss(net, smp, "full", -1) for smp in samples))
+
+        states[amp] = trainer.step(arm, records, adapter.master, 0)
+        losses[amp] = (loss(adapter.master), loss(states[amp]))
+        adapter.close()
+    assert all(t.dtype == torch.float32 for t in states["bf16"].values())
+    change = {amp: after - before for amp, (before, after) in losses.items()}
+    assert change["bf16"] == pytest.approx(change["off"], rel=0.25)
+    if arm == "heads":  # (a full update of this random tiny drafter need not lower the loss in 4 steps)
+        assert change["off"] < 0
+    for n, t in states["off"].items():
+        moved = (t - adapter.master[n]).norm()
+        assert (states["bf16"][n] - t).norm() <= 0.25 * moved + 1e-6, n
+
+
+def test_unknown_amp_setting_is_refused():
+    with pytest.raises(ValueError, match="amp 'fp8'"):
+        AdaptSettings(amp="fp8")
 
 
 @pytest.mark.skipif(not packed.available(), reason="torch has no fbgemm on this machine")

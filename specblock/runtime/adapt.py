@@ -88,6 +88,7 @@ class AdaptSettings:
     cost_weight: float = 0.25
     gain: str = "tau"  # "tau" or "tps": the metric whose relative change is the bandit's gain
     threads: int = 1  # torch threads of the worker (OpenMP: per thread; serving keeps its own)
+    amp: str = "auto"  # bf16 autocast of an update: "auto" (where bf16 products are native), "bf16", "off"
     seed: int = 0
     # A user's bandit / rollback rule ("package.module:Class", CostAwareBandit / ThreeWindowRollback
     # subclasses; --adapt-policy / --rollback-policy), built by the loader the simulator uses too.
@@ -97,8 +98,10 @@ class AdaptSettings:
     rollback_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.arms or set(self.arms) - set(ARMS) or self.gain not in ("tau", "tps") or self.window < 1:
-            raise ValueError(f"bad adaptation settings: arms {self.arms} (of {ARMS}), gain {self.gain!r}, window {self.window}")
+        if not self.arms or set(self.arms) - set(ARMS) or self.gain not in ("tau", "tps") or self.window < 1 \
+                or self.amp not in ("auto", "bf16", "off"):
+            raise ValueError(f"bad adaptation settings: arms {self.arms} (of {ARMS}), gain {self.gain!r}, "
+                             f"window {self.window}, amp {self.amp!r} (auto, bf16 or off)")
 
 
 def available_cores() -> int:

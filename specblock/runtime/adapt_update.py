@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from specblock.runtime.adapt_signal import QueryRecord, Sample, block1_rows
 from specblock.runtime.drafters.specblock_net import SpecBlockNet, bucket_of, rank_of
+from specblock.runtime.target import native_bf16
 
 HEAD_PREFIXES = ("lm_head.", "norm.", "rank_head.")  # the heads arm; full trains all but embed.weight
 
@@ -33,6 +34,7 @@ class UpdateSettings(Protocol):
     rank_weight: float
     lam: float
     seed: int
+    amp: str
 
 
 class UpdateTrainer:
@@ -46,6 +48,13 @@ class UpdateTrainer:
         self.names = [n for n, _ in theta_0.named_parameters() if n != "embed.weight"]
         self._rng = np.random.default_rng(settings.seed)
         self._cache: dict = {}
+        dev = next(theta_0.parameters()).device
+        # bf16 products where they are native (CUDA, a CPU with AMX / AVX512-BF16; training's
+        # --amp auto rule): one update then costs about half (``docs/real_model.md``). theta_0's
+        # head is frozen, so its bf16 copy is made once here rather than cast again per call.
+        self.amp = settings.amp == "bf16" or (settings.amp == "auto" and native_bf16(dev))
+        w0 = theta_0.lm_head.weight.detach()
+        self._w0 = w0.to(torch.bfloat16) if self.amp else w0
 
     def start_weights(self) -> dict[str, torch.Tensor]:
         """``theta_0``'s trainable tensors: the first weights serving."""
@@ -79,7 +88,9 @@ class UpdateTrainer:
         opt = torch.optim.Adam([params[n] for n in names], lr=self.cfg.lr_full if arm == "full" else self.cfg.lr_heads)
         for _ in range(self.cfg.steps):
             pick = self._rng.choice(len(samples), size=min(self.cfg.batch, len(samples)), replace=False, p=weights)
-            loss = sum(self.sample_loss(net, samples[i], arm, backbone) for i in pick) / len(pick)
+            # One autocast region per step: the trained weights are cast once, not once per sample.
+            with torch.autocast(self._w0.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                loss = sum(self.sample_loss(net, samples[i], arm, backbone) for i in pick) / len(pick)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -105,7 +116,7 @@ class UpdateTrainer:
         else:  # the backbone is frozen in a heads update: its states are reused across updates
             hq = self._cached(("hq", s.uid, s.n, bb), lambda: block1_rows(net, *args))
         h0 = self._cached(("h0", s.uid, s.n), lambda: self.theta_0.norm(block1_rows(self.theta_0, *args)))
-        w0 = self.theta_0.lm_head.weight
+        w0 = self._w0
         t2d = net.t2d() if getattr(net.cfg, "draft_vocab", None) is not None else None
         alive = s.valid[:, 0].to(dev)
         total = hq.new_zeros(())
@@ -124,7 +135,7 @@ class UpdateTrainer:
             rank = rank_of(logits.detach(), ids[:, 0])
             rank_ce = F.cross_entropy(rank_logits.float(), bucket_of(rank))
             logq = logits - lse[:, None]
-            logq0 = (h0[idx, k] @ w0.T).float().log_softmax(-1)
+            logq0 = (h0[idx, k].to(w0.dtype) @ w0.T).float().log_softmax(-1)
             kl = (logq.exp() * (logq - logq0)).sum(-1)
             total = total + ce.mean() + self.cfg.rank_weight * rank_ce + self.cfg.lam * kl.mean()
             if k + 1 < net.cfg.K:

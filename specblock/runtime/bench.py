@@ -163,7 +163,8 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
         user = {k: opts.get(o) for k, o in (("bandit_class", "adapt_policy"), ("bandit_kwargs", "adapt_policy_kwargs"),
                                              ("rollback_class", "rollback_policy"),
                                              ("rollback_kwargs", "rollback_policy_kwargs")) if opts.get(o)}
-        drafter = Adapter(drafter, AdaptSettings(window=window, **user))
+        amp = opts.get("adapt_amp") or RunConfig.model_fields["adapt_amp"].default
+        drafter = Adapter(drafter, AdaptSettings(window=window, amp=amp, **user))
     return Engine(target, drafter, GreedyVerifier(), budget, eos)
 
 

@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapt-lambda", type=float, default=0.1, help="adapt: weight of the KL anchor to the pretrained drafter")
     p.add_argument("--adapt-arms", type=lambda t: tuple(a.strip() for a in t.split(",")), default=("skip", "heads", "full"),
                    help="adapt: arms the bandit picks from, e.g. skip,heads,full (one arm: always that one)")
+    p.add_argument("--adapt-amp", choices=["auto", "bf16", "off"], default="auto",
+                   help="adapt: bf16 autocast of each update (auto: where bf16 products are native, e.g. AMX; "
+                        "about half an update's time there)")
     user = p.add_argument_group(
         "your own policies", "CLASS is package.module:Class (importable from here) or path/to/file.py:Class; "
         "KWARGS a JSON object for its constructor. Loading a class runs its module's code: name only code you trust. "
