@@ -154,6 +154,17 @@ def test_a_bf16_update_learns_what_the_fp32_one_learns(arm):
         assert (states["bf16"][n] - t).norm() <= 0.25 * moved + 1e-6, n
 
 
+def test_the_cli_the_config_and_the_adapter_share_one_set_of_defaults():
+    from specblock.runtime.cli import build_parser
+    from specblock.runtime.config import RunConfig
+
+    cfg = RunConfig()
+    ours = {k: v for k, v in cfg.adapt_settings().items() if k in ("window", "lam", "arms", "amp", "lr_heads", "lr_full")}
+    assert ours == {k: getattr(AdaptSettings(), k) for k in ours}
+    args = vars(build_parser().parse_args([]))
+    assert {k: args[f"adapt_{k}"] for k in ("amp", "lr_heads", "lr_full")} == {k: ours[k] for k in ("amp", "lr_heads", "lr_full")}
+
+
 def test_unknown_amp_setting_is_refused():
     with pytest.raises(ValueError, match="amp 'fp8'"):
         AdaptSettings(amp="fp8")

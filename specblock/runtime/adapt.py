@@ -75,6 +75,7 @@ class AdaptSettings:
     arms: tuple[str, ...] = ARMS  # one arm: always play it (the ablations)
     steps: int = 4  # optimiser steps per update
     batch: int = 4  # queries per step
+    # What one update buys the queries after it, per arm and rate: experiments/adapt_offline.py
     lr_heads: float = 1e-3
     lr_full: float = 2e-4
     buffer: int = 32  # queries kept

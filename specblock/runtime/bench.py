@@ -163,8 +163,9 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
         user = {k: opts.get(o) for k, o in (("bandit_class", "adapt_policy"), ("bandit_kwargs", "adapt_policy_kwargs"),
                                              ("rollback_class", "rollback_policy"),
                                              ("rollback_kwargs", "rollback_policy_kwargs")) if opts.get(o)}
-        amp = opts.get("adapt_amp") or RunConfig.model_fields["adapt_amp"].default
-        drafter = Adapter(drafter, AdaptSettings(window=window, amp=amp, **user))
+        given = {k: opts.get(f"adapt_{k}") for k in ("amp", "lr_heads", "lr_full")}
+        fixed = {k: RunConfig.model_fields[f"adapt_{k}"].default if v is None else v for k, v in given.items()}
+        drafter = Adapter(drafter, AdaptSettings(window=window, **fixed, **user))
     return Engine(target, drafter, GreedyVerifier(), budget, eos)
 
 

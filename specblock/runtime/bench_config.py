@@ -20,7 +20,7 @@ from specblock.runtime.drafters.lookup_branch import has_lookup
 from specblock.runtime.peers import is_peer
 
 _SHARED = ("ngram", "min_ngram", "lookup_depth", "branches", "seed", "drafter", "M", "max_seeds", "widths", "budget",
-           "adapt_window", "adapt_amp", "policy", "policy_kwargs", "seed_policy", "seed_policy_kwargs", "adapt_policy",
+           "adapt_window", "adapt_amp", "adapt_lr_heads", "adapt_lr_full", "policy", "policy_kwargs", "seed_policy", "seed_policy_kwargs", "adapt_policy",
            "adapt_policy_kwargs", "rollback_policy", "rollback_policy_kwargs")
 _POSITIVE = (int | None, Field(None, ge=1))
 

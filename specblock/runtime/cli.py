@@ -105,7 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapt-lambda", type=float, default=0.1, help="adapt: weight of the KL anchor to the pretrained drafter")
     p.add_argument("--adapt-arms", type=lambda t: tuple(a.strip() for a in t.split(",")), default=("skip", "heads", "full"),
                    help="adapt: arms the bandit picks from, e.g. skip,heads,full (one arm: always that one)")
-    p.add_argument("--adapt-amp", choices=["auto", "bf16", "off"], default="auto",
+    field = RunConfig.model_fields  # one set of defaults (tests/test_adapt.py checks AdaptSettings' agree)
+    p.add_argument("--adapt-lr-heads", type=float, default=field["adapt_lr_heads"].default,
+                   help="adapt: Adam's learning rate in a heads update")
+    p.add_argument("--adapt-lr-full", type=float, default=field["adapt_lr_full"].default,
+                   help="adapt: Adam's learning rate in a full update")
+    p.add_argument("--adapt-amp", choices=["auto", "bf16", "off"], default=field["adapt_amp"].default,
                    help="adapt: bf16 autocast of each update (auto: where bf16 products are native, e.g. AMX; "
                         "about half an update's time there)")
     user = p.add_argument_group(
