@@ -43,6 +43,7 @@ from specblock.prompts import load_prompts  # noqa: E402
 from specblock.runtime import drafters  # noqa: E402
 from specblock.runtime.adapt import Adapter, AdaptSettings  # noqa: E402
 from specblock.runtime.adapt_signal import Sample, block1_rows  # noqa: E402
+from specblock.runtime.chat import encode_prompt  # noqa: E402
 from specblock.runtime.cli import load_tokenizer, quiet_transformers  # noqa: E402
 from specblock.runtime.drafters.specblock_net import SpecBlockNet  # noqa: E402
 from specblock.runtime.engine import Engine  # noqa: E402
@@ -109,7 +110,7 @@ def main() -> int:
     for domain in domains:
         prompts = load_prompts(domain, args.first + args.prompts)[args.first:]  # chat has 55 in all
         for p in prompts:
-            engine.generate(tok(p.text)["input_ids"], args.max_new_tokens)
+            engine.generate(encode_prompt(tok, p), args.max_new_tokens)
         records[domain] = list(adapter.buffer)[-len(prompts):]
         later[domain], _ = trainer.samples(records[domain][len(prompts) // 2:])
         base[domain] = chain_length(trainer.theta_0, later[domain])

@@ -36,9 +36,11 @@ import numpy as np
 import torch
 
 from specblock.policies.bandit import ARMS
+from specblock.models import resolve_target
 from specblock.prompts import DOMAINS, load_prompts
 from specblock.runtime import drafters
 from specblock.runtime.adapt import Adapter, AdaptSettings
+from specblock.runtime.chat import encode_prompt
 from specblock.runtime.cli import load_tokenizer, quiet_transformers
 from specblock.runtime.config import DEFAULT_TARGET
 from specblock.runtime.engine import Engine
@@ -47,21 +49,31 @@ from specblock.runtime.target import TargetModel, read_generation_eos
 CONFIGS = {"static": ("skip",), "adapt": ARMS, "always_full": ("full",), "no_heads": ("skip", "full")}
 
 
-def load(dtype: str):
-    target = TargetModel.load(DEFAULT_TARGET, dtype, "cpu", "sdpa", False)
-    tok = load_tokenizer(DEFAULT_TARGET, False)
-    eos = frozenset(read_generation_eos(DEFAULT_TARGET) or {tok.eos_token_id})
+def load(name: str | None, dtype: str):
+    path = resolve_target(name) if name else DEFAULT_TARGET  # default: the lab model, as before
+    target = TargetModel.load(path, dtype, "cpu", "sdpa", False)
+    tok = load_tokenizer(path, False)
+    eos = frozenset(read_generation_eos(path) or {tok.eos_token_id})
     return target, tok, eos
 
 
-def scan(target, tok, eos, n: int, max_new: int) -> dict[str, float]:
+def specblock(target, budget: int | None):
+    """The shipped SpecBlock drafter at its measured serving settings (``serving.json``: budget, M,
+    widths), the node budget overridden by ``budget`` where given. Returns (drafter, budget)."""
+    opts = drafters.serving_settings("specblock", target, {})
+    measured = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
+    return drafters.build("specblock", target, opts), budget or measured
+
+
+def scan(target, tok, eos, n: int, max_new: int, budget: int | None) -> dict[str, float]:
     """Static tau per domain on the first ``n`` prompts (the plain drafter, no wrapper)."""
-    eng = Engine(target, drafters.build("specblock", target, {}), budget=24, eos_ids=eos)
+    drafter, budget = specblock(target, budget)
+    eng = Engine(target, drafter, budget=budget, eos_ids=eos)
     out = {}
     for dom in DOMAINS:
         acc = []
         for p in load_prompts(dom, n):
-            acc += eng.generate(tok(p.text)["input_ids"], max_new).stats.accepted
+            acc += eng.generate(encode_prompt(tok, p), max_new).stats.accepted
         out[dom] = round(float(np.mean(np.asarray(acc) + 1)), 4)
         print(f"scan {dom}: tau {out[dom]:.3f}", file=sys.stderr, flush=True)
     return out
@@ -69,8 +81,9 @@ def scan(target, tok, eos, n: int, max_new: int) -> dict[str, float]:
 
 def serve(name: str, arms: tuple[str, ...], target, eos, encoded: list[list[int]], args) -> dict:
     settings = AdaptSettings(window=args.window, lam=args.lam, arms=arms, steps=args.steps, seed=args.seed)
-    adapter = Adapter(drafters.build("specblock", target, {}), settings)
-    eng = Engine(target, adapter, budget=24, eos_ids=eos)
+    drafter, budget = specblock(target, args.budget)
+    adapter = Adapter(drafter, settings)
+    eng = Engine(target, adapter, budget=budget, eos_ids=eos)
     load0 = os.getloadavg()[0]
     eng.generate(encoded[0][-16:], 4)  # warm-up, then forget it
     adapter.clear()
@@ -185,18 +198,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=5)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target", default=None, help="a model name or directory (default: the lab model)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="draft nodes per tree (default: the drafter's measured serving.json; 24 before stop 53)")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/adapt_shift"))
     args = ap.parse_args(argv)
     names = args.configs.split(",")
     if "static" not in names or any(n not in CONFIGS for n in names):
         ap.error(f"--configs must include static; choose from {', '.join(CONFIGS)}")
     quiet_transformers()
-    target, tok, eos = load(args.dtype)
-    scanned = scan(target, tok, eos, args.scan, args.max_new_tokens) if args.domain == "auto" else None
+    target, tok, eos = load(args.target, args.dtype)
+    scanned = scan(target, tok, eos, args.scan, args.max_new_tokens, args.budget) if args.domain == "auto" else None
     domain = min(scanned, key=scanned.get) if scanned else args.domain
     prompts = load_prompts(domain, args.prompts)
-    encoded = [tok(p.text)["input_ids"] for p in prompts]
+    encoded = [encode_prompt(tok, p) for p in prompts]  # a chat model's template, as the bench does
     print(f"domain {domain}: {len(encoded)} prompts x {args.max_new_tokens} new tokens", file=sys.stderr, flush=True)
     runs = {n: serve(n, CONFIGS[n], target, eos, encoded, args) for n in names}
     result = {

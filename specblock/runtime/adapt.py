@@ -75,9 +75,11 @@ class AdaptSettings:
     arms: tuple[str, ...] = ARMS  # one arm: always play it (the ablations)
     steps: int = 4  # optimiser steps per update
     batch: int = 4  # queries per step
-    # What one update buys the queries after it, per arm and rate: experiments/adapt_offline.py
-    lr_heads: float = 1e-3
-    lr_full: float = 2e-4
+    # One update must not make the next queries' drafts worse. On the real model's drafter, chat-templated
+    # queries, 1e-3 / 2e-4 shortened the next queries' chains by 3% on average and 1e-4 / 1e-5 did not
+    # (experiments/adapt_offline.py, adapt_offline_s53.md; README "Serving-time adaptation")
+    lr_heads: float = 1e-4
+    lr_full: float = 1e-5
     buffer: int = 32  # queries kept
     top_k: int = 32  # target log-probs kept per position (renormalised: the soft label)
     max_ctx: int = 192  # last tokens of a query that one training block sees

@@ -65,8 +65,8 @@ class RunConfig(BaseModel):
     adapt_arms: tuple[str, ...] = ("skip", "heads", "full")  # one arm: always play it
     # bf16 autocast of each update: auto = where bf16 products are native (CUDA, AMX / AVX512-BF16)
     adapt_amp: Literal["auto", "bf16", "off"] = "auto"
-    adapt_lr_heads: float = Field(1e-3, gt=0.0, allow_inf_nan=False)  # Adam's learning rate in a heads update
-    adapt_lr_full: float = Field(2e-4, gt=0.0, allow_inf_nan=False)  # in a full update
+    adapt_lr_heads: float = Field(1e-4, gt=0.0, allow_inf_nan=False)  # Adam's learning rate in a heads update
+    adapt_lr_full: float = Field(1e-5, gt=0.0, allow_inf_nan=False)  # in a full update
     # A user's classes, "package.module:Class" or "path/file.py:Class" (specblock.policies.loading,
     # the simulator's loader too); kwargs are JSON objects. Loading one runs its module's code.
     policy: str | None = None  # TreePolicy subclass: widths per parent (replaces --widths)
