@@ -165,6 +165,19 @@ def test_the_cli_the_config_and_the_adapter_share_one_set_of_defaults():
     assert {k: args[f"adapt_{k}"] for k in ("amp", "lr_heads", "lr_full")} == {k: ours[k] for k in ("amp", "lr_heads", "lr_full")}
 
 
+def test_bench_refuses_adaptation_settings_on_a_method_that_does_not_adapt(tmp_path, capsys):
+    from specblock.runtime.cli import main
+
+    flags = ["bench", "--target", "lab", "--domains", "code", "--prompts", "1", "--runs", "1", "--out", str(tmp_path / "b")]
+    for item in ("specblock:adapt_lr_heads=1e-4", "specblock:adapt_amp=off", "specblock:adapt_window=64"):
+        assert main(flags + ["--methods", "specblock", "--set", item]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "is for specblock+adapt" in err and item.split(":")[1].split("=")[0] in err and "\n" not in err
+    assert main(flags + ["--methods", "specblock+adapt", "--set", "specblock+adapt:adapt_lr_full=0"]) == 2
+    assert "adapt_lr_full" in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()
+
+
 def test_unknown_amp_setting_is_refused():
     with pytest.raises(ValueError, match="amp 'fp8'"):
         AdaptSettings(amp="fp8")
@@ -345,6 +358,8 @@ def test_cli_adapt_text_mode_prints_windows_to_stderr(dirs, capsys):
     (["--method", "specblock", "--adapt", "--adapt-arms", "heads,heads"], "--adapt-arms"),
     (["--method", "specblock", "--adapt", "--adapt-window", "1"], "--adapt-window"),
     (["--method", "specblock", "--adapt", "--adapt-lambda", "-0.5"], "--adapt-lambda"),
+    (["--method", "specblock", "--adapt", "--adapt-lr-heads", "0"], "--adapt-lr-heads"),
+    (["--method", "specblock", "--adapt", "--adapt-lr-full", "nan"], "--adapt-lr-full"),
 ])
 def test_cli_bad_adapt_settings_are_one_line_and_status_2(dirs, capsys, args, needle):
     code, _, err = cli(capsys, "--target", dirs[0], "--prompt", "x", *args)

@@ -19,9 +19,11 @@ from specblock.runtime.drafters.lookup_branch import SUFFIX as LOOKUP
 from specblock.runtime.drafters.lookup_branch import has_lookup
 from specblock.runtime.peers import is_peer
 
+#: The settings of a ``specblock+adapt`` method's adaptation (refused on any other method).
+ADAPT_KEYS = ("adapt_window", "adapt_amp", "adapt_lr_heads", "adapt_lr_full", "adapt_policy", "adapt_policy_kwargs",
+              "rollback_policy", "rollback_policy_kwargs")
 _SHARED = ("ngram", "min_ngram", "lookup_depth", "branches", "seed", "drafter", "M", "max_seeds", "widths", "budget",
-           "adapt_window", "adapt_amp", "adapt_lr_heads", "adapt_lr_full", "policy", "policy_kwargs", "seed_policy", "seed_policy_kwargs", "adapt_policy",
-           "adapt_policy_kwargs", "rollback_policy", "rollback_policy_kwargs")
+           "policy", "policy_kwargs", "seed_policy", "seed_policy_kwargs", *ADAPT_KEYS)
 _POSITIVE = (int | None, Field(None, ge=1))
 
 #: What ``--set`` accepts: RunConfig's own fields, plus the drafters' serving knobs the decoding
@@ -136,6 +138,8 @@ def check_bench_flags(args) -> dict[str, dict]:
         for key in ("lookup_nodes", "lookup_on_top"):
             if o.get(key) is not None and not has_lookup(m):
                 raise SpecBlockError(f"--set {m}:{key} is for a METHOD{LOOKUP} method, e.g. eagle3{LOOKUP}")
+        if "+adapt" not in m and (given := [k for k in ADAPT_KEYS if o.get(k) is not None]):
+            raise SpecBlockError(f"--set {m}:{given[0]} sets adaptation; it is for specblock+adapt (or specblock+adapt@LABEL)")
         base = m.split("@")[0].removesuffix(LOOKUP)
         if o.get("drafter_compiled") is not None and base not in COMPILED_DRAFTERS:
             raise SpecBlockError(f"--set {m}:drafter_compiled: only {', '.join(COMPILED_DRAFTERS)} have a compiled drafter "
