@@ -80,7 +80,8 @@ def scan(target, tok, eos, n: int, max_new: int, budget: int | None) -> dict[str
 
 
 def serve(name: str, arms: tuple[str, ...], target, eos, encoded: list[list[int]], args) -> dict:
-    settings = AdaptSettings(window=args.window, lam=args.lam, arms=arms, steps=args.steps, seed=args.seed)
+    settings = AdaptSettings(window=args.window, lam=args.lam, arms=arms, steps=args.steps, seed=args.seed,
+                             lr_heads=args.lr_heads, lr_full=args.lr_full)
     drafter, budget = specblock(target, args.budget)
     adapter = Adapter(drafter, settings)
     eng = Engine(target, adapter, budget=budget, eos_ids=eos)
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--lam", type=float, default=0.1)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--lr-heads", type=float, default=AdaptSettings.lr_heads, help="1e-3 before stop 53")
+    ap.add_argument("--lr-full", type=float, default=AdaptSettings.lr_full, help="2e-4 before stop 53")
     ap.add_argument("--chunk", type=int, default=5)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--seed", type=int, default=0)
