@@ -68,6 +68,20 @@ def chain_length(net: SpecBlockNet, samples: list[Sample]) -> float:
     return total / max(rows, 1)
 
 
+def recording_adapter(name: str, dtype: str, settings: AdaptSettings):
+    """The shipped SpecBlock drafter at its ``serving.json`` settings, wrapped in an Adapter that
+    records the signal (``settings.window`` huge: it never trains on its own), and the engine and
+    tokenizer that serve it as the bench does. Returns (adapter, engine, tokenizer)."""
+    path = resolve_target(name)
+    target = TargetModel.load(path, dtype, "cpu", "sdpa", False)
+    tok = load_tokenizer(path, False)
+    opts = drafters.serving_settings("specblock", target, {})
+    budget = int(opts.pop("budget"))
+    adapter = Adapter(drafters.build("specblock", target, opts), settings)
+    eos = frozenset(read_generation_eos(path) or {tok.eos_token_id})
+    return adapter, Engine(target, adapter, budget=budget, eos_ids=eos), tok
+
+
 def parse_arms(text: str) -> list[tuple[str, float]]:
     arms = []
     for item in text.split(","):
@@ -96,16 +110,9 @@ def main() -> int:
     args = ap.parse_args()
     quiet_transformers()
     torch.set_num_threads(args.threads)
-    path = resolve_target(args.target)
-    target = TargetModel.load(path, args.dtype, "cpu", "sdpa", False)
-    tok = load_tokenizer(path, False)
-    eos = frozenset(read_generation_eos(path) or {tok.eos_token_id})
-    opts = drafters.serving_settings("specblock", target, {})
-    budget = int(opts.pop("budget"))
     domains = args.domains.split(",")
-    adapter = Adapter(drafters.build("specblock", target, dict(opts)),
-                      AdaptSettings(window=10**9, amp=args.amp, buffer=args.prompts * len(domains)))
-    engine = Engine(target, adapter, budget=budget, eos_ids=eos)
+    settings = AdaptSettings(window=10**9, amp=args.amp, buffer=args.prompts * len(domains))
+    adapter, engine, tok = recording_adapter(args.target, args.dtype, settings)
     trainer, records, later, base = adapter.trainer, {}, {}, {}
     for domain in domains:
         prompts = load_prompts(domain, args.first + args.prompts)[args.first:]  # chat has 55 in all

@@ -24,16 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))  # results_io beside it, however it is loaded
 
+from adapt_offline import recording_adapter  # noqa: E402
 from results_io import write_results  # noqa: E402
-from specblock.models import resolve_target  # noqa: E402
+from specblock.runtime.adapt import AdaptSettings  # noqa: E402
+from specblock.runtime.cli import quiet_transformers  # noqa: E402
 from specblock.prompts import load_prompts  # noqa: E402
-from specblock.runtime import drafters  # noqa: E402
-from specblock.runtime.adapt import Adapter, AdaptSettings  # noqa: E402
 from specblock.runtime.adapt_update import UpdateTrainer  # noqa: E402
 from specblock.runtime.chat import encode_prompt  # noqa: E402
-from specblock.runtime.cli import load_tokenizer, quiet_transformers  # noqa: E402
-from specblock.runtime.engine import Engine  # noqa: E402
-from specblock.runtime.target import TargetModel, read_generation_eos  # noqa: E402
 
 
 def main() -> int:
@@ -49,13 +46,7 @@ def main() -> int:
     args = ap.parse_args()
     quiet_transformers()
     torch.set_num_threads(args.threads)
-    path = resolve_target(args.target)
-    target = TargetModel.load(path, args.dtype, "cpu", "sdpa", False)
-    tok = load_tokenizer(path, False)
-    opts = drafters.serving_settings("specblock", target, {})
-    budget = int(opts.pop("budget"))
-    adapter = Adapter(drafters.build("specblock", target, opts), AdaptSettings(window=10**9))
-    engine = Engine(target, adapter, budget=budget, eos_ids=frozenset(read_generation_eos(path) or {tok.eos_token_id}))
+    adapter, engine, tok = recording_adapter(args.target, args.dtype, AdaptSettings(window=10**9))
     for d in args.domains.split(","):
         for p in load_prompts(d, args.prompts):
             engine.generate(encode_prompt(tok, p), args.max_new_tokens)
