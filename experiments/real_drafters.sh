@@ -41,7 +41,8 @@ case "${1:-}" in
     #            of similar length (a shard's prompts are sorted): one batch of 64 padded the prefill to 3.5x its
     #            tokens (1.5x in batches of 16), and the padded prefill was most of a shard's time
     #            FEAT_DTYPE=bfloat16 THREADS=2 BATCH=32: on a CPU with AMX (native bf16 products, ~6x fp32's rate) 210-237
-    #            answer tokens/s against 43 in fp32 on 1 thread; a cache's answers and features keep one dtype
+    #            answer tokens/s against 43 in fp32 on 1 thread (325 at stop 53, `ask` 510); a cache's answers and features
+    #            keep one dtype. MAX_SHARDS=37 is the shipped drafters' data (2,363 sequences): about 22 minutes there
     $PY -m specblock.training chatgen --target $T --out $DATA --shard-size 64 --batch ${BATCH:-16} --max-new-tokens 256 \
         --dtype ${FEAT_DTYPE:-float32} --threads ${THREADS:-1} ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} \
         ${MAX_SHARDS:+--max-shards $MAX_SHARDS} ;;  # MAX_SHARDS=n: shards 0..n-1 in all
