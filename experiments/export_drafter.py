@@ -163,7 +163,7 @@ def card(run: dict, last: dict, gen: dict, refs: dict | None, feat: dict, net, t
     if ask is not None:
         a = gen_totals(ask, feat)
         ref_line += (f"\n- Instructions the target wrote itself (`training/selfask.py`: search questions and requests to an "
-                     f"assistant), answered the same way (`chatgen --instructions`, `ask_*` shards): {a.get('sequences', 0):,} "
+                     f"assistant), answered the same way (`chatgen --instructions`, `ask*_*` shards): {a.get('sequences', 0):,} "
                      f"sequences, {a.get('answer_tokens', 0):,} answer tokens in {a.get('minutes', 0)} minutes.")
     held = set(feat.get("heldout_shards", []))
     own = sum(s["tokens"] for n, s in feat.get("shards", {}).items() if not is_reference(n) and n not in held)
@@ -195,8 +195,8 @@ def main() -> None:
     ap.add_argument("--features", type=Path, required=True)
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--refs", type=Path, default=None, help="the refanswers directory, when the cache holds reference shards")
-    ap.add_argument("--ask", type=Path, default=None,
-                    help="the chatgen --instructions directory (selfask), when the cache holds ask_ shards")
+    ap.add_argument("--ask", type=Path, action="append", default=[],
+                    help="a chatgen --instructions directory (selfask), when the cache holds its shards (repeat for several)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     run = load_checkpoint(args.run_dir / CKPT)
@@ -214,7 +214,8 @@ def main() -> None:
     lines = [json.loads(x) for x in (args.run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     gen = json.loads((args.data / "manifest.json").read_text())
     refs = json.loads((args.refs / "manifest.json").read_text()) if args.refs else None
-    ask = json.loads((args.ask / "manifest.json").read_text()) if args.ask else None
+    asks = [json.loads((d / "manifest.json").read_text()) for d in args.ask]  # distinct shard names: one set of shards
+    ask = {"shards": {n: v for m in asks for n, v in m.get("shards", {}).items()}} if asks else None
     feat = json.loads((args.features / "manifest.json").read_text())
     write_atomic(args.out / "README.md", card(run, lines[-1] if lines else {}, gen, refs, feat, net, Path(targs.target).name,
                                                   _sessions_line(lines), ask))

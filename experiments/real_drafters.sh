@@ -15,6 +15,8 @@ H=$($PY -c "from specblock.models import specblock_home; print(specblock_home())
 DATA=$H/data/chatgen/$T          # the target's own greedy answers (jsonl shards of token ids)
 REFS=$H/data/reference/$T        # reference answers from ../shared/data in the same format (refanswers)
 ASK=$H/data/chatgen-ask/$T       # the target's own answers to instructions it wrote itself (selfask, then chatgen)
+ASKS=("$ASK")                    # ... and to those of selfask's other seeds (chatgen-ask-sN, shards askN_*), where made
+for d in "$H"/data/chatgen-ask-s*/$T; do [[ -f $d/manifest.json ]] && ASKS+=("$d"); done
 FEAT=$H/features/$T              # taps, top hidden state, top-8 soft targets (memory-mapped .npy)
 RUN=${RUN:-$H/runs/$T/specblock} # checkpoints and metrics.jsonl of the SpecBlock drafter
 OUT=specblock/assets/drafters/$T/specblock
@@ -49,10 +51,13 @@ case "${1:-}" in
   ask)       # 1a. chat-like instructions written by the target (selfask: ASK_COUNT=2048 of them, search questions and
     #            requests to an assistant, seed ASK_SEED=0), then its greedy answers to them as chatgen shards ask_NNNNN
     #            (none held out); `features` adds them to the cache. FEAT_DTYPE= / THREADS= / BATCH= / MAX_MINUTES= as for data
-    LIST=$H/data/selfask/$T/instructions_s${ASK_SEED:-0}_n${ASK_COUNT:-2048}.jsonl
+    #            Another ASK_SEED=N answers its own instructions into chatgen-ask-sN, shards askN_* (a cache keys shards by name)
+    S=${ASK_SEED:-0}
+    LIST=$H/data/selfask/$T/instructions_s${S}_n${ASK_COUNT:-2048}.jsonl
+    [[ $S == 0 ]] && OUT_ASK=$ASK PFX=ask_ || OUT_ASK=$H/data/chatgen-ask-s$S/$T PFX=ask${S}_
     $PY -m specblock.training selfask --target $T --out "$LIST" --count "${ASK_COUNT:-2048}" --seed "${ASK_SEED:-0}" \
         --dtype ${FEAT_DTYPE:-float32} --threads ${THREADS:-1}
-    $PY -m specblock.training chatgen --target $T --out "$ASK" --instructions "$LIST" --shard-size 64 --batch ${BATCH:-16} \
+    $PY -m specblock.training chatgen --target $T --out "$OUT_ASK" --instructions "$LIST" --shard-prefix "$PFX" --shard-size 64 --batch ${BATCH:-16} \
         --max-new-tokens 256 --dtype ${FEAT_DTYPE:-float32} --threads ${THREADS:-1} ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ;;
   refs)      # 1b. reference answers (AlpacaEval responses, GSM8K solutions, stdlib functions): ~10x the
     #            tokens per CPU minute of generation, since only features are computed for them
@@ -61,7 +66,7 @@ case "${1:-}" in
     #            69 reference shards of ~70k tokens wait, ~8 min each: MAX_SHARDS=n or MAX_MINUTES=m bound a run)
     #            (reference shards only where `refs` has run; FEAT_DTYPE= / THREADS= as for data)
     SRC=(--data "$DATA")
-    [[ -f $ASK/manifest.json ]] && SRC+=(--data "$ASK")
+    for d in "${ASKS[@]}"; do [[ -f $d/manifest.json ]] && SRC+=(--data "$d"); done
     [[ -f $REFS/manifest.json ]] && SRC+=(--data "$REFS")
     $PY -m specblock.training featcache --target $T "${SRC[@]}" --out $FEAT --k 8 --dtype ${FEAT_DTYPE:-float32} --threads ${THREADS:-1} \
         ${FOLLOW:+--follow} ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ${MAX_SHARDS:+--max-shards $MAX_SHARDS} ;;
@@ -129,7 +134,7 @@ case "${1:-}" in
   export)    # 4. the last checkpoint as a drafter plus its model card
     METHOD=${METHOD:-specblock}  # METHOD=eagle3 / medusa / parallelspec / falcon / specblock-ft export those runs
     [[ -f $REFS/manifest.json ]] && R=(--refs "$REFS") || R=()
-    [[ -f $ASK/manifest.json ]] && R+=(--ask "$ASK")
+    for d in "${ASKS[@]}"; do [[ -f $d/manifest.json ]] && R+=(--ask "$d"); done
     $PY experiments/export_drafter.py --run-dir $H/runs/$T/$METHOD --features $FEAT --data $DATA "${R[@]}" \
         --out "${DEST:-specblock/assets/drafters/$T/${METHOD%-ft}}" ;;
   bench)     # 5. a short check against plain decoding and prompt lookup

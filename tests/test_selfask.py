@@ -104,6 +104,25 @@ def test_chatgen_answers_an_instructions_file(chat_target, tmp_path):
     assert not (tmp_path / "never").exists()  # nothing written for a bad file
 
 
+def test_a_second_list_of_instructions_gets_its_own_shard_prefix(chat_target, tmp_path):
+    """selfask's seed 1 beside seed 0: a feature cache keys shards by name, so ask1_ and not ask_ again."""
+    items = tmp_path / "ask1.jsonl"
+    items.write_text("".join(json.dumps({"id": f"b/{i}", "domain": "ask-qa", "text": "q " * (2 + i)}) + "\n" for i in range(3)))
+    base = ["--target", str(chat_target), "--shard-size", "2", "--batch", "2", "--max-new-tokens", "4",
+            "--dtype", "float32", "--threads", "1"]
+    out = tmp_path / "gen1"
+    assert chatgen.main(base + ["--out", str(out), "--instructions", str(items), "--shard-prefix", "ask1_"]) == 0
+    assert list(json.loads((out / "manifest.json").read_text())["shards"]) == ["ask1_00000", "ask1_00001"]
+    assert sorted(p.name for p in out.glob("*.jsonl")) == ["ask1_00000.jsonl", "ask1_00001.jsonl"]
+    with pytest.raises(SpecBlockError, match="holds ask1_"):  # one prefix per directory
+        chatgen.main(base + ["--out", str(out), "--instructions", str(items), "--shard-prefix", "ask2_"])
+    for bad in (["--instructions", str(items), "--shard-prefix", "Ask_"], ["--instructions", str(items), "--shard-prefix", "ref_"],
+                ["--instructions", str(items), "--shard-prefix", "shard_"], ["--shard-prefix", "ask1_"]):
+        with pytest.raises(SpecBlockError, match="--shard-prefix"):
+            chatgen.main(base + ["--out", str(tmp_path / "never")] + bad)
+    assert not (tmp_path / "never").exists()
+
+
 def test_one_cache_holds_both_directories_and_holds_out_shard_0_only(tmp_path):
     target = save_tiny(tmp_path / "t", layers=9)
     sha = target_identity(target)["weights_sha256"]

@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import sysconfig
 import textwrap
 import time
@@ -39,6 +40,7 @@ from pathlib import Path
 
 from specblock.errors import SpecBlockError
 from specblock.training.corpus import data_file, is_heldout, stdlib_files
+from specblock.training.featcache import REF_PREFIX
 
 #: Share of instructions per domain while every domain lasts. The bench's chat-like domains (chat,
 #: qa, mtbench) weigh most, then math and code; prose is for general English only.
@@ -301,7 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--instructions", type=Path, default=None,
                     help="answer this jsonl of {id, domain, text} (selfask) instead of the data set's instructions; "
-                         "its shards are named ask_NNNNN, none held out")
+                         "its shards are named ask_NNNNN (--shard-prefix), none held out")
+    ap.add_argument("--shard-prefix", default=None,
+                    help="with --instructions: the shards' name prefix (default ask_); one per list of instructions, "
+                         "since a feature cache keys shards by name (e.g. ask1_ for selfask's seed 1)")
     return ap
 
 
@@ -309,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.shard_size < 1 or args.batch < 1 or args.max_new_tokens < 1:
         raise SpecBlockError("--shard-size, --batch and --max-new-tokens must be positive")
+    if args.shard_prefix is not None and (args.instructions is None or not re.fullmatch(r"[a-z][a-z0-9]*_", args.shard_prefix)
+                                          or args.shard_prefix in ("shard_", REF_PREFIX)):
+        raise SpecBlockError(f"--shard-prefix {args.shard_prefix!r}: give it with --instructions, lowercase letters and "
+                             f"digits ending in '_' (e.g. ask1_), other than shard_ and {REF_PREFIX}")
     import torch
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -320,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     target_dir = resolve_target(args.target)
     torch.set_num_threads(args.threads)
     if args.instructions is not None:  # its own shard names, so one feature cache holds both directories
-        items, heldout, prefix = read_instructions(args.instructions), (), "ask_"
+        items, heldout, prefix = read_instructions(args.instructions), (), args.shard_prefix or "ask_"
     else:
         items, heldout, prefix = all_instructions(args.seed), HELDOUT_SHARDS, "shard_"
     args.out.mkdir(parents=True, exist_ok=True)
