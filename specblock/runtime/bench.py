@@ -163,9 +163,8 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
         user = {k: opts.get(o) for k, o in (("bandit_class", "adapt_policy"), ("bandit_kwargs", "adapt_policy_kwargs"),
                                              ("rollback_class", "rollback_policy"),
                                              ("rollback_kwargs", "rollback_policy_kwargs")) if opts.get(o)}
-        given = {k: opts.get(f"adapt_{k}") for k in ("amp", "lr_heads", "lr_full")}
-        fixed = {k: RunConfig.model_fields[f"adapt_{k}"].default if v is None else v for k, v in given.items()}
-        drafter = Adapter(drafter, AdaptSettings(window=window, **fixed, **user))
+        given = {k: v for k in ("amp", "lr_heads", "lr_full") if (v := opts.get(f"adapt_{k}")) is not None}
+        drafter = Adapter(drafter, AdaptSettings(window=window, **given, **user))  # the rest: AdaptSettings' defaults
     return Engine(target, drafter, GreedyVerifier(), budget, eos)
 
 
