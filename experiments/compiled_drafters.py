@@ -24,7 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from specblock.compiled.target import _allow_recompiles, use_disk_cache  # noqa: E402
+from specblock.compiled.precompile import use_disk_cache  # noqa: E402
+from specblock.compiled.target import _allow_recompiles  # noqa: E402
 from specblock.models import resolve_target  # noqa: E402
 from specblock.prompts import load_prompts  # noqa: E402
 from specblock.runtime import drafters  # noqa: E402

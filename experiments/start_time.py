@@ -75,7 +75,8 @@ def main() -> None:
     args = ap.parse_args()
     extra = args.extra.split()
     starts = {"cli": cli_start, "serve": serve_start}
-    res: dict = {"entries_before": saved_entries(), "extra": args.extra}
+    helpers = os.environ.get("SPECBLOCK_WARM_HELPERS", "").strip()  # compiled/warm_helpers.py: a first start's helpers
+    res: dict = {"entries_before": saved_entries(), "extra": args.extra, "warm_helpers": helpers or "auto"}
     for name in args.which.split(","):
         first = starts[name](extra)
         later, checked = [], []
@@ -90,7 +91,7 @@ def main() -> None:
             res[name].update(checked_s=[round(t, 2) for t in checked], checked_median_s=round(statistics.median(checked), 2))
         print(name, res[name], flush=True)
     res["entries_after"] = saved_entries()
-    cmd = f"python experiments/start_time.py --runs {args.runs} --which {args.which}" + \
+    cmd = (f"SPECBLOCK_WARM_HELPERS={helpers} " if helpers else "") + f"python experiments/start_time.py --runs {args.runs} --which {args.which}" + \
         (f" --extra '{args.extra}'" if args.extra else "") + (" --vec-isa-ab" if args.vec_isa_ab else "") + \
         f" --out {args.out}"
     lines = [f"Later starts with `--compile`, whole fresh processes (`{cmd}`); saved function entries in the graph "

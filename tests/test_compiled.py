@@ -358,7 +358,7 @@ def test_compiled_artefacts_go_under_specblock_home(monkeypatch, tmp_path):
     unset (artefacts go under $SPECBLOCK_HOME), a directory the user chose is kept."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from specblock.compiled.target import use_disk_cache
+    from specblock.compiled.precompile import use_disk_cache
 
     monkeypatch.setenv("SPECBLOCK_HOME", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())

@@ -15,7 +15,9 @@ def compile_target(target: TargetModel, mode: str = "whole") -> StaticTarget:
     shared by all layers, ``whole`` the whole forward."""
     if mode not in COMPILE_MODES:
         raise SpecBlockError(f"compile mode {mode!r}: one of {', '.join(COMPILE_MODES)}")
-    return StaticTarget.wrap(target, compile=True, regions=mode == "regions")
+    static = StaticTarget.wrap(target, compile=True, regions=mode == "regions")
+    static.source = target.source  # helper processes may load it again to compile tree sizes (compiled/warm_helpers.py)
+    return static
 
 
 def compile_drafter(drafter, target: TargetModel):

@@ -37,14 +37,18 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import re
 import shutil
+import types
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+
+from specblock.models.registry import specblock_home
 
 
 def tag(model: torch.nn.Module, options: dict[str, Any]) -> str:
@@ -178,3 +182,40 @@ def remember_vec_isa(cache_dir: Path) -> None:
     except OSError:
         pass  # a read-only cache: every process checks, as before
 
+
+def use_disk_cache() -> Path:
+    """Inductor's compiled graphs (FX graph and AOT-autograd caches, on by default) go under
+    ``$SPECBLOCK_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: the default
+    ``/tmp/torchinductor_$USER`` does not survive a reboot, and a warm start skips the C++ builds.
+    Importing inductor writes that default into the environment itself, so a value equal to it
+    counts as unset (until this was checked, every artefact went to /tmp). Also spares later
+    processes inductor's vector-ISA check (``precompile.remember_vec_isa``)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not given or os.path.abspath(given) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(specblock_home() / "inductor")
+    path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    path.mkdir(parents=True, exist_ok=True)
+    remember_vec_isa(path)
+    return path
+
+
+def own_code(fn, tag: str | None = None):
+    """``fn`` (a function or bound method) on a copy of its code object. Why: dynamo keeps its
+    compiled graphs per code object, and before each call walks the guards of that code's graphs
+    until one matches. Every compiled target compiled the same ``_step``, so with several in one
+    process (a bench's ``ar@c`` beside ``specblock@c``, a measurement's baseline) each call first
+    failed the others' graphs' guards. With a code object each, a target sees only its own graphs.
+    ``tag`` goes into the copy's qualname, which keys dynamo's saved entries (``compiled/precompile.py``)."""
+    bound = getattr(fn, "__self__", None)
+    f = getattr(fn, "__func__", fn)
+    copy = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    copy.__kwdefaults__, copy.__doc__ = f.__kwdefaults__, f.__doc__
+    copy.__qualname__ = f.__qualname__ if tag is None else f"{f.__qualname__}[{tag}]"
+    return copy if bound is None else types.MethodType(copy, bound)
+
+
+def shape_tag(tag: str | None, shape: tuple) -> str | None:
+    """A per-shape function's tag (its saved entry's key): the model's tag and the shape."""
+    return None if tag is None else f"{tag}:{'x'.join(str(v) for v in shape)}"

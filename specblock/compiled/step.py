@@ -17,7 +17,8 @@ import torch
 
 from specblock.compiled import precompile
 from specblock.compiled.notice import notice_if_slow
-from specblock.compiled.target import CPU_OPTIONS, _allow_recompiles, own_code, shape_tag, use_disk_cache
+from specblock.compiled.precompile import own_code, shape_tag, use_disk_cache
+from specblock.compiled.target import CPU_OPTIONS, _allow_recompiles
 
 
 class CompiledStep:

@@ -32,10 +32,7 @@ graphs are saved as they are compiled, and a later process loads them instead of
 
 from __future__ import annotations
 
-import os
-import types
 from functools import partial
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -43,7 +40,8 @@ import torch
 from transformers import PreTrainedModel
 
 from specblock.buckets import BUCKETS, bucket_of
-from specblock.compiled import precompile
+from specblock.compiled import precompile, warm_helpers
+from specblock.compiled.precompile import own_code, shape_tag, use_disk_cache
 from specblock.compiled.fuse import FusePackedLinears
 from specblock.compiled.gqa import FUSED_NAME, use_gqa_attention
 from specblock.compiled.native import pin_python_kernel, use_native_kernel
@@ -51,7 +49,6 @@ from specblock.compiled.notice import notice_if_slow
 from specblock.compiled.regions import RegionFns, check_regional, embed, head, layer_step, regional_forward
 from specblock.compiled.static_cache import TreeStaticCache
 from specblock.errors import SpecBlockError
-from specblock.models.registry import specblock_home
 from specblock.policies.tree import DraftTree
 from specblock.runtime.q4 import keyed_q4
 from specblock.runtime.target import TargetModel, TargetOutput
@@ -149,6 +146,7 @@ class StaticTarget(TargetModel):
         self.skip_guards = False
         self.mode = mode if mode is not None else ("reduce-overhead" if self.device.type == "cuda" else None)
         self._build: Callable[[tuple], Callable] | None = None  # a shape's compiled step, on its first call
+        self.tag: str | None = None  # the saved graphs' model tag (``precompile.tag``), where they are saved
         if compile:
             use_disk_cache()
             _allow_recompiles()
@@ -173,6 +171,7 @@ class StaticTarget(TargetModel):
             self.skip_guards = skip_guards and not regions and self.mode is None
             attention = model.config._attn_implementation  # not in the config's JSON, and it changes the graph
             name = precompile.tag(model, {**kw["options"], "dynamic": dynamic, "attention": attention}) if self.saved else None
+            self.tag = name
             build = precompile.compile_saved if self.saved else torch.compile
             if regions:
                 fns = RegionFns(*(torch.compile(own_code(f), dynamic=dynamic, **kw)
@@ -237,13 +236,19 @@ class StaticTarget(TargetModel):
         mask, slots, positions = self._tree_inputs(ids, depth, anc, past, span)
         return (mask, slots, positions, *embed(self.model, ids, positions))
 
+    def _shape(self, rows: int, past: int, compiled: bool, last_only: bool) -> tuple:
+        """The key of a step over ``rows`` padded rows after ``past`` slots: rows, attention span,
+        features wanted, last row only (one compiled function and saved entry each)."""
+        span = self.capacity if compiled and self.one_span else span_of(past + rows, self.capacity)
+        return (rows, span, self.want_features, last_only)
+
     def _run(self, ids: np.ndarray, depth: np.ndarray, anc: np.ndarray, n: int, compiled: bool, last_only: bool):
         dev = self.device
         past = torch.tensor(self.past_len, device=dev)
-        span = self.capacity if compiled and self.one_span else span_of(self.past_len + len(ids), self.capacity)
+        shape = self._shape(len(ids), self.past_len, compiled, last_only)
+        span = shape[1]
         args = (torch.as_tensor(ids, device=dev), torch.as_tensor(depth, device=dev), torch.as_tensor(anc, device=dev),
                 past, span, self.want_features, last_only)
-        shape = (len(ids), span, self.want_features, last_only)
         fn = self.step_fns.get(shape) if compiled else self._eager_step
         if compiled and fn is None:  # this shape's first call compiles (or loads) its graph, with all of dynamo's guards
             fn = self._build(shape)
@@ -329,24 +334,43 @@ class StaticTarget(TargetModel):
         return bucket_of(n, self.buckets)
 
     @torch.no_grad()
-    def warm(self, max_nodes: int, sizes: tuple[int, ...] | None = None) -> list[int]:
+    def warm(self, max_nodes: int, sizes: tuple[int, ...] | None = None, helpers: bool = True) -> list[int]:
         """Compile (or load) the step of every bucket a tree of up to ``max_nodes`` nodes can meet
         (only those of ``sizes``, where the drafter names them: ``Drafter.tree_sizes``), at the first
         span (with ``one_span``, the only one), now rather than in the middle of a request: what a
         server does before it listens. Later trees pad up to a warmed bucket (``bucket``); several
-        engines on one target warm the union. Runs with the current ``want_features`` and taps (set
-        them as the engine will); leaves the cache empty. Returns the buckets warmed."""
+        engines on one target warm the union. Buckets with no saved graph compile partly in helper
+        processes where cores are free (``helpers``; ``compiled/warm_helpers.py``). Runs with the
+        current ``want_features`` and taps (set them as the engine will); leaves the cache empty.
+        Returns the buckets warmed."""
         if not self.compiled:
             return []
         top = bucket_of(max(1, max_nodes), self.buckets)
         wanted = {bucket_of(s, self.buckets) for s in sizes if 1 <= s <= max_nodes} if sizes else set()
         warmed = sorted(wanted) or [b for b in self.buckets if b <= top]
         self.warmed = tuple(sorted(set(self.warmed) | set(warmed)))
-        for b in warmed:
-            self.prefill(np.zeros(1, dtype=np.int64))
-            self.tree_forward(DraftTree.from_parents(np.zeros(b, dtype=np.int64), np.arange(-1, b - 1)))
+        cold = [b for b in warmed if self._cold(b)] if helpers and self.saved else []
+        mine, started = warm_helpers.start(self, cold)
+        for b in [b for b in warmed if b not in cold] + mine:  # loads first: the helpers are still starting
+            self._warm_bucket(b)
+        for helper in started:
+            sizes = ", ".join(map(str, helper.buckets))
+            with notice_if_slow(f"waiting for a helper process compiling the target's step for {sizes}-node trees"):
+                helper.wait()
+            for b in helper.buckets:
+                self._warm_bucket(b)  # loads what the helper saved (or compiles, where it failed)
         self.reset()
         return warmed
+
+    def _warm_bucket(self, b: int) -> None:
+        self.prefill(np.zeros(1, dtype=np.int64))
+        self.tree_forward(DraftTree.from_parents(np.zeros(b, dtype=np.int64), np.arange(-1, b - 1)))
+
+    def _cold(self, b: int) -> bool:
+        """Whether bucket ``b``'s step as ``_warm_bucket`` runs it (after a one-token prefill) has
+        neither a graph in this process nor a saved one to load."""
+        shape = self._shape(b, 1, True, False)
+        return shape not in self.step_fns and not precompile.entry_path(own_code(self._step, shape_tag(self.tag, shape))).exists()
 
     @torch.no_grad()
     def commit(self, path: np.ndarray) -> None:
@@ -358,44 +382,6 @@ class StaticTarget(TargetModel):
             first = self.past_len + int(moved[0])
             self.static.keep(first, torch.as_tensor(path[moved[0]:] + self.past_len, device=self.device))
         self.past_len += keep
-
-
-def use_disk_cache() -> Path:
-    """Inductor's compiled graphs (FX graph and AOT-autograd caches, on by default) go under
-    ``$SPECBLOCK_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: the default
-    ``/tmp/torchinductor_$USER`` does not survive a reboot, and a warm start skips the C++ builds.
-    Importing inductor writes that default into the environment itself, so a value equal to it
-    counts as unset (until this was checked, every artefact went to /tmp). Also spares later
-    processes inductor's vector-ISA check (``precompile.remember_vec_isa``)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if not given or os.path.abspath(given) == os.path.abspath(default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(specblock_home() / "inductor")
-    path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-    path.mkdir(parents=True, exist_ok=True)
-    precompile.remember_vec_isa(path)
-    return path
-
-
-def own_code(fn, tag: str | None = None):
-    """``fn`` (a function or bound method) on a copy of its code object. Why: dynamo keeps its
-    compiled graphs per code object, and before each call walks the guards of that code's graphs
-    until one matches. Every compiled target compiled the same ``_step``, so with several in one
-    process (a bench's ``ar@c`` beside ``specblock@c``, a measurement's baseline) each call first
-    failed the others' graphs' guards. With a code object each, a target sees only its own graphs.
-    ``tag`` goes into the copy's qualname, which keys dynamo's saved entries (``compiled/precompile.py``)."""
-    bound = getattr(fn, "__self__", None)
-    f = getattr(fn, "__func__", fn)
-    copy = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
-    copy.__kwdefaults__, copy.__doc__ = f.__kwdefaults__, f.__doc__
-    copy.__qualname__ = f.__qualname__ if tag is None else f"{f.__qualname__}[{tag}]"
-    return copy if bound is None else types.MethodType(copy, bound)
-
-
-def shape_tag(tag: str | None, shape: tuple) -> str | None:
-    """A per-shape function's tag (its saved entry's key): the model's tag and the shape."""
-    return None if tag is None else f"{tag}:{'x'.join(str(v) for v in shape)}"
 
 
 def _allow_recompiles(limit: int = 64) -> None:

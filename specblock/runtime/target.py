@@ -107,6 +107,18 @@ def dtype_name_of(model: PreTrainedModel, dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@dataclass(frozen=True)
+class LoadSource:
+    """How a target was loaded (``TargetModel.load``'s arguments): what another process needs to
+    load the same model (``compiled/warm_helpers.py`` compiles tree sizes there)."""
+
+    path: str
+    dtype: str
+    device: str
+    attn: str
+    trust_remote_code: bool
+
+
 class TargetModel:
     """A causal LM plus its KV cache, driven one tree at a time (batch size 1)."""
 
@@ -144,6 +156,7 @@ class TargetModel:
         self.cache: DynamicCache | None = None
         self.past_len = 0
         self._min = torch.finfo(self.dtype).min
+        self.source: LoadSource | None = None  # set by ``load``; None for a model built in memory
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -157,7 +170,9 @@ class TargetModel:
         tap_layers: tuple[int, ...] | None = None,
     ) -> "TargetModel":
         model = load_causal_lm(path, dtype, device, attn, trust_remote_code)
-        return cls(model, tap_layers)
+        target = cls(model, tap_layers)
+        target.source = LoadSource(str(Path(path).resolve()), dtype, device, attn, trust_remote_code)
+        return target
 
     # ------------------------------------------------------------------ forwards
     def reset(self) -> None:

@@ -101,8 +101,10 @@ def open_service(cfg: RunConfig, opts: ServeOptions, trace: TextIO | None = None
 
     session = Session.open(cfg, trace)
     if cfg.warmup:
+        # --compile: every tree size compiled before the first request, all at once (a first start
+        # compiles some in helper processes: compiled/warm_helpers.py), then the warm-up request
+        session.warm_compiled()
         session.warmup(list(session.tokenizer(WARMUP_TEXT)["input_ids"]))
-        session.warm_compiled()  # --compile: every tree size compiled before the first request
     if session.adapter is not None:
         session.adapter.clear()  # the warm-up is not served traffic
     name, aliases = model_names(cfg, opts)
