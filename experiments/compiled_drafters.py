@@ -29,6 +29,7 @@ from specblock.compiled.target import _allow_recompiles  # noqa: E402
 from specblock.models import resolve_target  # noqa: E402
 from specblock.prompts import load_prompts  # noqa: E402
 from specblock.runtime import drafters  # noqa: E402
+from specblock.runtime.chat import encode_prompt  # noqa: E402
 from specblock.runtime.cli import load_tokenizer  # noqa: E402
 from specblock.runtime.engine import Engine  # noqa: E402
 from specblock.runtime.target import TargetModel  # noqa: E402
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_target(args.target)
     target = TargetModel.load(path, args.dtype, "cpu")
     tok = load_tokenizer(path, False)
-    prompts = [tok(p.text)["input_ids"] for d in args.domains.split(",") for p in load_prompts(d, args.prompts)]
+    # through the chat template, as the bench and the server send them (a chat model's drafters trained on that)
+    prompts = [encode_prompt(tok, p) for d in args.domains.split(",") for p in load_prompts(d, args.prompts)]
     rows = []
     for method in args.methods.split(","):
         settings = drafters.serving_settings(method, target, {})
