@@ -121,6 +121,35 @@ def test_greedy_output_unchanged_while_updates_land_mid_query(arms):
         assert torch.equal(served.layers[0].qkv.weight.float(), base.layers[0].qkv.weight)
 
 
+def test_adapting_under_a_lookup_branch_stays_greedy_and_learns_from_its_own_depth():
+    """``specblock+adapt+lookup``: the branch grafts prompt lookup's chain onto the adapting
+    drafter's trees. The output stays the target's greedy decoding while updates land, and the
+    signal's ``s`` counts the drafter's own misses, not those of a grafted chain."""
+    from specblock.runtime.drafters.lookup_branch import LookupBranch
+
+    model, target, adapter, _ = setup(arms=("heads",))
+    engine = Engine(target, LookupBranch(adapter, nodes=3, inner_budget=16), budget=19)
+    own, propose = [], adapter.inner.propose
+
+    def spy(req):  # the drafter's own tree depth, before the branch grafts onto it
+        tree = propose(req)
+        own.append(tree.max_depth)
+        return tree
+
+    adapter.inner.propose = spy
+    rng = np.random.default_rng(7)
+    deeper = 0
+    for _ in range(4):
+        own.clear()
+        p = np.tile(rng.integers(2, V, 4), 3)  # repeats: lookup finds chains to graft
+        res = engine.generate(p, 30, on_tokens=lambda _: adapter.wait(10))
+        assert res.token_ids == hf_greedy(model, p, 30)
+        deeper += sum(d > o for d, o in zip(res.stats.tree_depth, own))
+        assert adapter.record.s == sum(max(0, o - a) for o, a in zip(own, res.stats.accepted))
+    adapter.close()
+    assert adapter.swaps >= 1 and adapter.failures == 0 and deeper > 0
+
+
 @pytest.mark.parametrize("arm", ["heads", "full"])
 def test_a_bf16_update_learns_what_the_fp32_one_learns(arm):
     """``amp="bf16"`` (the default where bf16 products are native, e.g. AMX: about half an update's
@@ -343,6 +372,17 @@ def test_cli_adapt_json_reports_windows_and_stays_identical(dirs, capsys):
     windows = sum((r["adapt_windows"] for r in recs[:-1]), [])
     assert windows and {"window", "tau", "tokens_per_s", "arm", "rollback"} <= windows[0].keys()
     assert recs[-1]["adapt_windows"] == len(windows) and set(recs[-1]["adapt_arms"]) >= {"skip", "heads"}
+
+
+def test_cli_adapt_with_a_lookup_branch_stays_identical(dirs, capsys):
+    target_dir, drafter_dir, pf = dirs
+    code, out, err = cli(capsys, "--target", target_dir, "--method", "specblock", "--drafter", drafter_dir,
+                         "--prompt-file", pf, "--max-new-tokens", 20, "--dtype", "float32", "--json",
+                         "--compare", "ar", "--adapt", "--adapt-window", 3, "--lookup-branch", 2)
+    assert code == 0, err
+    recs = [json.loads(x) for x in out.strip().splitlines()]
+    assert all(r["identical_to_ar"] and r["lookup_branch"] == 2 for r in recs[:-1])
+    assert recs[-1]["adapt_windows"] >= 1
 
 
 def test_cli_adapt_text_mode_prints_windows_to_stderr(dirs, capsys):

@@ -219,10 +219,20 @@ class Adapter(Drafter):
             self._t_win = self.clock()
         self.inner.prefill(prompt, features)
 
+    def max_tree(self, budget: int) -> int:
+        return self.inner.max_tree(budget)  # adapting changes weights, never the trees' shapes
+
+    def tree_sizes(self, budget: int) -> tuple[int, ...]:
+        return self.inner.tree_sizes(budget)
+
     def propose(self, req: DraftRequest) -> DraftTree:
         if self._poll() or self._rebuild:
             self._rebuild_cache()
-        return self.inner.propose(req)
+        tree = self.inner.propose(req)
+        # The drafter's own depth: a lookup branch above (drafters/lookup_branch.py) may graft a
+        # deeper chain onto this tree, and its misses are not the drafter's (the signal's ``s``)
+        self._depth = tree.max_depth
+        return tree
 
     def accept(self, tree: DraftTree, verdict: Verdict, features: TargetOutput | None) -> None:
         self.inner.accept(tree, verdict, features)
@@ -231,7 +241,8 @@ class Adapter(Drafter):
         top = lg.topk(min(self.cfg.top_k, lg.shape[-1]), dim=-1)
         lps = top.values - torch.logsumexp(lg, dim=-1, keepdim=True)
         nxt = np.append(tree.tokens[path[1:]], verdict.bonus).astype(np.int64)
-        self.record.chunks.append((nxt, features.taps, top.indices.int(), lps, float(tree.max_depth - verdict.accepted)))
+        s = max(0, getattr(self, "_depth", tree.max_depth) - verdict.accepted)
+        self.record.chunks.append((nxt, features.taps, top.indices.int(), lps, float(s)))
         self._w_iters += 1
         self._w_tokens += verdict.accepted + 1
         if self._w_iters >= self.cfg.window:

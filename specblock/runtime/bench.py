@@ -11,7 +11,7 @@ divergence is reported with the target's top-2 logit gap at the diverging positi
 over the prompts of one run and starts every run from the pretrained weights (serving a prompt it
 has already trained on would flatter it). An update still in flight when its query ends is
 waited for, and the wait is charged to that query, so no other method's timing shares the CPU
-with it.
+with it. ``specblock+adapt+lookup`` adds prompt lookup's branch on top of the adapting drafter.
 
 External peers (``runtime/peers.py``): ``hf-greedy``, ``hf-assisted`` and ``hf-lookup`` run
 HuggingFace's own ``generate`` plain, with an assistant model or with prompt lookup on the same target, interleaved and timed
@@ -51,7 +51,7 @@ from specblock.runtime.verify import GreedyVerifier
 def build_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="python -m specblock.runtime bench", description=__doc__.splitlines()[0])
     ap.add_argument("--target", help="a model name (see `models`) or an HF model directory (default: the real chat model)")
-    ap.add_argument("--methods", default="ar,lookup,specblock", help="comma-separated; NAME@VARIANT for a second setting; specblock+adapt: serving-time adaptation (restarts from the pretrained drafter every run); hf-greedy, hf-assisted, hf-lookup: HF generate peers")
+    ap.add_argument("--methods", default="ar,lookup,specblock", help="comma-separated; NAME@VARIANT for a second setting; specblock+adapt: serving-time adaptation (restarts from the pretrained drafter every run; specblock+adapt+lookup with the branch); hf-greedy, hf-assisted, hf-lookup: HF generate peers")
     ap.add_argument("--domains", default="code,math,chat,qa,mtbench")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per domain (the first N of each set)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -152,9 +152,7 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
         from specblock.runtime.cli import maybe_compile_drafter
 
         drafter = maybe_compile_drafter(drafter, target)
-    if lookup_branch.has_lookup(m):
-        drafter, budget = lookup_branch.with_branch(drafter, budget, nodes or lookup_branch.DEFAULT_NODES, given, on_top)
-    if ADAPT in m:
+    if ADAPT in m:  # inside the branch (specblock+adapt+lookup): it adapts the drafter, lookup grafts on its trees
         from specblock.runtime.adapt import AdaptSettings, Adapter
 
         if _base(m) != "specblock":
@@ -163,9 +161,16 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
         user = {k: opts.get(o) for k, o in (("bandit_class", "adapt_policy"), ("bandit_kwargs", "adapt_policy_kwargs"),
                                              ("rollback_class", "rollback_policy"),
                                              ("rollback_kwargs", "rollback_policy_kwargs")) if opts.get(o)}
-        given = {k: v for k in ("amp", "lr_heads", "lr_full") if (v := opts.get(f"adapt_{k}")) is not None}
-        drafter = Adapter(drafter, AdaptSettings(window=window, **given, **user))  # the rest: AdaptSettings' defaults
+        chosen = {k: v for k in ("amp", "lr_heads", "lr_full") if (v := opts.get(f"adapt_{k}")) is not None}
+        drafter = Adapter(drafter, AdaptSettings(window=window, **chosen, **user))  # the rest: AdaptSettings' defaults
+    if lookup_branch.has_lookup(m):
+        drafter, budget = lookup_branch.with_branch(drafter, budget, nodes or lookup_branch.DEFAULT_NODES, given, on_top)
     return Engine(target, drafter, GreedyVerifier(), budget, eos)
+
+
+def adapter_of(engine: Engine):
+    """A ``+adapt`` method's Adapter: the engine's drafter, or the one inside its lookup branch."""
+    return engine.drafter.inner if isinstance(engine.drafter, lookup_branch.LookupBranch) else engine.drafter
 
 
 def run_bench(args, traces: AtomicFiles | None = None) -> dict:
@@ -217,7 +222,7 @@ def run_bench(args, traces: AtomicFiles | None = None) -> dict:
             eng.warm_compiled()
         eng.generate(prompts[domains[0]][0][-16:], 8)
         if ADAPT in m:
-            eng.drafter.clear()  # the warm-up is no query to learn from
+            adapter_of(eng).clear()  # the warm-up is no query to learn from
 
     cells = {(m, d): Cell() for m in methods for d in domains}
     total = args.runs * sum(len(p) for p in prompts.values()) * len(methods)
@@ -226,7 +231,7 @@ def run_bench(args, traces: AtomicFiles | None = None) -> dict:
         if r > 0:  # an adapting drafter starts every run from its pretrained weights: runs 2+ must
             for m in methods:  # not serve prompts it has already trained on
                 if ADAPT in m:
-                    engines[m].drafter.close()
+                    adapter_of(engines[m]).close()
                     engines[m] = build_engine(m, targets, args, eos)
         order = methods[r % len(methods):] + methods[: r % len(methods)]  # rotate who goes first
         per_run = {k: DecodeStats() for k in cells}
@@ -239,7 +244,7 @@ def run_bench(args, traces: AtomicFiles | None = None) -> dict:
                     res = eng.generate(ids, args.max_new_tokens)
                     if ADAPT in m:  # an update still running would share the CPU with the next method:
                         t0 = time.perf_counter()  # let it land, and charge the wait to this query
-                        eng.drafter.wait()
+                        adapter_of(eng).wait()
                         waited = time.perf_counter() - t0
                         res.stats.wall_s += waited
                         res.stats.loop_s += waited
@@ -254,8 +259,8 @@ def run_bench(args, traces: AtomicFiles | None = None) -> dict:
     adapt = {}
     for m in methods:
         if ADAPT in m:  # what the last run's adapter did (each run starts from theta_0)
-            adapt[m] = engines[m].drafter.summary()
-            engines[m].drafter.close()
+            adapt[m] = adapter_of(engines[m]).summary()
+            adapter_of(engines[m]).close()
     return {**summarize(cells, methods, domains, prompts, target, args), "skipped": skipped, "adapt": adapt}
 
 

@@ -131,8 +131,8 @@ def check_bench_flags(args) -> dict[str, dict]:
     check(BenchFlags, vars(args))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
-        if has_lookup(m) and "+adapt" in m:
-            raise SpecBlockError(f"{m}: adapting and a lookup branch do not combine yet; use specblock+adapt or specblock{LOOKUP}")
+        if "+adapt" in m and "+lookup" in m and not has_lookup(m):
+            raise SpecBlockError(f"{m}: the branch goes last, e.g. specblock+adapt{LOOKUP}")
     opts = method_options(args.set, methods)
     for m, o in opts.items():
         for key in ("lookup_nodes", "lookup_on_top"):

@@ -155,7 +155,7 @@ class Session:
     tokenizer: object
     engine: Engine
     baseline: Engine | None
-    adapter: object | None = None  # runtime.adapt.Adapter with --adapt (it is the engine's drafter)
+    adapter: object | None = None  # runtime.adapt.Adapter with --adapt (the engine's drafter, or the branch's inner one)
 
     @classmethod
     def open(cls, cfg: RunConfig, trace) -> "Session":
@@ -175,14 +175,14 @@ class Session:
         drafter, adapter = drafters.build(cfg.method, target, opts), None
         if cfg.compile and not cfg.adapt:  # an adapting drafter's weights change while it serves
             drafter = maybe_compile_drafter(drafter, target)
+        if cfg.adapt:  # inside the branch: it adapts the drafter, and the lookup chain is grafted on its trees
+            from specblock.runtime.adapt import AdaptSettings, Adapter
+
+            drafter = adapter = Adapter(drafter, AdaptSettings(**cfg.adapt_settings()))
         if cfg.lookup_branch:
             from specblock.runtime.drafters.lookup_branch import with_branch
 
             drafter, budget = with_branch(drafter, budget, cfg.lookup_branch, cfg.budget is not None, cfg.lookup_on_top)
-        if cfg.adapt:
-            from specblock.runtime.adapt import AdaptSettings, Adapter
-
-            drafter = adapter = Adapter(drafter, AdaptSettings(**cfg.adapt_settings()))
         engine = Engine(target, drafter, verifier(), budget, eos, trace)
         baseline = Engine(target, drafters.ARDrafter(), verifier(), 0, eos) if cfg.compare else None
         return cls(cfg, target, tokenizer, engine, baseline, adapter)

@@ -105,8 +105,7 @@ class RunConfig(BaseModel):
             # against medusa@c's 1.57x, every method matching it; bench_smollm2_compiled_q4_fp32.md). On torch's
             # kernel (no AVX512) it is also the one method that is exactly the q4 model's greedy decoding.
             # A record "METHOD+lookup" (the table's row with prompt lookup's branch) runs METHOD with
-            # --lookup-branch at its default length, unless the user gave one (or --adapt, which does not
-            # combine with it yet: then METHOD alone).
+            # --lookup-branch at its default length, unless the user gave one.
             from specblock.runtime.drafters.lookup_branch import DEFAULT_NODES, SUFFIX
             from specblock.runtime.q4 import Q4
             from specblock.runtime.target import resolve_dtype
@@ -114,7 +113,7 @@ class RunConfig(BaseModel):
             dtype = resolve_dtype(self.dtype, self.device)
             method = "ar" if dtype == Q4 else best_method(self.target, dtype, compiled=self.compile)
             self.method = method.removesuffix(SUFFIX)
-            if self.method != method and self.lookup_branch is None and not self.adapt:
+            if self.method != method and self.lookup_branch is None:
                 self.lookup_branch = DEFAULT_NODES
         return self
 
@@ -130,8 +129,6 @@ class RunConfig(BaseModel):
     def _adapt_needs_specblock(self) -> "RunConfig":
         if self.adapt and self.method != "specblock":
             raise ValueError("--adapt adapts the SpecBlock drafter; use it with --method specblock")
-        if self.adapt and self.lookup_branch:
-            raise ValueError("--lookup-branch and --adapt do not combine yet; give one of them")
         if self.lookup_on_top and not self.lookup_branch:
             raise ValueError("--lookup-on-top places prompt lookup's branch; give --lookup-branch N with it")
         return self
