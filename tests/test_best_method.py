@@ -49,8 +49,8 @@ def test_auto_falls_back_to_lookup_then_follows_the_record(fake_target):
     assert RunConfig(target="fake", method="auto", dtype="packed-fp16", lookup_branch=5).lookup_branch == 5
     assert RunConfig(target="fake", method="eagle3", dtype="packed-fp16").lookup_branch is None
     (fake_target / "best.json").write_text(json.dumps({"method": "specblock+lookup", "dtype": "packed-fp16"}))
-    adapting = RunConfig(target="fake", method="auto", dtype="packed-fp16", adapt=True)  # no branch with --adapt yet
-    assert (adapting.method, adapting.lookup_branch, adapting.adapt) == ("specblock", None, True)
+    adapting = RunConfig(target="fake", method="auto", dtype="packed-fp16", adapt=True)  # the branch combines with it
+    assert (adapting.method, adapting.lookup_branch, adapting.adapt) == ("specblock", 3, True)
     (fake_target / "best.json").write_text("{not json")
     with pytest.raises(SpecBlockError, match="best_method.py"):
         registry.best_method("fake")
