@@ -76,3 +76,20 @@ def test_a_failed_helper_leaves_its_sizes_to_the_server(saved_model, tmp_path):
         assert target.warm(4, (2, 4)) == [2, 4]
     assert counters["stats"]["unique_graphs"] - graphs == 2
     _decode_without_compiling(target, model)
+
+
+def test_a_stuck_helper_is_stopped_and_its_sizes_left_to_the_server():
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from specblock.compiled.warm_helpers import Helper
+
+    helper = Helper.__new__(Helper)  # its process: one that never finishes
+    helper.buckets, helper.log = [3], tempfile.TemporaryFile(mode="w+")
+    helper.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    start = time.perf_counter()
+    with pytest.warns(UserWarning, match="still running after 1 s"):
+        assert helper.wait(timeout=1.0) is False
+    assert time.perf_counter() - start < 30 and helper.proc.poll() is not None

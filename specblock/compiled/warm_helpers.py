@@ -40,6 +40,8 @@ from typing import Sequence
 import torch
 
 ENV = "SPECBLOCK_WARM_HELPERS"
+#: A helper's share takes about 20 s a bucket here; one still running after this is stopped.
+TIMEOUT_S = 600.0
 
 
 def helper_count(cold: int) -> int:
@@ -86,12 +88,19 @@ class Helper:
             cmd.append("--features")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log)
 
-    def wait(self) -> bool:
-        """True when the helper compiled and saved every bucket; a warning otherwise."""
-        code = self.proc.wait()
-        if code != 0:
+    def wait(self, timeout: float = TIMEOUT_S) -> bool:
+        """True when the helper compiled and saved every bucket; a warning otherwise (a helper still
+        running after ``timeout`` seconds is stopped: a stuck one must not keep a server from starting)."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+            lines = [f"still running after {timeout:.0f} s"]
+        else:
             self.log.seek(0)
             lines = [ln.strip() for ln in self.log.read().splitlines() if ln.strip()]
+        if code != 0:
             why = lines[-1] if lines else f"exit status {code}"
             warnings.warn(f"specblock: a helper compiling {len(self.buckets)} tree size(s) failed ({why[:200]}); "
                           "compiling them here (slower start, same graphs)", stacklevel=3)
