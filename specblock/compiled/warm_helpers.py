@@ -15,8 +15,9 @@ Three choices here:
   (``helper_count``; ``SPECBLOCK_WARM_HELPERS=0`` turns them off, a number sets how many at most).
   A helper starts 6-8 s behind the server (imports, loading), so the server keeps the larger share.
 - A helper checks that its graphs would be the server's (the model's ``precompile.tag``) and
-  exits otherwise; any failure leaves the server to compile those buckets itself, as before, with
-  one warning: slower to start, same graphs.
+  exits otherwise; any failure (or a helper still running after ``TIMEOUT_S``, then stopped)
+  leaves the server to compile those buckets itself, as before, with one warning: slower to
+  start, same graphs.
 - Dynamo names the globals a compiled graph installs in ``compiled/target.py``'s module from a
   counter that starts at 0 in every process, and loading an entry installs its names silently over
   any the process already holds. Graphs the server compiled itself and graphs it loads from a helper
