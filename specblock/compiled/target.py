@@ -354,8 +354,8 @@ class StaticTarget(TargetModel):
         for b in [b for b in warmed if b not in cold] + mine:  # loads first: the helpers are still starting
             self._warm_bucket(b)
         for helper in started:
-            sizes = ", ".join(map(str, helper.buckets))
-            with notice_if_slow(f"waiting for a helper process compiling the target's step for {sizes}-node trees"):
+            theirs = ", ".join(map(str, helper.buckets))
+            with notice_if_slow(f"waiting for a helper process compiling the target's step for {theirs}-node trees"):
                 helper.wait()
             for b in helper.buckets:
                 self._warm_bucket(b)  # loads what the helper saved (or compiles, where it failed)

@@ -179,6 +179,7 @@ class Adapter(Drafter):
         self.generation = 0  # bumped by every rollback: updates trained before it are stale
         self._serve_threads: int | None = None  # serving's threads while an update holds a core
         self.backbone_version = 0  # bumped whenever the serving backbone changes
+        self._depth: int | None = None  # the depth of the drafter's own last tree (``propose``)
         self.clear()
 
     # ------------------------------------------------------------------ bookkeeping
@@ -241,7 +242,8 @@ class Adapter(Drafter):
         top = lg.topk(min(self.cfg.top_k, lg.shape[-1]), dim=-1)
         lps = top.values - torch.logsumexp(lg, dim=-1, keepdim=True)
         nxt = np.append(tree.tokens[path[1:]], verdict.bonus).astype(np.int64)
-        s = max(0, getattr(self, "_depth", tree.max_depth) - verdict.accepted)
+        own = tree.max_depth if self._depth is None else self._depth
+        s = max(0, own - verdict.accepted)
         self.record.chunks.append((nxt, features.taps, top.indices.int(), lps, float(s)))
         self._w_iters += 1
         self._w_tokens += verdict.accepted + 1
