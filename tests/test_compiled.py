@@ -451,7 +451,13 @@ def test_the_server_warms_every_tree_size_with_compile(tmp_path, monkeypatch):
     model_dir = save_tiny(tmp_path / "m", "llama", vocab=96, ctx=64)
     warmed = []
     monkeypatch.setattr(cli, "maybe_compile", lambda t, c, m="whole": StaticTarget.wrap(t, compile=False) if c else t)
-    monkeypatch.setattr(StaticTarget, "warm", lambda self, n, sizes=None: warmed.append(n) or [])
+    def fake_warm(self, n, sizes=None, then=None):  # ``then``: the drafter's steps, while helpers compile
+        warmed.append(n)
+        if then is not None:
+            then()
+        return []
+
+    monkeypatch.setattr(StaticTarget, "warm", fake_warm)
     cfg, opts = parse(["--target", str(model_dir), "--dtype", "float32", "--method", "random", "--budget", "5",
                        "--compile", "--port", "0"])
     open_service(cfg, opts)

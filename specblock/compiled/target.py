@@ -334,16 +334,20 @@ class StaticTarget(TargetModel):
         return bucket_of(n, self.buckets)
 
     @torch.no_grad()
-    def warm(self, max_nodes: int, sizes: tuple[int, ...] | None = None, helpers: bool = True) -> list[int]:
+    def warm(self, max_nodes: int, sizes: tuple[int, ...] | None = None, helpers: bool = True,
+             then: Callable[[], object] | None = None) -> list[int]:
         """Compile (or load) the step of every bucket a tree of up to ``max_nodes`` nodes can meet
         (only those of ``sizes``, where the drafter names them: ``Drafter.tree_sizes``), at the first
         span (with ``one_span``, the only one), now rather than in the middle of a request: what a
         server does before it listens. Later trees pad up to a warmed bucket (``bucket``); several
         engines on one target warm the union. Buckets with no saved graph compile partly in helper
-        processes where cores are free (``helpers``; ``compiled/warm_helpers.py``). Runs with the
-        current ``want_features`` and taps (set them as the engine will); leaves the cache empty.
-        Returns the buckets warmed."""
+        processes where cores are free (``helpers``; ``compiled/warm_helpers.py``); ``then`` (the
+        drafter's own warm-up, which never touches this target) runs once this process's share is
+        done, while helpers may still compile. Runs with the current ``want_features`` and taps (set
+        them as the engine will); leaves the cache empty. Returns the buckets warmed."""
         if not self.compiled:
+            if then is not None:
+                then()
             return []
         top = bucket_of(max(1, max_nodes), self.buckets)
         wanted = {bucket_of(s, self.buckets) for s in sizes if 1 <= s <= max_nodes} if sizes else set()
@@ -353,6 +357,8 @@ class StaticTarget(TargetModel):
         mine, started = warm_helpers.start(self, cold)
         for b in [b for b in warmed if b not in cold] + mine:  # loads first: the helpers are still starting
             self._warm_bucket(b)
+        if then is not None:
+            then()
         for helper in started:
             theirs = ", ".join(map(str, helper.buckets))
             with notice_if_slow(f"waiting for a helper process compiling the target's step for {theirs}-node trees"):

@@ -62,14 +62,16 @@ class Engine:
         ``warm``, under a lookup branch too). Duck-typed, so the
         runtime needs nothing from ``specblock.compiled``; an eager target and drafter warm nothing.
         Returns the target's buckets warmed."""
-        warmed = []
-        if callable(getattr(self.target, "warm", None)):
-            self._point_target()  # the graphs depend on the features and taps this drafter reads
-            warmed = self.target.warm(self.drafter.max_tree(self.budget), self.drafter.tree_sizes(self.budget))
         inner = getattr(self.drafter, "inner", self.drafter)
-        if callable(getattr(inner, "warm", None)):
-            inner.warm()
-        return warmed
+        drafter_warm = inner.warm if callable(getattr(inner, "warm", None)) else None
+        if not callable(getattr(self.target, "warm", None)):
+            if drafter_warm is not None:
+                drafter_warm()
+            return []
+        self._point_target()  # the graphs depend on the features and taps this drafter reads
+        # the drafter's steps compile while the target's helper processes (if any) finish theirs
+        return self.target.warm(self.drafter.max_tree(self.budget), self.drafter.tree_sizes(self.budget),
+                                then=drafter_warm)
 
     def generate(
         self,
