@@ -353,7 +353,7 @@ class StaticTarget(TargetModel):
         wanted = {bucket_of(s, self.buckets) for s in sizes if 1 <= s <= max_nodes} if sizes else set()
         warmed = sorted(wanted) or [b for b in self.buckets if b <= top]
         self.warmed = tuple(sorted(set(self.warmed) | set(warmed)))
-        cold = [b for b in warmed if self._cold(b)] if helpers and self.saved else []
+        cold = [b for b in warmed if self._cold(b)] if helpers and warm_helpers.can_help(self) else []
         mine, started = warm_helpers.start(self, cold)
         for b in [b for b in warmed if b not in cold] + mine:  # loads first: the helpers are still starting
             self._warm_bucket(b)

@@ -109,11 +109,15 @@ class Helper:
         return code == 0
 
 
+def can_help(target) -> bool:
+    """Whether helpers can compile for ``target``: another process can load it again (``source``,
+    set by ``compile_target``) and its graphs are saved for loading (``saved``, ``tag``)."""
+    return target.source is not None and target.saved and target.tag is not None
+
+
 def start(target, cold: Sequence[int]) -> tuple[list[int], list[Helper]]:
-    """Helpers for part of ``cold`` where ``target`` can be loaded again (``source``) and its graphs
-    are saved; returns the buckets the server compiles itself and the helpers."""
-    if target.source is None or not target.saved or target.tag is None:
-        return sorted(cold), []
+    """Helpers for part of ``cold`` (``target`` passes ``can_help``); returns the buckets the
+    server compiles itself and the helpers."""
     mine, shares = split(cold, helper_count(len(cold)))
     return mine, [Helper(target, share) for share in shares]
 
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["Helper", "helper_count", "split", "start"]
+__all__ = ["Helper", "can_help", "helper_count", "split", "start"]
 
 if __name__ == "__main__":
     sys.exit(main())
