@@ -30,6 +30,17 @@ def test_json_single_prompt_with_compare(model_dir, capsys):
     assert rec["identical_to_ar"] is True and rec["speedup"] > 0
 
 
+def test_compare_warms_every_compiled_shape_first_and_a_plain_run_stays_lazy(model_dir, capsys, monkeypatch):
+    from specblock.runtime.cli import Session
+
+    calls = []
+    monkeypatch.setattr(Session, "warm_compiled", lambda self: calls.append(self.cfg.method) or [])
+    base = ("--target", model_dir, "--prompt", "abcabc", "--max-new-tokens", 4, "--dtype", "float32", "--method", "lookup")
+    assert run(capsys, *base)[0] == 0 and calls == []
+    assert run(capsys, *base, "--compare", "ar")[0] == 0 and calls == ["lookup"]
+    assert run(capsys, *base, "--compare", "ar", "--no-warmup")[0] == 0 and calls == ["lookup"]
+
+
 def test_prompt_file_gives_one_object_each_and_a_summary(model_dir, tmp_path, capsys):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "hello", "domain": "chat"}\n{"prompt": "def f(x):"}\n')

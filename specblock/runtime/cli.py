@@ -199,9 +199,11 @@ class Session:
 
     def warm_compiled(self) -> list[int]:
         """``--compile`` in a server: every tree size the engine can meet, and a compiled drafter's
-        steps, compiled (or loaded) before it listens, not in the middle of a request (the CLI stays
-        lazy: a short run meets few sizes). Returns the target's buckets warmed; none on an eager
-        target."""
+        steps, compiled (or loaded) before it listens, not in the middle of a request. The CLI stays
+        lazy (a short run meets few sizes) unless ``--compare`` times it: loading a saved graph at
+        first use took about a second a size, which the method's run paid and plain decoding's did
+        not (SpecBlock with the branch meets six sizes: "0.42x vs ar" over 128 tokens). Returns the
+        target's buckets warmed; none on an eager target."""
         return self.engine.warm_compiled()
 
 
@@ -279,6 +281,8 @@ def run(cfg: RunConfig) -> int:
                 where = f"prompt {i + 1}" if cfg.prompt_file else "the prompt"
                 raise SpecBlockError(f"{where} has {len(ids)} tokens, the model's context is {s.target.max_context}; shorten it")
         if cfg.warmup:
+            if cfg.compare:  # a timed comparison: every shape loaded (or compiled) first, as a server does
+                s.warm_compiled()
             s.warmup(encoded[0])
         windows = watch_adaptation(s)
         total, total_base, identical = DecodeStats(), DecodeStats(), True
