@@ -200,9 +200,9 @@ class Session:
     def warm_compiled(self) -> list[int]:
         """``--compile`` in a server: every tree size the engine can meet, and a compiled drafter's
         steps, compiled (or loaded) before it listens, not in the middle of a request. The CLI stays
-        lazy (a short run meets few sizes) unless ``--compare`` times it: loading a saved graph at
-        first use took about a second a size, which the method's run paid and plain decoding's did
-        not (SpecBlock with the branch meets six sizes: "0.42x vs ar" over 128 tokens). Returns the
+        lazy (a short run meets few sizes) unless ``--compare`` times it: loading saved graphs at
+        first use cost the method's run about 1.5 s and plain decoding's nothing (SpecBlock with the
+        branch meets six sizes: "0.42x vs ar" over 128 tokens). Returns the
         target's buckets warmed; none on an eager target.
 
         With ``--compare`` plain decoding's engine warms too: a warmed target pads every step up to a
