@@ -202,15 +202,13 @@ class Session:
         steps, compiled (or loaded) before it listens, not in the middle of a request. The CLI stays
         lazy (a short run meets few sizes) unless ``--compare`` times it: loading saved graphs at
         first use cost the method's run about 1.5 s and plain decoding's nothing (SpecBlock with the
-        branch meets six sizes: "0.42x vs ar" over 128 tokens). Returns the
-        target's buckets warmed; none on an eager target.
-
-        With ``--compare`` plain decoding's engine warms too: a warmed target pads every step up to a
-        warmed size, so without bucket 1 among them plain decoding would verify 3 rows a token."""
-        warmed = self.engine.warm_compiled()
-        if self.baseline is not None:
-            warmed = sorted(set(warmed) | set(self.baseline.warm_compiled()))
-        return warmed
+        branch meets six sizes: "0.42x vs ar" over 128 tokens). Both engines warm, as in ``warmup``:
+        a warmed target pads every step up to a warmed size, so plain decoding needs bucket 1 among
+        them. Returns the target's buckets warmed; none on an eager target."""
+        warmed: set[int] = set()
+        for eng in filter(None, (self.engine, self.baseline)):
+            warmed |= set(eng.warm_compiled())
+        return sorted(warmed)
 
 
 def maybe_compile(target: TargetModel, compile: bool, mode: str = "whole") -> TargetModel:
