@@ -27,16 +27,36 @@ from pathlib import Path
 PROMPT = "Write a haiku about the sea."
 
 
-def cli_start(extra: list[str]) -> float:
+#: ``--ab``: each later start also timed with one change of stop 56 undone, interleaved. ``guards``:
+#: each saved graph's guards built twice at load, as dynamo does while ``caching_precompile`` is on
+#: (``precompile._guards_built_once`` off); ``gc``: the collector at its default thresholds through
+#: the start (``specblock/gcstart.py`` off).
+UNDO = {
+    "guards": "import contextlib, specblock.gcstart as g; g.begin(); import specblock.compiled.precompile as p; "
+              "p._guards_built_once = contextlib.nullcontext",
+    "gc": "import specblock.gcstart as g; g.begin = lambda: None",
+}
+UNDONE = {"guards": "each saved graph's guards built twice at load (as before)",
+          "gc": "the collector at its default thresholds through the start (as before)"}
+
+
+def python_m(module: str, undo: str | None) -> list[str]:
+    if undo is None:
+        return [sys.executable, "-m", module]
+    run = f"; import runpy, sys; sys.argv[0] = {module!r}; runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    return [sys.executable, "-c", UNDO[undo] + run]
+
+
+def cli_start(extra: list[str], undo: str | None = None) -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "specblock.runtime", "--compile", "--max-new-tokens", "16", "--prompt", PROMPT,
+    subprocess.run([*python_m("specblock.runtime", undo), "--compile", "--max-new-tokens", "16", "--prompt", PROMPT,
                     *extra], check=True, capture_output=True, text=True)
     return time.perf_counter() - t0
 
 
-def serve_start(extra: list[str]) -> float:
+def serve_start(extra: list[str], undo: str | None = None) -> float:
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "specblock.serve", "--compile", "--port", "0", *extra],
+    proc = subprocess.Popen([*python_m("specblock.serve", undo), "--compile", "--port", "0", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         for line in proc.stdout:
@@ -72,6 +92,8 @@ def main() -> None:
     ap.add_argument("--vec-isa-ab", action="store_true",
                     help="each later start also timed with the vector-ISA record removed first (inductor's check "
                          "runs again, as before the record), interleaved: what the record saves")
+    ap.add_argument("--ab", choices=sorted(UNDO),
+                    help="each later start also timed with one change undone, interleaved: what it saves (UNDO)")
     args = ap.parse_args()
     extra = args.extra.split()
     starts = {"cli": cli_start, "serve": serve_start}
@@ -79,20 +101,25 @@ def main() -> None:
     res: dict = {"entries_before": saved_entries(), "extra": args.extra, "warm_helpers": helpers or "auto"}
     for name in args.which.split(","):
         first = starts[name](extra)
-        later, checked = [], []
+        later, checked, undone = [], [], []
         for _ in range(args.runs):
             if args.vec_isa_ab:
                 forget_vec_isa()
                 checked.append(starts[name](extra))  # checks, and records again for the next start
+            if args.ab:
+                undone.append(starts[name](extra, undo=args.ab))
             later.append(starts[name](extra))
         res[name] = {"first_s": round(first, 2), "later_s": [round(t, 2) for t in later],
                      "later_median_s": round(statistics.median(later), 2)}
         if checked:
             res[name].update(checked_s=[round(t, 2) for t in checked], checked_median_s=round(statistics.median(checked), 2))
+        if undone:
+            res[name].update(undone_s=[round(t, 2) for t in undone], undone_median_s=round(statistics.median(undone), 2))
         print(name, res[name], flush=True)
     res["entries_after"] = saved_entries()
     cmd = (f"SPECBLOCK_WARM_HELPERS={helpers} " if helpers else "") + f"python experiments/start_time.py --runs {args.runs} --which {args.which}" + \
         (f" --extra '{args.extra}'" if args.extra else "") + (" --vec-isa-ab" if args.vec_isa_ab else "") + \
+        (f" --ab {args.ab}" if args.ab else "") + \
         f" --out {args.out}"
     lines = [f"Later starts with `--compile`, whole fresh processes (`{cmd}`); saved function entries in the graph "
              f"cache: {res['entries_before']} before, {res['entries_after']} after.", "",
@@ -104,6 +131,9 @@ def main() -> None:
         if "checked_s" in r:
             lines.append(f"| the same, vector-ISA check run again (record removed) | - | "
                          f"{', '.join(map(str, r['checked_s']))} | {r['checked_median_s']} |")
+        if "undone_s" in r:
+            lines.append(f"| the same, {UNDONE[args.ab]} | - | "
+                         f"{', '.join(map(str, r['undone_s']))} | {r['undone_median_s']} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -15,7 +15,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "specblock"
 
 RANK = {
-    "errors": 0, "buckets": 0, "q4file": 0, "data": 0,
+    "errors": 0, "buckets": 0, "q4file": 0, "data": 0, "gcstart": 0,
     "atomic": 1, "flags": 1, "prompts": 1, "policies": 1,
     "models": 2,
     "sim": 3, "runtime": 3,

@@ -72,6 +72,25 @@ def test_a_later_target_loads_instead_of_tracing(cache, capfd, caplog):
     assert graphs() == before + 1
 
 
+def test_a_loaded_graph_builds_its_guards_once(cache, monkeypatch):
+    """Dynamo builds a graph's guards twice while ``caching_precompile`` is on (a first pass to drop
+    what a saved entry cannot hold); an entry saved so holds none of it, so a load builds once
+    (``precompile._guards_built_once``), and the guards built still reject other packed keys (above)."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    model = packed_model(4)
+    logits(StaticTarget(model, compile=True, buckets=(1,)), 1)  # compiles and saves
+    builds = []
+    build = CheckFunctionManager.build_guards
+    monkeypatch.setattr(CheckFunctionManager, "build_guards", lambda *a, **k: (builds.append(1), build(*a, **k))[1])
+    before = graphs()
+    again = StaticTarget(model, compile=True, buckets=(1,))
+    want = logits(StaticTarget(model, compile=False, buckets=(1,)), 1)
+    torch.testing.assert_close(logits(again, 1), want, atol=1e-5, rtol=1e-5)
+    assert graphs() == before, "the saved graph was traced again"
+    assert len(builds) == 1
+
+
 CHILD = r"""
 import sys
 sys.path.insert(0, "tests")

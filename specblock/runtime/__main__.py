@@ -1,5 +1,9 @@
 import sys
 
-from specblock.runtime.cli import main
+from specblock import gcstart
+
+gcstart.begin()  # before the heavy imports below (specblock/gcstart.py)
+
+from specblock.runtime.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from specblock import gcstart
 from specblock.atomic import atomic_open, check_output
 from specblock.errors import SpecBlockError
 from specblock.runtime import chat, drafters
@@ -288,6 +289,7 @@ def run(cfg: RunConfig) -> int:
             if cfg.compare:  # a timed comparison: every shape loaded (or compiled) first, as a server does
                 s.warm_compiled()
             s.warmup(encoded[0])
+        gcstart.done()  # loaded and warmed: the collector's usual thresholds for decoding (specblock/gcstart.py)
         windows = watch_adaptation(s)
         total, total_base, identical = DecodeStats(), DecodeStats(), True
         for row, ids in zip(rows, encoded):
@@ -362,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_transformers()
     try:
         if argv and argv[0] in SUBCOMMANDS:
+            gcstart.done()  # imports done; a bench or sweep runs with the collector's usual thresholds
             return SUBCOMMANDS[argv[0]](argv[1:])
         ns = build_parser().parse_args(argv)
         return run(validate(vars(ns)))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specblock import gcstart
 from specblock.errors import SpecBlockError
 from specblock.models import DEFAULT_TARGET_NAME, MODELS
 from specblock.runtime.cli import Session, build_parser as runtime_parser, quiet_transformers
@@ -107,6 +108,7 @@ def open_service(cfg: RunConfig, opts: ServeOptions, trace: TextIO | None = None
         session.warmup(list(session.tokenizer(WARMUP_TEXT)["input_ids"]))
     if session.adapter is not None:
         session.adapter.clear()  # the warm-up is not served traffic
+    gcstart.done()  # loaded and warmed: what the start built is frozen (specblock/gcstart.py)
     name, aliases = model_names(cfg, opts)
     return Service(session, ServeSettings(model_name=name, aliases=aliases, max_queue=opts.max_queue))
 
