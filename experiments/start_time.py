@@ -8,7 +8,8 @@ processes, Python's start and imports included, on this machine's cache of compi
 
 The first start of each may compile what the cache lacks; it is reported apart, and the figures
 are the medians of the later ones. Also printed: how many saved entries the graph cache holds, since
-a later start once loaded all of them (``StaticTarget.step_fns``).
+a later start once loaded all of them (``StaticTarget.step_fns``). ``--ab gc`` or ``--ab guards`` times
+each later start a second time with one of stop 56's changes undone, interleaved (``UNDO``).
 
     python experiments/start_time.py --runs 3 --out experiments/results/start_time
 """
