@@ -130,3 +130,15 @@ def test_the_pass_fuses_linears_that_share_an_input(built):
     calls = {op: src.count(f"= torch.ops.specblock_native.{op}.default(") for op in ("packed_linear_cat", "packed_linear")}
     assert calls == {"packed_linear_cat": 1, "packed_linear": 1}, src  # q and k as one call, o on its own
 
+
+
+def test_a_build_folder_per_source_and_torch_installation():
+    """Two virtual environments sharing one $SPECBLOCK_HOME each keep their own builds (the build
+    command names torch's paths, so one folder for both made ninja rebuild at every switch)."""
+    from specblock.runtime.cext import build_name
+
+    a = build_name("specblock_x", "int f();", "/venv-a/torch")
+    assert a == build_name("specblock_x", "int f();", "/venv-a/torch")
+    assert a != build_name("specblock_x", "int f();", "/venv-b/torch")
+    assert a != build_name("specblock_x", "int g();", "/venv-a/torch")
+    assert build_name("specblock_x", "int f();").startswith("specblock_x_")

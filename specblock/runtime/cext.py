@@ -22,8 +22,14 @@ import torch
 OPENMP = (["-O3", "-fopenmp"], ["-fopenmp"])
 
 
-def build_name(prefix: str, source: str) -> str:
-    return f"{prefix}_{hashlib.sha256((source + torch.__version__).encode()).hexdigest()[:12]}"
+def build_name(prefix: str, source: str, torch_dir: str | None = None) -> str:
+    """One build folder per source text, torch version and torch installation. Why the
+    installation: the build command names torch's headers and libraries by path, so two virtual
+    environments sharing one ``$SPECBLOCK_HOME`` (a checkout and a clone) made ninja rebuild every
+    library each time a process from the other one ran (5-6 s a library, in turns, in this
+    project's own build logs)."""
+    where = torch_dir if torch_dir is not None else str(Path(torch.__file__).resolve().parent)
+    return f"{prefix}_{hashlib.sha256((source + torch.__version__ + where).encode()).hexdigest()[:12]}"
 
 
 def build(prefix: str, source: str, cflags: list[str], ldflags: list[str] | None = None) -> None:
