@@ -40,6 +40,8 @@ from typing import Sequence
 
 import torch
 
+from specblock import gcstart
+
 ENV = "SPECBLOCK_WARM_HELPERS"
 #: A helper's share takes about 20 s a bucket here; one still running after this is stopped.
 TIMEOUT_S = 600.0
@@ -143,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--features", action="store_true")
     ap.add_argument("--buckets", required=True)
     args = ap.parse_args(argv)
+    gcstart.begin()  # a short-lived process that compiles: the collector's thresholds stay raised to its end
     torch.set_num_threads(args.threads)
     _distinct_names()
     from specblock.compiled import compile_target
