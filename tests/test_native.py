@@ -142,3 +142,35 @@ def test_a_build_folder_per_source_and_torch_installation():
     assert a != build_name("specblock_x", "int f();", "/venv-b/torch")
     assert a != build_name("specblock_x", "int g();", "/venv-a/torch")
     assert build_name("specblock_x", "int f();").startswith("specblock_x_")
+
+
+def test_a_build_begun_in_the_background_is_waited_for_not_run_again(monkeypatch):
+    """``cext.start_build`` runs the build in a thread; ``build`` of the same library and flags then
+    waits for it (one build), raises what it raised, and another flag set builds on its own."""
+    import threading
+
+    from specblock.runtime import cext
+
+    calls, release = [], threading.Event()
+
+    def fake(prefix, source, cflags, ldflags=None):
+        release.wait(5)
+        calls.append((prefix, tuple(cflags)))
+        cflags.append("-DADDED")  # torch's load_inline appends to the lists it is given
+        if source == "broken":
+            raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(cext, "_build_now", fake)
+    monkeypatch.setattr(cext, "_STARTED", {})
+    flags = ["-O2"]
+    cext.start_build("specblock_x", "int f();", flags)
+    cext.start_build("specblock_x", "int f();", flags)  # once
+    release.set()
+    cext.build("specblock_x", "int f();", flags)
+    assert calls == [("specblock_x", ("-O2",))]
+    assert flags == ["-O2"], "the caller's flags were changed (a later build would not find this one)"
+    cext.build("specblock_x", "int f();", ["-O3"])  # other flags: built here
+    assert calls[-1] == ("specblock_x", ("-O3",)) and len(calls) == 2
+    cext.start_build("specblock_y", "broken", [])
+    with pytest.raises(RuntimeError, match="no compiler"):
+        cext.build("specblock_y", "broken", [])

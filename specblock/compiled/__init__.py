@@ -9,6 +9,25 @@ from specblock.errors import SpecBlockError
 from specblock.runtime.target import TargetModel
 
 
+def prebuild(dtype: str, device: str) -> None:
+    """Begin building the C++ libraries a compiled CPU target calls (the fused tree attention where
+    the CPU runs it; the packed-linear kernel at packed-fp16) in the background, before the model
+    loads: the CLI and the server call this first under ``--compile``. On a first start the two
+    builds took about 6 s each, one after the other, after the load (docs/compiled.md, stop 56)."""
+    from specblock.runtime import cext, packed, tree_attention
+    from specblock.runtime.target import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    if dev.type != "cpu":
+        return
+    if tree_attention.cpu_supports():
+        cext.start_build("specblock_attention", tree_attention.SOURCE, *cext.OPENMP)
+    if resolve_dtype(dtype, dev) == packed.PACKED_FP16 and packed.available():
+        from specblock.compiled import native
+
+        cext.start_build("specblock_native", native.SOURCE, list(native.CFLAGS))
+
+
 def compile_target(target: TargetModel, mode: str = "whole") -> StaticTarget:
     """The CLI's ``--compile``: the loaded target behind static shapes, compiled per bucket on
     first use (inductor on CPU, CUDA graphs on CUDA); ``mode`` ``regions`` compiles one layer step
@@ -49,4 +68,5 @@ def compile_drafter(drafter, target: TargetModel):
     return StaticSpecBlockDrafter(drafter, capacity=target.max_context + ROWS + drafter.net.cfg.K)
 
 
-__all__ = ["BUCKETS", "COMPILE_MODES", "StaticTarget", "bucket_of", "compile_drafter", "compile_target", "span_of"]
+__all__ = ["BUCKETS", "COMPILE_MODES", "StaticTarget", "bucket_of", "compile_drafter", "compile_target", "prebuild",
+           "span_of"]

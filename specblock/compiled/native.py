@@ -133,8 +133,12 @@ TORCH_LIBRARY_IMPL(specblock_native, CPU, m) {
 _STATE: dict[str, object] = {}
 
 
+#: The kernel's compiler flags (``compiled.prebuild`` starts the same build).
+CFLAGS = ("-O2",)
+
+
 def _build() -> None:
-    cext.build("specblock_native", SOURCE, ["-O2"])
+    cext.build("specblock_native", SOURCE, list(CFLAGS))
     torch.library.register_fake("specblock_native::packed_linear", _fake)
     torch.library.register_fake("specblock_native::packed_linear_cat", _fake)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import subprocess
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -32,8 +33,33 @@ def build_name(prefix: str, source: str, torch_dir: str | None = None) -> str:
     return f"{prefix}_{hashlib.sha256((source + torch.__version__ + where).encode()).hexdigest()[:12]}"
 
 
+#: Builds begun in the background (``start_build``), by library name and flags.
+_STARTED: dict[tuple, Future] = {}
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def start_build(prefix: str, source: str, cflags: list[str], ldflags: list[str] | None = None) -> None:
+    """Begin ``build`` in a background thread; a later ``build`` of the same library and flags waits
+    for it (and raises what it raised). Why: on a first start the C++ compiler then runs beside the
+    model's load, on the core that load leaves idle, instead of after it (``compiled.prebuild``);
+    on a later start the build is ninja's check that nothing changed, overlapped too."""
+    key = (build_name(prefix, source), tuple(cflags), tuple(ldflags or ()))
+    if key not in _STARTED:
+        if not _POOL:
+            _POOL.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="specblock-build"))
+        _STARTED[key] = _POOL[0].submit(_build_now, prefix, source, list(cflags), list(ldflags or ()))
+
+
 def build(prefix: str, source: str, cflags: list[str], ldflags: list[str] | None = None) -> None:
     """Compile (or load the saved build of) ``source`` and register its ops in this process."""
+    started = _STARTED.get((build_name(prefix, source), tuple(cflags), tuple(ldflags or ())))
+    if started is not None:
+        started.result()
+        return
+    _build_now(prefix, source, list(cflags), list(ldflags or ()))  # copies: torch appends to the lists it is given
+
+
+def _build_now(prefix: str, source: str, cflags: list[str], ldflags: list[str] | None = None) -> None:
     from torch.utils.cpp_extension import load_inline
 
     from specblock.models.registry import specblock_home

@@ -161,6 +161,8 @@ class Session:
     @classmethod
     def open(cls, cfg: RunConfig, trace) -> "Session":
         path = cfg.target_dir
+        if cfg.compile:
+            prebuild_compiled(cfg.dtype, cfg.device)
         target = maybe_compile(TargetModel.load(path, cfg.dtype, cfg.device, cfg.attn, cfg.trust_remote_code), cfg.compile,
                                cfg.compile_mode)
         tokenizer = load_tokenizer(path, cfg.trust_remote_code)
@@ -219,6 +221,14 @@ def maybe_compile(target: TargetModel, compile: bool, mode: str = "whole") -> Ta
     from specblock.compiled import compile_target
 
     return compile_target(target, mode)
+
+
+def prebuild_compiled(dtype: str, device: str) -> None:
+    """``--compile``: the C++ libraries the compiled target calls start building now, beside the
+    model's load (``compiled.prebuild``)."""
+    from specblock.compiled import prebuild
+
+    prebuild(dtype, device)
 
 
 def maybe_compile_drafter(drafter, target: TargetModel):
