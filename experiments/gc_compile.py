@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from results_io import interleaved, timing_table, write_results
 
 CHILD = r"""
 import gc, json, sys, time
@@ -40,24 +41,18 @@ def main() -> None:
     ap.add_argument("--bucket", type=int, default=5, help="a tree size no default server warms")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/gc_compile"))
     args = ap.parse_args()
-    times: dict[str, list[float]] = {"default": [], "raised": []}
-    for _ in range(args.runs):
-        for mode in times:
-            with tempfile.TemporaryDirectory() as cache:
-                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-                p = subprocess.run([sys.executable, "-c", CHILD, mode, str(args.bucket)], env=env, capture_output=True,
-                                   text=True, check=True)
-            times[mode].append(round(json.loads(p.stdout.strip().splitlines()[-1])["compile_s"], 2))
-            print(mode, times[mode][-1], flush=True)
+    def one(mode: str) -> float:
+        with tempfile.TemporaryDirectory() as cache:
+            p = subprocess.run([sys.executable, "-c", CHILD, mode, str(args.bucket)], capture_output=True, text=True,
+                               check=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
+        return json.loads(p.stdout.strip().splitlines()[-1])["compile_s"]
+
+    times = interleaved(["default", "raised"], args.runs, one)
     cmd = f"python experiments/gc_compile.py --runs {args.runs} --bucket {args.bucket} --out {args.out}"
+    table, rows = timing_table(times, "compile s", "collector", key="compile_s")
     lines = [f"Cold compile of the real model's {args.bucket}-node bucket (packed-fp16), fresh processes with an empty "
-             f"inductor cache, interleaved (`{cmd}`):", "", "| collector | compile s | median |", "|---|---|---|"]
-    for mode, ts in times.items():
-        lines.append(f"| {mode} | {', '.join(map(str, ts))} | {statistics.median(ts):.2f} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"command": cmd, "compile_s": times}, indent=1))
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+             f"inductor cache, interleaved (`{cmd}`):", "", *table]
+    write_results(args.out, args, rows, lines)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from results_io import interleaved, timing_table, write_results
 
 CHILD = r"""
 import json, sys, time
@@ -41,27 +42,21 @@ def main() -> None:
     model = specblock_home() / "models" / "smollm2-135m-instruct"
     if not model.is_dir():
         sys.exit(f"no converted model at {model}: run `make run` once first")
-    times: dict[str, list[float]] = {"prebuild": [], "after": []}
-    for _ in range(args.runs):
-        for mode in times:
-            with tempfile.TemporaryDirectory() as home:
-                (Path(home) / "models").mkdir()
-                (Path(home) / "models" / model.name).symlink_to(model)
-                p = subprocess.run([sys.executable, "-c", CHILD, mode], env={**os.environ, "SPECBLOCK_HOME": home},
-                                   capture_output=True, text=True, check=True)
-            times[mode].append(round(json.loads(p.stdout.strip().splitlines()[-1])["open_s"], 2))
-            print(mode, times[mode][-1], flush=True)
+    def one(mode: str) -> float:
+        with tempfile.TemporaryDirectory() as home:
+            (Path(home) / "models").mkdir()
+            (Path(home) / "models" / model.name).symlink_to(model)
+            p = subprocess.run([sys.executable, "-c", CHILD, mode], env={**os.environ, "SPECBLOCK_HOME": home},
+                               capture_output=True, text=True, check=True)
+        return json.loads(p.stdout.strip().splitlines()[-1])["open_s"]
+
+    times = interleaved(["prebuild", "after"], args.runs, one)
     cmd = f"python experiments/prebuild_overlap.py --runs {args.runs} --out {args.out}"
-    lines = [f"Opening the default compiled server's session on a machine with no C++ library built (fresh "
-             f"`SPECBLOCK_HOME`, the converted model linked in), fresh processes, interleaved (`{cmd}`):", "",
-             "| C++ builds | open s | median |", "|---|---|---|"]
     what = {"prebuild": "begun before the model loads (now)", "after": "after the model loads (before)"}
-    for mode, ts in times.items():
-        lines.append(f"| {what[mode]} | {', '.join(map(str, ts))} | {statistics.median(ts):.2f} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"command": cmd, "open_s": times}, indent=1))
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    table, rows = timing_table(times, "open s", "C++ builds", what, key="open_s")
+    lines = [f"Opening the default compiled server's session on a machine with no C++ library built (fresh "
+             f"`SPECBLOCK_HOME`, the converted model linked in), fresh processes, interleaved (`{cmd}`):", "", *table]
+    write_results(args.out, args, rows, lines)
 
 
 if __name__ == "__main__":
