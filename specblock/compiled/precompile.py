@@ -104,9 +104,10 @@ def _guards_built_once() -> Iterator[None]:
     drop the guard kinds a saved entry cannot hold (``ID_MATCH``, ``DICT_VERSION``, ...). An entry
     saved under that flag holds none of them (the same filter ran before it was saved), so at load
     the first pass drops nothing. Loading with the flag off for the guard build alone skips it: the
-    same guards, built once. Measured on the real model's default server (8 saved graphs), a later
-    start's loading went from 6.2 to 5.0 s (docs/compiled.md). Where torch has no such function,
-    nothing changes."""
+    same guards, built once. The real model's default server (8 saved graphs) started in 8.43 s
+    against 9.61 s with the guards built twice, interleaved (``experiments/start_time.py --ab
+    guards``, ``start_time_default_warm_s56_guards.md``). Where torch has no such function, nothing
+    changes."""
     from torch._dynamo import package
 
     load = getattr(package, "load_guard_manager", None)
