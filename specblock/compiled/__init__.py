@@ -13,7 +13,7 @@ def prebuild(dtype: str, device: str) -> None:
     """Begin building the C++ libraries a compiled CPU target calls (the fused tree attention where
     the CPU runs it; the packed-linear kernel at packed-fp16) in the background, before the model
     loads: the CLI and the server call this first under ``--compile``. On a first start the two
-    builds took about 6 s each, one after the other, after the load (docs/compiled.md, stop 56)."""
+    builds ran one after the other after the load, on the critical path (docs/compiled.md, stop 56)."""
     from specblock.runtime import cext, packed, tree_attention
     from specblock.runtime.target import resolve_device, resolve_dtype
 
