@@ -67,8 +67,30 @@ def test_one_block_without_cuts_fills_its_budgets():
             drafter.prefill(prompt, target.prefill(prompt[:-1]))
             tree = drafter.propose(DraftRequest(tokens=prompt, budget=budget, max_depth=100))
             assert (tree.size,) == drafter.tree_sizes(budget), (widths, budget)
-    assert SpecBlockDrafter(net, M=1, policy=RankBucketBranching((2, 4, 10, 0))).tree_sizes(3) == (1, 2, 3, 4)
+    assert SpecBlockDrafter(net, M=1, policy=RankBucketBranching((2, 4, 10, 0))).tree_sizes(3) == (1, 3, 4)
+    assert SpecBlockDrafter(net, M=1, policy=RankBucketBranching((2, 4, 10, 0))).tree_sizes(1) == (1, 2)
     assert SpecBlockDrafter(net, M=2, policy=RankBucketBranching((4, 4, 4, 4))).tree_sizes(3) == (1, 2, 3, 4)
+
+
+def test_one_block_with_cuts_takes_only_the_sizes_it_names():
+    """``tree_sizes`` at M = 1 under widths with a 0 (the paper's (2, 4, 10, 0)): whatever buckets the
+    rank head predicts, each tree's size is among those named, so a compiled server never meets an
+    unwarmed size away from the context's end; the list leaves out what no run of widths can make."""
+    model, target, net = make("llama", seed=4)
+    target.want_features = True
+    rng = np.random.default_rng(7)
+    prompt = np.arange(2, 14)
+    drafter = SpecBlockDrafter(net, M=1, policy=RankBucketBranching((2, 4, 10, 0)))
+    buckets = rng.integers(0, 4, (40, net.cfg.K))
+    original = drafter._candidates
+    for row in buckets:  # the rank head's buckets forced, one run of them a tree
+        drafter._candidates = lambda hq, row=row: (lambda c: (c[0], c[1], np.broadcast_to(row, c[2].shape).copy()))(
+            original(hq))
+        for budget in (1, 2, 3, 5, 8):
+            drafter.prefill(prompt, target.prefill(prompt[:-1]))
+            tree = drafter.propose(DraftRequest(tokens=prompt, budget=budget, max_depth=100))
+            assert tree.size in drafter.tree_sizes(budget), (row, budget, tree.size)
+    assert 2 not in drafter.tree_sizes(3)
 
 @pytest.mark.parametrize("shift,broadcast", [(False, True), (True, False)])
 def test_ablations_stay_lossless(shift, broadcast):

@@ -46,16 +46,23 @@ class SpecBlockDrafter(Drafter):
         self.reset()
 
     def tree_sizes(self, budget: int) -> tuple[int, ...]:
-        """One block (``M = 1``) under rank widths that never end a branch (no 0) grows its spine
-        all ``K`` positions deep, each keeping at least the smallest width, so a budget up to ``K``
-        times that is always filled: one size (the shipped serving settings: M = 1, widths 4, budget
-        3; 6 under the lookup branch). Otherwise the rank head's cuts and the later blocks' seeds
-        vary the size: every size."""
+        """The sizes one block (``M = 1``) under rank widths can take (``grow_block``): its spine
+        grows until a position's bucket has width 0, or all ``K`` positions deep, each position
+        keeping its bucket's width of candidates (at most ``top_k``), and the budget cuts the total.
+        So a tree holds ``min(budget, w_1 + ... + w_j)`` nodes below the root for some widths' run.
+        Widths with no 0 fill any budget up to ``K`` times the smallest: one size. The shipped
+        widths (2, 4, 10, 0) at budget 3 give 1, 3 or 4 nodes, never 2. Later blocks' seeds (``M
+        > 1``) and other policies: every size."""
         pol = self.policy
-        if self.M == 1 and type(pol) is RankBucketBranching and min(pol.widths_by_bucket) >= 1 \
-                and 1 <= budget <= self.net.cfg.K * min(pol.widths_by_bucket):
-            return (budget + 1,)
-        return super().tree_sizes(budget)
+        if self.M != 1 or type(pol) is not RankBucketBranching or budget < 1:
+            return super().tree_sizes(budget)
+        widths = {min(int(w), self.net.cfg.top_k) for w in pol.widths_by_bucket}
+        ends, live = set(), {0}  # totals of spines that ended; totals of spines still growing
+        for _ in range(self.net.cfg.K):
+            if 0 in widths:
+                ends |= live  # a width of 0 at this position ends the spine
+            live = {min(budget, t + w) for t in live for w in widths if w > 0}
+        return tuple(sorted({1 + min(budget, t) for t in ends | live}))
 
     @classmethod
     def load(cls, path: str | Path, target: TargetModel, **kw) -> "SpecBlockDrafter":
