@@ -83,13 +83,16 @@ def test_one_block_with_cuts_takes_only_the_sizes_it_names():
     drafter = SpecBlockDrafter(net, M=1, policy=RankBucketBranching((2, 4, 10, 0)))
     buckets = rng.integers(0, 4, (40, net.cfg.K))
     original = drafter._candidates
+    seen: dict[int, set[int]] = {b: set() for b in (1, 2, 3, 5, 8)}
     for row in buckets:  # the rank head's buckets forced, one run of them a tree
         drafter._candidates = lambda hq, row=row: (lambda c: (c[0], c[1], np.broadcast_to(row, c[2].shape).copy()))(
             original(hq))
-        for budget in (1, 2, 3, 5, 8):
+        for budget in seen:
             drafter.prefill(prompt, target.prefill(prompt[:-1]))
             tree = drafter.propose(DraftRequest(tokens=prompt, budget=budget, max_depth=100))
             assert tree.size in drafter.tree_sizes(budget), (row, budget, tree.size)
+            seen[budget].add(tree.size)
+    assert all(seen[b] == set(drafter.tree_sizes(b)) for b in seen), seen  # these 40 runs meet every size named
     assert 2 not in drafter.tree_sizes(3)
 
 @pytest.mark.parametrize("shift,broadcast", [(False, True), (True, False)])
