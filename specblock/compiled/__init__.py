@@ -14,18 +14,16 @@ def prebuild(dtype: str, device: str) -> None:
     the CPU runs it; the packed-linear kernel at packed-fp16) in the background, before the model
     loads: the CLI and the server call this first under ``--compile``. On a first start the two
     builds ran one after the other after the load, on the critical path (docs/compiled.md, stop 56)."""
-    from specblock.runtime import cext, packed, tree_attention
+    from specblock.compiled import native
+    from specblock.runtime import packed, tree_attention
     from specblock.runtime.target import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     if dev.type != "cpu":
         return
-    if tree_attention.cpu_supports():
-        cext.start_build("specblock_attention", tree_attention.SOURCE, *cext.OPENMP)
-    if resolve_dtype(dtype, dev) == packed.PACKED_FP16 and packed.available():
-        from specblock.compiled import native
-
-        cext.start_build("specblock_native", native.SOURCE, list(native.CFLAGS))
+    tree_attention.start_building()
+    if resolve_dtype(dtype, dev) == packed.PACKED_FP16:
+        native.start_building()
 
 
 def compile_target(target: TargetModel, mode: str = "whole") -> StaticTarget:

@@ -133,12 +133,18 @@ TORCH_LIBRARY_IMPL(specblock_native, CPU, m) {
 _STATE: dict[str, object] = {}
 
 
-#: The kernel's compiler flags (``compiled.prebuild`` starts the same build).
-CFLAGS = ("-O2",)
+#: The library's name and compiler flags (``_build`` and ``start_building`` build the same).
+LIBRARY, CFLAGS = "specblock_native", ["-O2"]
+
+
+def start_building() -> None:
+    """``use_native_kernel``'s build begun in the background where it would run (``compiled.prebuild``)."""
+    if packed.available():
+        cext.start_build(LIBRARY, SOURCE, CFLAGS)
 
 
 def _build() -> None:
-    cext.build("specblock_native", SOURCE, list(CFLAGS))
+    cext.build(LIBRARY, SOURCE, CFLAGS)
     torch.library.register_fake("specblock_native::packed_linear", _fake)
     torch.library.register_fake("specblock_native::packed_linear_cat", _fake)
 

@@ -35,7 +35,15 @@ def build_name(prefix: str, source: str, torch_dir: str | None = None) -> str:
 
 #: Builds begun in the background (``start_build``), by library name and flags.
 _STARTED: dict[tuple, Future] = {}
-_POOL: list[ThreadPoolExecutor] = []
+
+
+def _key(prefix: str, source: str, cflags: list[str], ldflags: list[str] | None) -> tuple:
+    return build_name(prefix, source), tuple(cflags), tuple(ldflags or ())
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="specblock-build")
 
 
 def start_build(prefix: str, source: str, cflags: list[str], ldflags: list[str] | None = None) -> None:
@@ -43,20 +51,18 @@ def start_build(prefix: str, source: str, cflags: list[str], ldflags: list[str] 
     for it (and raises what it raised). Why: on a first start the C++ compiler then runs beside the
     model's load, on the core that load leaves idle, instead of after it (``compiled.prebuild``);
     on a later start the build is ninja's check that nothing changed, overlapped too."""
-    key = (build_name(prefix, source), tuple(cflags), tuple(ldflags or ()))
-    if key not in _STARTED:
-        if not _POOL:
-            _POOL.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="specblock-build"))
-        _STARTED[key] = _POOL[0].submit(_build_now, prefix, source, list(cflags), list(ldflags or ()))
+    key = _key(prefix, source, cflags, ldflags)
+    if key not in _STARTED:  # copies: torch appends to the lists it is given
+        _STARTED[key] = _pool().submit(_build_now, prefix, source, list(cflags), list(ldflags or ()))
 
 
 def build(prefix: str, source: str, cflags: list[str], ldflags: list[str] | None = None) -> None:
     """Compile (or load the saved build of) ``source`` and register its ops in this process."""
-    started = _STARTED.get((build_name(prefix, source), tuple(cflags), tuple(ldflags or ())))
+    started = _STARTED.get(_key(prefix, source, cflags, ldflags))
     if started is not None:
         started.result()
         return
-    _build_now(prefix, source, list(cflags), list(ldflags or ()))  # copies: torch appends to the lists it is given
+    _build_now(prefix, source, list(cflags), list(ldflags or ()))  # copies, as in start_build
 
 
 def _build_now(prefix: str, source: str, cflags: list[str], ldflags: list[str] | None = None) -> None:

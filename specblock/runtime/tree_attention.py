@@ -46,6 +46,7 @@ import torch
 from specblock.runtime import cext
 
 SOURCE = (Path(__file__).parent / "tree_attention.cpp").read_text()
+LIBRARY = "specblock_attention"
 _STATE: dict[str, bool] = {}
 
 
@@ -60,11 +61,17 @@ def load() -> bool:
         if not cpu_supports():
             why = "this CPU has no AVX512F/DQ"
         else:  # where it cannot be built: the math kernel, same results
-            why = cext.build_or_why("specblock_attention", SOURCE, {"specblock_attention::tree_attention": _fake})
+            why = cext.build_or_why(LIBRARY, SOURCE, {"specblock_attention::tree_attention": _fake})
         _STATE["ok"] = why is None
         if why is not None:
             warnings.warn(f"specblock: compiled graphs keep the matmul attention, not the fused one ({why})", stacklevel=2)
     return _STATE["ok"]
+
+
+def start_building() -> None:
+    """``load``'s build begun in the background where it would run (``compiled.prebuild``)."""
+    if cpu_supports():
+        cext.start_build(LIBRARY, SOURCE, *cext.OPENMP)  # build_or_why's flags
 
 
 def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -62,7 +62,7 @@ class SpecBlockDrafter(Drafter):
             if 0 in widths:
                 ends |= live  # a width of 0 at this position ends the spine
             live = {min(budget, t + w) for t in live for w in widths if w > 0}
-        return tuple(sorted({1 + min(budget, t) for t in ends | live}))
+        return tuple(sorted({1 + t for t in ends | live}))  # every total is capped at the budget already
 
     @classmethod
     def load(cls, path: str | Path, target: TargetModel, **kw) -> "SpecBlockDrafter":
