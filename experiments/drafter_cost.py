@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="beside a q4 target on the int8 kernel, also time each drafter with its linears rounded to "
                          "Q4_1 instead of Q8_0 (the row 'METHOD [q4]')")
     ap.add_argument("--packed-drafters", action="store_true",
-                    help="beside a q4 target on the int8 kernel, also time each drafter with packed fp16 linears "
+                    help="beside a packed target where drafters run int8 linears, also time each drafter with packed fp16 linears "
                          "(the row 'METHOD [packed]'), the baseline of its int8 ones")
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "drafter_cost")
     args = ap.parse_args(argv)
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             # baselines and variants, each timed with one module setting changed: (asked, applies, module, name, value, label)
             variants = [(args.sdpa_drafter, base["fused_attention"], static_drafter, "USE_FUSED", False, "sdpa"),
                         (args.q4_drafters, base["int8_linears"], drafters, "DRAFTER_BITS", 4, "q4"),
-                        (args.packed_drafters, base["int8_linears"], drafters, "INT8_BESIDE_INT8", False, "packed")]
+                        (args.packed_drafters, base["int8_linears"], drafters, "INT8_DRAFTERS", False, "packed")]
             for asked, applies, module, name, value, label in variants:
                 if asked and applies:
                     before = getattr(module, name)

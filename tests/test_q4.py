@@ -425,18 +425,20 @@ def test_int8_linears_round_a_copy_and_multiply_by_it():
 
 
 @needs_vnni
-def test_drafters_beside_an_int8_target_run_int8_and_stay_lossless(tmp_path, monkeypatch):
-    """``drafters.build`` puts a drafter's linears on the int8 kernel beside a q4 target on it (and
-    packs them beside one on the fp32 kernel); the drafts move, the output is the target's."""
+def test_drafters_beside_a_packed_target_run_int8_and_stay_lossless(tmp_path, monkeypatch):
+    """``drafters.build`` puts a drafter's linears on the int8 kernel beside any packed target (q4
+    on either of our kernels, packed-fp16) where the CPU runs it, and packs them fp16 when asked
+    (``int8=False``, the bench's ``drafter_int8=false``); the drafts move, the output is the target's."""
     from specblock.runtime import drafters
     from specblock.runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Net
     from tiny import perturb
 
     path = save_tiny_q4(tmp_path / "t", layers=3)
-    for kernel in ("fp32", "int8"):
+    for kernel, dtype, int8 in (("fp32", "q4", None), ("int8", "q4", None), ("int8", "packed-fp16", None),
+                                ("int8", "packed-fp16", False)):
         monkeypatch.setattr(q4, "default_kernel", lambda: kernel)
-        target = TargetModel.load(path, "q4", "cpu")
-        assert drafters._int8_target(target) == (kernel == "int8")
+        target = TargetModel.load(path, dtype, "cpu")
+        assert drafters.int8_drafters(target)
         torch.manual_seed(1)
         net = Eagle3Net(Eagle3Config(vocab_size=V, hidden_size=64, num_heads=4, intermediate_size=128,
                                      tap_layers=target.tap_layers, top_k=4))
@@ -444,16 +446,44 @@ def test_drafters_beside_an_int8_target_run_int8_and_stay_lossless(tmp_path, mon
         perturb(net, 0.3)
         drafter = Eagle3Drafter(net.eval())
         monkeypatch.setitem(drafters.METHODS, "eagle3", lambda t, opt: drafter)
-        assert drafters.build("eagle3", target, {}) is drafter
+        assert drafters.build("eagle3", target, {}, int8=int8) is drafter
         mods = list(net.modules())
         assert not any(type(m) is torch.nn.Linear for m in mods)
-        assert any(isinstance(m, q4.Int8Linear) for m in mods) == (kernel == "int8")
+        assert any(isinstance(m, q4.Int8Linear) for m in mods) == (int8 is None)
+        assert any(isinstance(m, packed.PackedLinear) for m in mods) == (int8 is False)
         rng = np.random.default_rng(4)
         accepted = 0
         for trial in range(3):
             prompt = rng.integers(2, V, int(rng.integers(2, 12)))
             res = Engine(target, drafter, budget=6).generate(prompt, 20)
-            check_parting(kernel, first_parting(target.model, prompt, res.token_ids, hf_greedy(target.model, prompt, 20)),
-                          trial)
+            if dtype == "q4":
+                check_parting(kernel, first_parting(target.model, prompt, res.token_ids,
+                                                    hf_greedy(target.model, prompt, 20)), trial)
+            else:  # packed-fp16: the same tokens as its own plain decoding
+                assert res.token_ids == Engine(target, drafters.ARDrafter(), budget=0).generate(prompt, 20).token_ids
             accepted += sum(res.stats.accepted)
         assert accepted > 0
+
+
+def test_no_int8_drafters_where_the_kernel_cannot_run(tmp_path, monkeypatch):
+    """Without AVX512-VNNI, or beside a target that is not packed, drafters keep what they had."""
+    from specblock.runtime import drafters
+
+    target = TargetModel.load(save_tiny_q4(tmp_path / "t", layers=2), "packed-fp16", "cpu")
+    monkeypatch.setattr(q4_kernel, "vnni_supports", lambda: False)
+    assert not drafters.int8_drafters(target)
+    assert drafters.pack_for(LookupDrafter(), target) == 0  # no network: nothing to move
+
+
+def test_bench_refuses_drafter_int8_where_there_are_no_drafter_linears(tmp_path, capsys):
+    from specblock.runtime.bench_config import method_options
+    from specblock.runtime.cli import main
+
+    flags = ["bench", "--target", "lab", "--domains", "code", "--prompts", "1", "--runs", "1", "--out", str(tmp_path / "b")]
+    for m in ("lookup", "ar@x", "hf-greedy"):
+        assert main(flags + ["--methods", m, "--set", f"{m}:drafter_int8=false"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "only a trained drafter" in err and "\n" not in err
+    assert not (tmp_path / "b.json").exists()
+    ok = ["specblock+adapt+lookup@p", "eagle3@p"]
+    assert all(o["drafter_int8"] is False for o in method_options([f"{m}:drafter_int8=false" for m in ok], ok).values())

@@ -147,7 +147,7 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
     on_top = bool(opts.pop("lookup_on_top", None))
     opts = drafters.serving_settings(_base(m), target, opts)
     budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
-    drafter = drafters.build(_base(m), target, opts)
+    drafter = drafters.build(_base(m), target, opts, int8=opts.pop("drafter_int8", None))
     if drafter_compiled and ADAPT not in m:
         from specblock.runtime.cli import maybe_compile_drafter
 

@@ -16,6 +16,7 @@ from specblock.flags import check, one_line
 from specblock.prompts import DOMAINS
 from specblock.runtime.config import RunConfig
 from specblock.runtime.drafters.lookup_branch import SUFFIX as LOOKUP
+from specblock.runtime.drafters import TRAINED
 from specblock.runtime.drafters.lookup_branch import has_lookup
 from specblock.runtime.peers import is_peer
 
@@ -43,6 +44,9 @@ MethodOptions = create_model(
     # SpecBlock's block forward compiled (compiled/drafter.py): by default with the target; true also
     # beside the eager target, false eager beside the compiled one (A/Bs in one run)
     drafter_compiled=(bool | None, None),
+    # a trained drafter's linears beside a packed target: on the int8 kernel where it runs (the
+    # default, drafters.int8_drafters) or false, packed fp16 (A/Bs in one run)
+    drafter_int8=(bool | None, None),
     # an HF peer on the model loaded in another dtype (issue 16's baseline, HF's generate on the bf16
     # checkpoint, beside methods on --dtype q4): another model, so its outputs may part from ar's
     dtype=(RunConfig.model_fields["dtype"].annotation | None, None),
@@ -144,6 +148,9 @@ def check_bench_flags(args) -> dict[str, dict]:
         if o.get("drafter_compiled") is not None and base not in COMPILED_DRAFTERS:
             raise SpecBlockError(f"--set {m}:drafter_compiled: only {', '.join(COMPILED_DRAFTERS)} have a compiled drafter "
                                  "(an adapting one has not); use it on one of them or its +lookup")
+        if o.get("drafter_int8") is not None and base.removesuffix("+adapt") not in TRAINED:
+            raise SpecBlockError(f"--set {m}:drafter_int8: only a trained drafter ({', '.join(TRAINED)}) has linears "
+                                 "to run on the int8 kernel; use it on one of them")
         if o.get("dtype") is not None and not is_peer(m):
             raise SpecBlockError(f"--set {m}:dtype: every method of a bench runs on --dtype; only an HF peer "
                                  "(hf-greedy, hf-lookup, hf-assisted) takes a model of its own, e.g. --set hf-greedy@bf16:dtype=bfloat16")

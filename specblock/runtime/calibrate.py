@@ -98,12 +98,11 @@ def time_specblock(target: TargetModel, path: Path, reps: int, rng, compiled: bo
     block runs); the simulator adds it to each drafter forward.
     """
     from specblock.policies.branching import RankBucketBranching
-    from specblock.runtime.drafters import pack_drafter
+    from specblock.runtime.drafters import pack_for
     from specblock.runtime.drafters.specblock import SpecBlockDrafter
 
     d = SpecBlockDrafter.load(path, target)
-    if target.packed:  # as drafters.build serves it beside a packed target
-        pack_drafter(d)
+    pack_for(d, target)  # as drafters.build serves it beside a packed target
     if compiled:  # block 1 on static buffers, compiled (the CLI's hook: compiled/ sits above runtime/)
         from specblock.runtime.cli import maybe_compile_drafter
 

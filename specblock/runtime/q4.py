@@ -17,8 +17,8 @@ Three kernels (``Int4Linear.kernel``; ``SPECBLOCK_Q4_KERNEL`` picks one):
   ``runtime/exact_parts.py``, which inductor would otherwise change. So it is **lossless like
   fp32** too: every method equals plain decoding token for token, eager and compiled, and compiled
   decoding equals eager decoding (``tests/test_exact_parts.py``, ``tests/test_q4.py``). Drafters
-  beside a target on it run their linears on it too, from their own weights rounded to Q8_0
-  (``use_int8_linears``, ``drafters.pack_drafter``).
+  beside any packed target (q4 or packed-fp16) run their linears on it where the CPU has it, from
+  their own weights rounded to Q8_0 (``use_int8_linears``, ``drafters.pack_for``).
 - ``fp32`` (where AVX512 is there but VNNI is not): ours too. fp32 activations and sums, the
   exact Q4_1 weights ``d * q + m``, every output computed by the same operations whatever the rows
   of the call: lossless like fp32 (``tests/test_q4.py``). It is another rounding of the same
@@ -229,7 +229,7 @@ def use_int8_linears(model: nn.Module, bits: int = 8) -> int:
     """Replace each bias-free ``nn.Linear`` of an fp32 CPU model that fits the kernel by an
     ``Int8Linear`` on its own weights rounded to Q8_0 (the int8 kernel); returns how many.
 
-    For drafters beside a target on the int8 kernel: a drafter's forward is a dozen linears over a
+    For drafters beside a packed target (``drafters.pack_for``): a drafter's forward is a dozen linears over a
     few rows, where packed fp16's fbgemm call costs several times the int8 kernel's
     (``experiments/drafter_linears.py``). Only the drafts move (Q8_0 rounding: about 0.4% of a
     weight group's largest value); verification, and so the output, is the target's. Each module

@@ -96,16 +96,30 @@ def _fake_cat(x: torch.Tensor, k0: int, k1: int, k2: int, k3: int, out_features:
     return x.new_empty((x.shape[0], out_features))
 
 
+LIBRARY = "specblock_q4"
+
+
+def _torch_asked() -> bool:
+    return os.environ.get("SPECBLOCK_Q4_KERNEL", "fp32") == "bf16"
+
+
+def start_building() -> None:
+    """``load``'s build begun in the background where it would run: a q4 target's, or the int8
+    linears of drafters beside a packed one (``drafters.int8_drafters``)."""
+    if cpu_supports() and not _torch_asked():
+        cext.start_build(LIBRARY, SOURCE, *cext.OPENMP)  # build_or_why's flags
+
+
 def load() -> bool:
     """Build (or load) the extension once per process; False, with one warning, where it cannot run."""
     if "ok" not in _STATE:
         why = None
-        if os.environ.get("SPECBLOCK_Q4_KERNEL", "fp32") == "bf16":
+        if _torch_asked():
             why = "SPECBLOCK_Q4_KERNEL=bf16 asks for torch's kernel"
         elif not cpu_supports():
             why = "this CPU has no AVX512F/AVX512BW"
         else:  # where it cannot be built: torch's kernel, lossless only like bf16
-            why = cext.build_or_why("specblock_q4", SOURCE, {
+            why = cext.build_or_why(LIBRARY, SOURCE, {
                 "specblock_q4::linear": _fake, "specblock_q4::linear_key": _fake_key,
                 "specblock_q4::linear_key_cat": _fake_cat, "specblock_q4::linear8": _fake8})
         _STATE["ok"] = why is None

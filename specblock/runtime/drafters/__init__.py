@@ -91,34 +91,67 @@ def register(name: str, factory: Callable) -> None:
     METHODS[name] = factory
 
 
-#: Beside a q4 target on the int8 kernel, drafters' linears run on it too (``pack_drafter``).
-#: False keeps them packed fp16: the baseline of ``experiments/drafter_cost.py --packed-drafters``.
-INT8_BESIDE_INT8 = True
+#: Beside a packed target (packed-fp16 or q4), drafters' linears run on our int8 kernel where the
+#: CPU runs it (``int8_drafters``). False keeps them packed fp16: the baseline of
+#: ``experiments/drafter_cost.py --packed-drafters`` and of the bench's ``drafter_int8=false``.
+INT8_DRAFTERS = True
 #: Their weights' rounding there: Q8_0 (8) or Q4_1 (4; ``experiments/drafter_cost.py --q4-drafters``).
 DRAFTER_BITS = 8
 
 
-def build(name: str, target, options: dict | None = None) -> Drafter:
-    """The drafter ``name`` for ``target``. Beside a packed-fp16 or q4 target its linears are packed
-    too (half the bytes of its fp32 weights per forward), or in int8 beside a q4 target on the int8
-    kernel; an adapting drafter trains unpacked copies and repacks the served net when an update
-    lands (``runtime/adapt.py``)."""
+def build(name: str, target, options: dict | None = None, int8: bool | None = None) -> Drafter:
+    """The drafter ``name`` for ``target``. Beside a packed-fp16 or q4 target its linears run on the
+    int8 kernel where the CPU has it, packed fp16 otherwise (``pack_for``; ``int8`` False: packed
+    fp16 anyway); an adapting drafter trains unpacked copies and repacks the served net when an
+    update lands (``runtime/adapt.py``)."""
     if name not in METHODS:
         raise SpecBlockError(f"unknown method {name!r}; choose one of {', '.join(sorted(METHODS))}")
     options = {k: v for k, v in (options or {}).items() if v is not None}  # None: not set, the default holds
     if name not in TAKES_POLICY:
         user_policies(name, options)  # a policy named for a method without one: refused
     drafter = METHODS[name](target, options)
-    if getattr(target, "packed", False):
-        pack_drafter(drafter, int8=INT8_BESIDE_INT8 and _int8_target(target))
+    pack_for(drafter, target, int8)
     return drafter
 
 
-def _int8_target(target) -> bool:
-    from specblock.runtime.q4 import int8_kernel_of
+def pack_for(drafter: Drafter, target, int8: bool | None = None) -> int:
+    """Beside a packed target, the drafter's linears as ``build`` serves them: on the int8 kernel
+    where :func:`int8_drafters` holds (``int8`` None: ``INT8_DRAFTERS``), packed fp16 otherwise.
+    Beside any other target nothing changes. Returns how many linears moved."""
+    if not getattr(target, "packed", False):
+        return 0
+    return pack_drafter(drafter, int8=(INT8_DRAFTERS if int8 is None else int8) and int8_drafters(target))
 
-    model = getattr(target, "model", None)
-    return model is not None and int8_kernel_of(model)
+
+def start_int8_build(dtype: str, device: str) -> None:
+    """Where a drafter will run on the int8 kernel (a packed dtype on a CPU with AVX512-VNNI), its
+    library starts building in the background now, beside the target's load, not after it."""
+    from specblock.runtime import q4_kernel
+    from specblock.runtime.target import PACKED_FP16, Q4, resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    if INT8_DRAFTERS and dev.type == "cpu" and resolve_dtype(dtype, dev) in (PACKED_FP16, Q4) and q4_kernel.vnni_supports():
+        q4_kernel.start_building()
+
+
+def int8_drafters(target) -> bool:
+    """Whether a drafter beside ``target`` can run its linears on our int8 kernel: a CPU target,
+    AVX512-VNNI, and the kernel's library built (it is built here on first use, once per home).
+
+    Why, beside packed-fp16 too and not only beside a q4 target on that kernel: a drafter's forward
+    is a dozen linears over a few rows, where fbgemm's fp16 call costs 2-4x the int8 kernel's
+    (``experiments/drafter_linears.py``), and a drafter's precision moves only its drafts: the output
+    is the target's, whatever it proposes."""
+    import warnings
+
+    from specblock.runtime import q4_kernel
+
+    device = getattr(target, "device", None)
+    if getattr(device, "type", "cpu") != "cpu" or not q4_kernel.vnni_supports():
+        return False
+    with warnings.catch_warnings():  # its warning speaks of a q4 target: here the fallback is packed fp16
+        warnings.simplefilter("ignore")
+        return q4_kernel.load()
 
 
 def pack_drafter(drafter: Drafter, int8: bool = False) -> int:
