@@ -9,7 +9,7 @@ processes, Python's start and imports included, on this machine's cache of compi
 The first start of each may compile what the cache lacks; it is reported apart, and the figures
 are the medians of the later ones. Also printed: how many saved entries the graph cache holds, since
 a later start once loaded all of them (``StaticTarget.step_fns``). ``--ab gc`` or ``--ab guards`` times
-each later start a second time with one of stop 56's changes undone, interleaved (``UNDO``).
+each later start a second time with one of stop 56's or 57's changes undone, interleaved (``UNDO``).
 
     python experiments/start_time.py --runs 3 --out experiments/results/start_time
 """
@@ -28,17 +28,22 @@ from pathlib import Path
 PROMPT = "Write a haiku about the sea."
 
 
-#: ``--ab``: each later start also timed with one change of stop 56 undone, interleaved. ``guards``:
+#: ``--ab``: each later start also timed with one change of stop 56 or 57 undone, interleaved. ``guards``:
 #: each saved graph's guards built twice at load, as dynamo does while ``caching_precompile`` is on
 #: (``precompile._guards_built_once`` off); ``gc``: the collector at its default thresholds through
-#: the start (``specblock/gcstart.py`` off).
+#: the start (``specblock/gcstart.py`` off). Not undone but tried: ``int8``, drafters' linears on the
+#: int8 kernel beside the compiled packed-fp16 target as beside the eager one (``drafters.wants_int8``),
+#: its library's build begun beside the target's load.
 UNDO = {
     "guards": "import contextlib, specblock.gcstart as g; g.begin(); import specblock.compiled.precompile as p; "
               "p._guards_built_once = contextlib.nullcontext",
     "gc": "import specblock.gcstart as g; g.begin = lambda: None",
+    "int8": "import specblock.gcstart as g; g.begin(); import specblock.runtime.drafters as d; "
+            "d.wants_int8 = lambda t: True; b = d.start_int8_build; d.start_int8_build = lambda t, v, c: b(t, v, False)",
 }
 UNDONE = {"guards": "each saved graph's guards built twice at load (as before)",
-          "gc": "the collector at its default thresholds through the start (as before)"}
+          "gc": "the collector at its default thresholds through the start (as before)",
+          "int8": "drafters' linears on the int8 kernel beside the compiled packed-fp16 target too (stop 57's first try)"}
 
 
 def python_m(module: str, undo: str | None) -> list[str]:

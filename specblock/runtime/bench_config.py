@@ -44,8 +44,8 @@ MethodOptions = create_model(
     # SpecBlock's block forward compiled (compiled/drafter.py): by default with the target; true also
     # beside the eager target, false eager beside the compiled one (A/Bs in one run)
     drafter_compiled=(bool | None, None),
-    # a trained drafter's linears beside a packed target: on the int8 kernel where it runs (the
-    # default, drafters.int8_drafters) or false, packed fp16 (A/Bs in one run)
+    # a trained drafter's linears beside a packed target: true on the int8 kernel where it runs,
+    # false packed fp16; unset, drafters.wants_int8 decides (A/Bs in one run)
     drafter_int8=(bool | None, None),
     # an HF peer on the model loaded in another dtype (issue 16's baseline, HF's generate on the bf16
     # checkpoint, beside methods on --dtype q4): another model, so its outputs may part from ar's

@@ -164,7 +164,7 @@ class Session:
         if cfg.compile:
             prebuild_compiled(cfg.dtype, cfg.device)
         if cfg.method in drafters.TRAINED:
-            drafters.start_int8_build(cfg.dtype, cfg.device)
+            drafters.start_int8_build(cfg.dtype, cfg.device, cfg.compile)
         target = maybe_compile(TargetModel.load(path, cfg.dtype, cfg.device, cfg.attn, cfg.trust_remote_code), cfg.compile,
                                cfg.compile_mode)
         tokenizer = load_tokenizer(path, cfg.trust_remote_code)

@@ -92,8 +92,8 @@ def register(name: str, factory: Callable) -> None:
 
 
 #: Beside a packed target (packed-fp16 or q4), drafters' linears run on our int8 kernel where the
-#: CPU runs it (``int8_drafters``). False keeps them packed fp16: the baseline of
-#: ``experiments/drafter_cost.py --packed-drafters`` and of the bench's ``drafter_int8=false``.
+#: CPU runs it (``int8_drafters``) and ``wants_int8`` holds. False keeps them packed fp16: the
+#: baseline of ``experiments/drafter_cost.py --packed-drafters``.
 INT8_DRAFTERS = True
 #: Their weights' rounding there: Q8_0 (8) or Q4_1 (4; ``experiments/drafter_cost.py --q4-drafters``).
 DRAFTER_BITS = 8
@@ -101,8 +101,8 @@ DRAFTER_BITS = 8
 
 def build(name: str, target, options: dict | None = None, int8: bool | None = None) -> Drafter:
     """The drafter ``name`` for ``target``. Beside a packed-fp16 or q4 target its linears run on the
-    int8 kernel where the CPU has it, packed fp16 otherwise (``pack_for``; ``int8`` False: packed
-    fp16 anyway); an adapting drafter trains unpacked copies and repacks the served net when an
+    int8 kernel where the CPU has it and ``wants_int8`` holds, packed fp16 otherwise (``pack_for``;
+    ``int8`` True or False decides instead); an adapting drafter trains unpacked copies and repacks the served net when an
     update lands (``runtime/adapt.py``)."""
     if name not in METHODS:
         raise SpecBlockError(f"unknown method {name!r}; choose one of {', '.join(sorted(METHODS))}")
@@ -116,32 +116,54 @@ def build(name: str, target, options: dict | None = None, int8: bool | None = No
 
 def pack_for(drafter: Drafter, target, int8: bool | None = None) -> int:
     """Beside a packed target, the drafter's linears as ``build`` serves them: on the int8 kernel
-    where :func:`int8_drafters` holds (``int8`` None: ``INT8_DRAFTERS``), packed fp16 otherwise.
-    Beside any other target nothing changes. Returns how many linears moved."""
+    where it runs (:func:`int8_drafters`) and is wanted (``int8``; None: :func:`wants_int8`), packed
+    fp16 otherwise. Beside any other target nothing changes. Returns how many linears moved."""
     if not getattr(target, "packed", False):
         return 0
-    return pack_drafter(drafter, int8=(INT8_DRAFTERS if int8 is None else int8) and int8_drafters(target))
+    want = wants_int8(target) if int8 is None else int8
+    return pack_drafter(drafter, int8=want and int8_drafters(target))
 
 
-def start_int8_build(dtype: str, device: str) -> None:
-    """Where a drafter will run on the int8 kernel (a packed dtype on a CPU with AVX512-VNNI), its
-    library starts building in the background now, beside the target's load, not after it."""
+def wants_int8(target) -> bool:
+    """The default: int8 drafter linears beside an eager packed target and beside a q4 target on the
+    int8 kernel, not beside a compiled packed-fp16 one.
+
+    Why: a drafter's forward is a dozen linears over a few rows, where fbgemm's fp16 call costs 2-4x
+    the int8 kernel's (``experiments/drafter_linears.py``), and a drafter's precision moves only its
+    drafts: the output is the target's, whatever it proposes. Eager, every drafter gained 1-4% of
+    tokens/s (``bench_smollm2_int8_drafters.md``). Compiled, SpecBlock with the branch gained 3.4%
+    (``bench_smollm2_compiled_int8_drafters.md``), but the kernel's library is one more C++ build on
+    a first start, which took the default server's first start from 114-119 s to 131 s
+    (``first_start_ab_int8.md``), past issue 16's 2 minutes. Beside a q4 target on that kernel the
+    library is built anyway."""
+    if not INT8_DRAFTERS:
+        return False
+    if not getattr(target, "compiled", False):
+        return True
+    from specblock.runtime.q4 import int8_kernel_of
+
+    model = getattr(target, "model", None)
+    return model is not None and int8_kernel_of(model)
+
+
+def start_int8_build(dtype: str, device: str, compiled: bool) -> None:
+    """Where a drafter will run on the int8 kernel by default (``wants_int8``: an eager packed-fp16
+    target, or q4; a CPU with AVX512-VNNI), its library starts building in the background now,
+    beside the target's load, not after it."""
     from specblock.runtime import q4_kernel
     from specblock.runtime.target import PACKED_FP16, Q4, resolve_device, resolve_dtype
 
     dev = resolve_device(device)
-    if INT8_DRAFTERS and dev.type == "cpu" and resolve_dtype(dtype, dev) in (PACKED_FP16, Q4) and q4_kernel.vnni_supports():
+    if not (INT8_DRAFTERS and dev.type == "cpu" and q4_kernel.vnni_supports()):
+        return
+    dtype = resolve_dtype(dtype, dev)
+    if dtype == Q4 or (dtype == PACKED_FP16 and not compiled):
         q4_kernel.start_building()
 
 
 def int8_drafters(target) -> bool:
     """Whether a drafter beside ``target`` can run its linears on our int8 kernel: a CPU target,
-    AVX512-VNNI, and the kernel's library built (it is built here on first use, once per home).
-
-    Why, beside packed-fp16 too and not only beside a q4 target on that kernel: a drafter's forward
-    is a dozen linears over a few rows, where fbgemm's fp16 call costs 2-4x the int8 kernel's
-    (``experiments/drafter_linears.py``), and a drafter's precision moves only its drafts: the output
-    is the target's, whatever it proposes."""
+    AVX512-VNNI, and the kernel's library built (it is built here on first use, once per home)."""
     import warnings
 
     from specblock.runtime import q4_kernel

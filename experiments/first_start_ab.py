@@ -1,0 +1,77 @@
+"""First starts of the default compiled server (issue 16: under 2 minutes) with one change undone
+or tried, interleaved: what a change costs or saves where everything compiles.
+
+Each start runs on an empty ``SPECBLOCK_HOME`` of its own that links only the converted model
+(``models/NAME``), so the C++ libraries build and every graph compiles, as on a fresh machine
+that has fetched and converted the model once. The variants are ``start_time.py``'s
+``UNDO`` (e.g. ``int8``: drafters beside the compiled packed-fp16 target on the int8 kernel, whose
+library then builds too, as ``drafters.wants_int8`` chose not to).
+
+    python experiments/first_start_ab.py --ab int8 --pairs 2 --out experiments/results/first_start_ab_int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from start_time import UNDO, UNDONE, serve_start  # noqa: E402
+
+
+def first_start(model_dir: Path, name: str, undo: str | None) -> float:
+    home = Path(tempfile.mkdtemp(prefix="first_start_"))
+    try:
+        (home / "models").mkdir()
+        (home / "models" / name).symlink_to(model_dir)
+        before = os.environ.get("SPECBLOCK_HOME")
+        os.environ["SPECBLOCK_HOME"] = str(home)
+        try:
+            return serve_start([], undo)
+        finally:
+            if before is None:
+                del os.environ["SPECBLOCK_HOME"]
+            else:
+                os.environ["SPECBLOCK_HOME"] = before
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ab", choices=sorted(UNDO), required=True)
+    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("experiments/results/first_start_ab"))
+    args = ap.parse_args()
+    from specblock.models import DEFAULT_TARGET_NAME, resolve_target
+
+    model = Path(resolve_target(DEFAULT_TARGET_NAME)).resolve()
+    now, variant = [], []
+    for i in range(args.pairs):  # the order alternates within pairs: neither side always goes first
+        for side in (("now", "variant") if i % 2 == 0 else ("variant", "now")):
+            t = first_start(model, DEFAULT_TARGET_NAME, None if side == "now" else args.ab)
+            (now if side == "now" else variant).append(round(t, 2))
+            print(side, round(t, 2), flush=True)
+    res = {"ab": args.ab, "now_s": now, "variant_s": variant, "now_median_s": round(statistics.median(now), 2),
+           "variant_median_s": round(statistics.median(variant), 2)}
+    cmd = f"python experiments/first_start_ab.py --ab {args.ab} --pairs {args.pairs} --out {args.out}"
+    lines = [f"First starts of `python -m specblock.serve --compile` until it listens, each on an empty home linking "
+             f"only the converted model, interleaved (`{cmd}`).", "",
+             "| start | first starts s | median |", "|---|---|---|",
+             f"| now | {', '.join(map(str, now))} | {res['now_median_s']} |",
+             f"| {UNDONE[args.ab]} | {', '.join(map(str, variant))} | {res['variant_median_s']} |"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
