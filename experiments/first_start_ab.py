@@ -13,16 +13,15 @@ library then builds too, as ``drafters.wants_int8`` chose not to).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from results_io import timing_table, write_results  # noqa: E402
 from start_time import UNDO, UNDONE, serve_start  # noqa: E402
 
 
@@ -53,25 +52,20 @@ def main() -> None:
     from specblock.models import DEFAULT_TARGET_NAME, resolve_target
 
     model = Path(resolve_target(DEFAULT_TARGET_NAME)).resolve()
-    now, variant = [], []
+    times: dict[str, list[float]] = {"now": [], "variant": []}
     for i in range(args.pairs):  # the order alternates within pairs: neither side always goes first
         for side in (("now", "variant") if i % 2 == 0 else ("variant", "now")):
-            t = first_start(model, DEFAULT_TARGET_NAME, None if side == "now" else args.ab)
-            (now if side == "now" else variant).append(round(t, 2))
-            print(side, round(t, 2), flush=True)
-    res = {"ab": args.ab, "now_s": now, "variant_s": variant, "now_median_s": round(statistics.median(now), 2),
-           "variant_median_s": round(statistics.median(variant), 2)}
-    cmd = f"python experiments/first_start_ab.py --ab {args.ab} --pairs {args.pairs} --out {args.out}"
-    lines = [f"First starts of `python -m specblock.serve --compile` until it listens, each on an empty home linking "
-             f"only the converted model, interleaved (`{cmd}`).", "",
-             "| start | first starts s | median |", "|---|---|---|",
-             f"| now | {', '.join(map(str, now))} | {res['now_median_s']} |",
-             f"| {UNDONE[args.ab]} | {', '.join(map(str, variant))} | {res['variant_median_s']} |"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+            times[side].append(round(first_start(model, DEFAULT_TARGET_NAME, None if side == "now" else args.ab), 2))
+            print(side, times[side][-1], flush=True)
+    report(args, times)
 
+
+def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
+    cmd = f"python experiments/first_start_ab.py --ab {args.ab} --pairs {args.pairs} --out {args.out}"
+    table, rows = timing_table(times, "first starts s", "start", {"variant": UNDONE[args.ab]})
+    write_results(args.out, args, rows, [f"First starts of `python -m specblock.serve --compile` until it listens, each on "
+                                         f"an empty home linking only the converted model, interleaved (`{cmd}`).", "",
+                                         *table])
 
 if __name__ == "__main__":
     main()

@@ -15,8 +15,8 @@ from specblock.errors import SpecBlockError
 from specblock.flags import check, one_line
 from specblock.prompts import DOMAINS
 from specblock.runtime.config import RunConfig
-from specblock.runtime.drafters.lookup_branch import SUFFIX as LOOKUP
 from specblock.runtime.drafters import TRAINED
+from specblock.runtime.drafters.lookup_branch import SUFFIX as LOOKUP
 from specblock.runtime.drafters.lookup_branch import has_lookup
 from specblock.runtime.peers import is_peer
 

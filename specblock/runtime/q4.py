@@ -17,8 +17,8 @@ Three kernels (``Int4Linear.kernel``; ``SPECBLOCK_Q4_KERNEL`` picks one):
   ``runtime/exact_parts.py``, which inductor would otherwise change. So it is **lossless like
   fp32** too: every method equals plain decoding token for token, eager and compiled, and compiled
   decoding equals eager decoding (``tests/test_exact_parts.py``, ``tests/test_q4.py``). Drafters
-  beside any packed target (q4 or packed-fp16) run their linears on it where the CPU has it, from
-  their own weights rounded to Q8_0 (``use_int8_linears``, ``drafters.pack_for``).
+  beside a q4 target on it, and beside an eager packed-fp16 one, run their linears on it, from their
+  own weights rounded to Q8_0 (``use_int8_linears``, ``drafters.pack_for`` and ``wants_int8``).
 - ``fp32`` (where AVX512 is there but VNNI is not): ours too. fp32 activations and sums, the
   exact Q4_1 weights ``d * q + m``, every output computed by the same operations whatever the rows
   of the call: lossless like fp32 (``tests/test_q4.py``). It is another rounding of the same

@@ -102,8 +102,8 @@ DRAFTER_BITS = 8
 def build(name: str, target, options: dict | None = None, int8: bool | None = None) -> Drafter:
     """The drafter ``name`` for ``target``. Beside a packed-fp16 or q4 target its linears run on the
     int8 kernel where the CPU has it and ``wants_int8`` holds, packed fp16 otherwise (``pack_for``;
-    ``int8`` True or False decides instead); an adapting drafter trains unpacked copies and repacks the served net when an
-    update lands (``runtime/adapt.py``)."""
+    ``int8`` True or False decides instead); an adapting drafter trains unpacked copies and
+    repacks the served net when an update lands (``runtime/adapt.py``)."""
     if name not in METHODS:
         raise SpecBlockError(f"unknown method {name!r}; choose one of {', '.join(sorted(METHODS))}")
     options = {k: v for k, v in (options or {}).items() if v is not None}  # None: not set, the default holds
@@ -131,11 +131,11 @@ def wants_int8(target) -> bool:
     Why: a drafter's forward is a dozen linears over a few rows, where fbgemm's fp16 call costs 2-4x
     the int8 kernel's (``experiments/drafter_linears.py``), and a drafter's precision moves only its
     drafts: the output is the target's, whatever it proposes. Eager, every drafter gained 1-4% of
-    tokens/s (``bench_smollm2_int8_drafters.md``). Compiled, SpecBlock with the branch gained 3.4%
-    (``bench_smollm2_compiled_int8_drafters.md``), but the kernel's library is one more C++ build on
-    a first start, which took the default server's first start from 114-119 s to 131 s
-    (``first_start_ab_int8.md``), past issue 16's 2 minutes. Beside a q4 target on that kernel the
-    library is built anyway."""
+    tokens/s (``bench_smollm2_int8_drafters.md``). Compiled, SpecBlock with the branch gained 2.5%
+    (``bench_smollm2_compiled_int8_drafters.md``), but the kernel's library is one more C++ build
+    before a first start's first compile: the default server's first start took 111.1 and 120.9 s
+    with it against 106.1 and 114.1 s without (``first_start_ab_int8.md``), and issue 16 asks for
+    under 2 minutes. Beside a q4 target on that kernel the library is built anyway."""
     if not INT8_DRAFTERS:
         return False
     if not getattr(target, "compiled", False):
