@@ -470,13 +470,39 @@ def test_drafters_beside_a_packed_target_run_int8_and_stay_lossless(tmp_path, mo
 
 
 def test_no_int8_drafters_where_the_kernel_cannot_run(tmp_path, monkeypatch):
-    """Without AVX512-VNNI, or beside a target that is not packed, drafters keep what they had."""
+    """Without AVX512-VNNI a drafter beside a packed target is packed fp16; beside a target that is
+    not packed it keeps its plain linears; a drafter with no network has nothing to move."""
+    from specblock.runtime import drafters
+    from specblock.runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Net
+
+    path = save_tiny_q4(tmp_path / "t", layers=2)
+    monkeypatch.setattr(q4_kernel, "vnni_supports", lambda: False)
+    for dtype, kind in (("packed-fp16", packed.PackedLinear), ("float32", torch.nn.Linear)):
+        target = TargetModel.load(path, dtype, "cpu")
+        assert not drafters.int8_drafters(target)
+        net = Eagle3Net(Eagle3Config(vocab_size=V, hidden_size=64, num_heads=4, intermediate_size=128,
+                                     tap_layers=target.tap_layers, top_k=4))
+        net.tie_to_target(target.model)
+        drafters.pack_for(Eagle3Drafter(net.eval()), target)
+        linears = [m for m in net.modules() if isinstance(m, (torch.nn.Linear, packed.PackedLinear, q4.Int8Linear))]
+        assert linears and all(type(m) is kind for m in linears), dtype
+        assert drafters.pack_for(LookupDrafter(), target) == 0
+
+
+def test_the_int8_library_starts_building_only_where_drafters_will_use_it(monkeypatch):
+    """``start_int8_build`` (``Session.open``, before the target loads): an eager packed-fp16 or a q4
+    target on a CPU with VNNI; not a compiled packed-fp16 one (``wants_int8``), nor bf16, nor without VNNI."""
     from specblock.runtime import drafters
 
-    target = TargetModel.load(save_tiny_q4(tmp_path / "t", layers=2), "packed-fp16", "cpu")
-    monkeypatch.setattr(q4_kernel, "vnni_supports", lambda: False)
-    assert not drafters.int8_drafters(target)
-    assert drafters.pack_for(LookupDrafter(), target) == 0  # no network: nothing to move
+    started = []
+    monkeypatch.setattr(q4_kernel, "start_building", lambda: started.append(True))
+    for vnni, dtype, compiled, want in ((True, "packed-fp16", False, True), (True, "q4", True, True),
+                                        (True, "packed-fp16", True, False), (True, "bfloat16", False, False),
+                                        (False, "packed-fp16", False, False)):
+        monkeypatch.setattr(q4_kernel, "vnni_supports", lambda: vnni)
+        started.clear()
+        drafters.start_int8_build(dtype, "cpu", compiled)
+        assert bool(started) == want, (vnni, dtype, compiled)
 
 
 def test_bench_refuses_drafter_int8_where_there_are_no_drafter_linears(tmp_path, capsys):
