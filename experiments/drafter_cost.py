@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="beside a q4 target on the int8 kernel, also time each drafter with its linears rounded to "
                          "Q4_1 instead of Q8_0 (the row 'METHOD [q4]')")
     ap.add_argument("--packed-drafters", action="store_true",
-                    help="beside a packed target where drafters run int8 linears, also time each drafter with packed fp16 linears "
-                         "(the row 'METHOD [packed]'), the baseline of its int8 ones")
+                    help="beside a packed target where drafters run int8 linears, also time each drafter with "
+                         "packed fp16 linears (the row 'METHOD [packed]'), the baseline of its int8 ones")
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "drafter_cost")
     args = ap.parse_args(argv)
     try:

@@ -138,6 +138,7 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
     target = targets.compiled() if compiled else targets.eager
     drafter_compiled = opts.pop("drafter_compiled", None)
     drafter_compiled = compiled if drafter_compiled is None else drafter_compiled
+    int8 = opts.pop("drafter_int8", None)  # None: drafters.wants_int8 decides
     # "budget" is the engine's node budget: --set METHOD:budget, then --budget, then the drafter's
     # serving.json (its measured best), then the default
     if args.budget is not None and opts.get("budget") is None:  # RunConfig's options carry budget=None
@@ -147,7 +148,7 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
     on_top = bool(opts.pop("lookup_on_top", None))
     opts = drafters.serving_settings(_base(m), target, opts)
     budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
-    drafter = drafters.build(_base(m), target, opts, int8=opts.pop("drafter_int8", None))
+    drafter = drafters.build(_base(m), target, opts, int8=int8)
     if drafter_compiled and ADAPT not in m:
         from specblock.runtime.cli import maybe_compile_drafter
 

@@ -128,10 +128,11 @@ def wants_int8(target) -> bool:
     """The default: int8 drafter linears beside an eager packed target and beside a q4 target on the
     int8 kernel, not beside a compiled packed-fp16 one.
 
-    Why: a drafter's forward is a dozen linears over a few rows, where fbgemm's fp16 call costs 1.7-4x
-    the int8 kernel's (``experiments/drafter_linears.py``), and a drafter's precision moves only its
-    drafts: the output is the target's, whatever it proposes. Eager, EAGLE-3 and SpecBlock, alone
-    and with prompt lookup's branch, gained 1.2-2.9% of Spd (``bench_smollm2_int8_drafters.md``). Compiled, SpecBlock with the branch gained 2.5%
+    Why: a drafter's forward is a dozen linears over a few rows, where fbgemm's fp16 call costs
+    1.7-4x the int8 kernel's (``experiments/drafter_linears.py``), and a drafter's precision moves
+    only its drafts: the output is the target's, whatever it proposes. Eager, EAGLE-3 and SpecBlock,
+    alone and with prompt lookup's branch, gained 1.2-2.9% of Spd (``bench_smollm2_int8_drafters.md``).
+    Compiled, SpecBlock with the branch gained 2.5% of tokens/s
     (``bench_smollm2_compiled_int8_drafters.md``), but the kernel's library is one more C++ build
     before a first start's first compile: the default server's first start took 111.1 and 120.9 s
     with it against 106.1 and 114.1 s without (``first_start_ab_int8.md``), and issue 16 asks for
@@ -147,9 +148,9 @@ def wants_int8(target) -> bool:
 
 
 def start_int8_build(dtype: str, device: str, compiled: bool) -> None:
-    """Where a drafter will run on the int8 kernel by default (``wants_int8``: an eager packed-fp16
-    target, or q4; a CPU with AVX512-VNNI), its library starts building in the background now,
-    beside the target's load, not after it."""
+    """The int8 kernel's library starts building in the background now, beside the target's load,
+    where the process will load it: a drafter on it by default beside an eager packed-fp16 target
+    (``wants_int8``), and any q4 target (its own kernels are that library). A CPU with AVX512-VNNI."""
     from specblock.runtime import q4_kernel
     from specblock.runtime.target import PACKED_FP16, Q4, resolve_device, resolve_dtype
 
