@@ -7,6 +7,10 @@
 #   bash experiments/specblock_ablations.sh [STEPS]        # lab model, default 250 steps per variant
 #   VARIANTS="no-cross-block" THREADS=1 bash experiments/specblock_ablations.sh   # some only
 #   TARGET=smollm2-135m-instruct bash experiments/specblock_ablations.sh 100     # the real model
+#   TARGET=smollm2-135m-instruct PARALLEL=2 TAG=_s58 TRAIN_FLAGS=--compile bash experiments/specblock_ablations.sh 400
+#     (TAG= names a second set: runs under $H/runs/$TARGET/ablations$TAG, results *_smollm2$TAG; TRAIN_FLAGS= adds
+#      trainer flags to every variant alike, such as --compile, which changes speed, not the recipe; SEED= another
+#      seed for every variant, default 0)
 #
 # The real model trains from the feature cache of `real_drafters.sh features` with the shipped
 # recipe (2 layers, 8k draft vocabulary, batch 4 x 257) but a shorter budget and a 20-step warmup;
@@ -31,7 +35,7 @@ if [[ ${TARGET:-} ]]; then
   STEPS=${1:-100}
   H=$($PY -c "from specblock.models import specblock_home; print(specblock_home())")
   FEAT=${FEAT:-$H/features/$TARGET}
-  ROOT=$H/runs/$TARGET/ablations
+  ROOT=$H/runs/$TARGET/ablations${TAG:-}
   mkdir -p "$ROOT"
   train_real() {  # one variant, the recipe of real_drafters.sh specblock with a step budget
     local name=$1 dir=$ROOT/$1
@@ -40,7 +44,7 @@ if [[ ${TARGET:-} ]]; then
     $PY -m specblock.training drafter --method specblock --target "$TARGET" --features "$FEAT" --draft-vocab 8192 \
         --vocab-corpus 0.5 --run-dir "$dir" --out "$dir/drafter" --layers 2 --shared-norm --intermediate 1024 \
         --lr 1e-3 --warmup 20 --window 257 --batch 4 --max-steps "$STEPS" --max-minutes 100000 --eval-every 50 \
-        --ckpt-every 10 --seed 0 --threads 1 ${FLAGS[$name]} 2>"$dir.log" \
+        --ckpt-every 10 --seed "${SEED:-0}" --threads 1 ${FLAGS[$name]} ${TRAIN_FLAGS:-} 2>"$dir.log" \
       || { echo "$name failed: see $dir.log" >&2; return 1; }
   }
   pids=()
@@ -51,19 +55,26 @@ if [[ ${TARGET:-} ]]; then
   for p in "${pids[@]}"; do wait "$p"; done
   [[ ${SKIP_TABLE:-} ]] || $PY experiments/ablation_table.py --target "$TARGET" --features "$FEAT" --root "$ROOT" \
       --windows "${EVAL_WINDOWS:-64}" --also "shipped=specblock/assets/drafters/$TARGET/specblock" \
-      --threads "${THREADS:-2}" --out experiments/results/specblock_ablations_smollm2
+      --threads "${THREADS:-2}" --out "experiments/results/specblock_ablations_smollm2${TAG:-}"
   [[ ${SKIP_BENCH:-} ]] && exit 0
-  # Served: each variant at the shipped SpecBlock's serving settings (M = 2, budget 2, top-4 widths) in
-  # packed-fp16, 1 prompt per domain, medians of 3 interleaved runs: tau and Spd (a quiet machine for Spd).
+  # Served: each variant at the shipped SpecBlock's serving settings (its serving.json: M = 2, node budget
+  # BUDGET, default 3; widths from the rank head, or WIDTHS= for all; stop 30's run: BUDGET=2 WIDTHS=4,4,4,4) in packed-fp16, PROMPTS per domain (default 1), medians of 3
+  # interleaved runs: tau and Spd (a quiet machine for Spd). The full drafter also runs with fixed top-4 widths
+  # (the paper's "fixed uniform top-k tree"), the serving-side ablation that needs no training.
   M=ar; SETS=()
   for name in $ALL; do
     finished "$ROOT/$name" || continue
     M+=",specblock@$name"
     SETS+=(--set "specblock@$name:drafter=$ROOT/$name/drafter" --set "specblock@$name:M=2"
-           --set "specblock@$name:budget=2" --set "specblock@$name:widths=4,4,4,4")
+           --set "specblock@$name:budget=${BUDGET:-3}" ${WIDTHS:+--set "specblock@$name:widths=$WIDTHS"})
   done
-  $PY -m specblock.runtime bench --target "$TARGET" --methods "$M" "${SETS[@]}" --dtype packed-fp16 --prompts 1 \
-      --runs 3 --max-new-tokens 48 --threads 2 --out experiments/results/bench_smollm2_ablations
+  if finished "$ROOT/full"; then
+    M+=",specblock@full-topk4"
+    SETS+=(--set "specblock@full-topk4:drafter=$ROOT/full/drafter" --set "specblock@full-topk4:M=2"
+           --set "specblock@full-topk4:budget=${BUDGET:-3}" --set "specblock@full-topk4:widths=4,4,4,4")
+  fi
+  $PY -m specblock.runtime bench --target "$TARGET" --methods "$M" "${SETS[@]}" --dtype packed-fp16 \
+      --prompts "${PROMPTS:-1}" --runs 3 --max-new-tokens 48 --threads 2 --out "experiments/results/bench_smollm2_ablations${TAG:-}"
   exit 0
 fi
 
