@@ -58,8 +58,9 @@ if [[ ${TARGET:-} ]]; then
       --threads "${THREADS:-2}" --out "experiments/results/specblock_ablations_smollm2${TAG:-}"
   [[ ${SKIP_BENCH:-} ]] && exit 0
   # Served: each variant at the shipped SpecBlock's serving settings (its serving.json: M = 2, node budget
-  # BUDGET, default 3; widths from the rank head, or WIDTHS= for all; stop 30's run: BUDGET=2 WIDTHS=4,4,4,4) in packed-fp16, PROMPTS per domain (default 1), medians of 3
-  # interleaved runs: tau and Spd (a quiet machine for Spd). The full drafter also runs with fixed top-4 widths
+  # BUDGET, default 3; widths from the rank head, or WIDTHS= for all; the 100-step run's bench_smollm2_ablations.md
+  # had BUDGET=2 WIDTHS=4,4,4,4) in packed-fp16, PROMPTS per domain (default 1), medians of 3 interleaved runs:
+  # tau and Spd (a quiet machine for Spd). The full drafter also runs with fixed top-4 widths
   # (the paper's "fixed uniform top-k tree"), the serving-side ablation that needs no training.
   M=ar; SETS=()
   for name in $ALL; do
@@ -74,7 +75,8 @@ if [[ ${TARGET:-} ]]; then
            --set "specblock@full-topk4:budget=${BUDGET:-3}" --set "specblock@full-topk4:widths=4,4,4,4")
   fi
   $PY -m specblock.runtime bench --target "$TARGET" --methods "$M" "${SETS[@]}" --dtype packed-fp16 \
-      --prompts "${PROMPTS:-1}" --runs 3 --max-new-tokens 48 --threads 2 --out "experiments/results/bench_smollm2_ablations${TAG:-}"
+      --prompts "${PROMPTS:-1}" --runs 3 --max-new-tokens 48 --threads 2 \
+      --out "experiments/results/bench_smollm2_ablations${TAG:-}"
   exit 0
 fi
 
