@@ -18,6 +18,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -30,15 +31,8 @@ def first_start(model_dir: Path, name: str, undo: str | None) -> float:
     try:
         (home / "models").mkdir()
         (home / "models" / name).symlink_to(model_dir)
-        before = os.environ.get("SPECBLOCK_HOME")
-        os.environ["SPECBLOCK_HOME"] = str(home)
-        try:
+        with mock.patch.dict(os.environ, SPECBLOCK_HOME=str(home)):  # the server's process inherits it
             return serve_start([], undo)
-        finally:
-            if before is None:
-                del os.environ["SPECBLOCK_HOME"]
-            else:
-                os.environ["SPECBLOCK_HOME"] = before
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
@@ -66,6 +60,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
     write_results(args.out, args, rows, [f"First starts of `python -m specblock.serve --compile` until it listens, each on "
                                          f"an empty home linking only the converted model, interleaved (`{cmd}`).", "",
                                          *table])
+
 
 if __name__ == "__main__":
     main()
