@@ -44,7 +44,7 @@ from specblock.runtime.drafters.specblock_net import SpecBlockNet
 from specblock.runtime.target import load_causal_lm
 from specblock.training import recipes, vocab
 from specblock.training.cachewindows import CacheWindows
-from specblock.training.drafter import vocab_counts
+from specblock.training.vocab import vocab_counts
 from specblock.training.featcache import FeatureCache
 
 SIZES = (4096, 8192, 16384, None)  # None: the target's whole vocabulary

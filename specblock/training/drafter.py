@@ -42,6 +42,7 @@ from specblock.runtime.target import load_causal_lm, native_bf16
 from specblock.training import recipes
 from specblock.training.checkpoint import load_checkpoint, refuse_pickles, save_checkpoint
 from specblock.training.exported import exported_start, fill_frozen, is_exported
+from specblock.training.vocab import pick_draft_vocab
 from specblock.training.windows import WindowSource
 
 CKPT = "ckpt.safetensors"  # tensors + JSON header, never a pickle (training/checkpoint.py)
@@ -77,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-steps", type=int, default=2000)
     ap.add_argument("--max-minutes", type=float, default=60.0)
     ap.add_argument("--rank-freeze", type=float, default=0.1, help="share of the run with the rank head frozen (paper: 2,000 steps)")
+    ap.add_argument("--train-only", default=None, metavar="PART",
+                    help="specblock: train one part alone, the rest frozen: rank-head (over a trained backbone from "
+                         "--init-from or the run's own checkpoint; --rank-freeze does not apply)")
     ap.add_argument("--layers", type=int, default=2, help="specblock, parallelspec, falcon: drafter layers; sps: draft model layers")
     ap.add_argument("--K", type=int, default=4, help="specblock: block size; parallelspec: tokens per forward")
     ap.add_argument("--intermediate", type=int, default=1024)
@@ -167,6 +171,14 @@ def check_args(args) -> None:
     if args.compile and recipes.get(args.method).compile is None:
         raise SpecBlockError(f"--compile is wired for {', '.join(n for n, r in recipes.RECIPES.items() if r.compile)} "
                              f"only so far; drop it for --method {args.method}")
+    if args.train_only is not None:
+        parts = recipes.get(args.method).parts
+        if args.train_only not in parts:
+            raise SpecBlockError(f"--train-only {args.train_only}: --method {args.method} can train alone "
+                                 f"{', '.join(parts) or 'no part'}; drop the flag or pick one of those")
+        if args.init_from is None and not (args.run_dir / CKPT).is_file():
+            raise SpecBlockError(f"--train-only {args.train_only} trains over a trained drafter; add --init-from "
+                                 "RUN_DIR_OR_DRAFTER (the rest is frozen, so a fresh init would stay random)")
     if args.skip_loops and args.features is None:
         raise SpecBlockError("--skip-loops masks windows of a feature cache; add --features DIR or drop the flag")
     if args.data != "lab" and not Path(args.data).is_file():
@@ -237,13 +249,17 @@ def train(args) -> None:
         # A checkpoint's own map first: the cache may have grown since, and new counts would pick
         # other head rows than the ones its weights were trained against.
         saved = start["net"].get("d2t") if start else None
-        args.d2t = saved.numpy() if saved is not None else _draft_vocab(args, source, target.config.vocab_size)
+        args.d2t = saved.numpy() if saved is not None else pick_draft_vocab(args, source, target.config.vocab_size)
     net = recipe.build(target, args).to(device)
     if args.compile:
         recipe.compile(net)
     model = StepModule(net, recipe, args)
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
+    if args.train_only is not None:
+        prefix = recipe.parts[args.train_only]
+        for name, p in net.named_parameters():
+            p.requires_grad_(p.requires_grad and name.startswith(prefix))
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     step, train_s, init = 0, 0.0, None
@@ -377,36 +393,6 @@ def _start_state(args, ckpt_path: Path) -> dict | None:
             return load_checkpoint(args.init_from / CKPT)
         return exported_start(args.init_from, args.method)
     return None
-
-
-def _draft_vocab(args, source, vocab_size: int) -> np.ndarray:
-    """The N most frequent tokens of the training data (answers only, from a feature cache)."""
-    from specblock.training import vocab
-
-    counts = vocab_counts(args, source, vocab_size)
-    d2t = vocab.top_n(counts, args.draft_vocab)
-    print(f"draft vocabulary: {args.draft_vocab} of {vocab_size} tokens cover "
-          f"{100 * vocab.coverage(counts, d2t):.2f}% of the training tokens", flush=True)
-    return d2t
-
-
-def vocab_counts(args, source, vocab_size: int) -> np.ndarray:
-    """Token frequencies behind ``--draft-vocab`` (``args``: features, vocab_corpus, target, window);
-    also what ``experiments/vocab_sweep.py`` re-heads drafters with."""
-    from specblock.training import vocab
-
-    if args.features:
-        counts = vocab.count_tokens(vocab.cache_answer_streams(source.cache), vocab_size)
-        if args.vocab_corpus > 0:
-            # A few hours of answers see a few thousand distinct tokens; the corpus of the same
-            # domains fills in the ones they will hold (measured on held-out answers, N = 8192,
-            # 33.6k answer tokens: 92.0% of tokens covered from answers alone, 95.5% mixed 50/50).
-            lab = WindowSource("lab", args.target, args.window).train.values()
-            corpus = vocab.count_tokens(lab, vocab_size)
-            counts = (1 - args.vocab_corpus) * counts / max(counts.sum(), 1) + args.vocab_corpus * corpus / max(corpus.sum(), 1)
-    else:
-        counts = vocab.count_tokens(source.train.values(), vocab_size)
-    return counts
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,9 @@ class Recipe:
     # ``--compile``: compiles in place the part of the step that runs over the draft vocabulary (the
     # head, its log-normaliser, softmax statistics), None: the method has no such hook yet.
     compile: Callable[[torch.nn.Module], None] | None = None
+    # ``--train-only PART``: the parameter-name prefix of each part that can train alone over the
+    # rest, frozen (the rest's loss terms still run, without gradients).
+    parts: dict[str, str] = field(default_factory=dict)
 
 
 RECIPES: dict[str, Recipe] = {}
@@ -94,7 +97,10 @@ def _taps_pass(target, tokens, net, args):
 def _specblock_step(net, tp, gen, args, progress):
     from specblock.training.specblock_step import specblock_step
 
-    rank_w = 0.0 if progress < args.rank_freeze else 1.0  # rank head frozen early (paper: 2,000 steps)
+    if getattr(args, "train_only", None) == "rank-head":
+        rank_w = 1.0  # the one part that trains: --rank-freeze does not apply
+    else:
+        rank_w = 0.0 if progress < args.rank_freeze else 1.0  # rank head frozen early (paper: 2,000 steps)
     res = specblock_step(net, tp, gen, rank_w, args.valid_prefix, args.cross_block, getattr(args, "per_k_norm", True))
     b0 = res.blocks[0]
     acc1 = float((b0.mask * b0.top1).sum() / b0.mask[..., 0].sum())
@@ -140,8 +146,12 @@ def _compile_heads(net) -> None:
     net.heads = torch.compile(net.heads, dynamic=False)
 
 
+# Why the rank head can train alone: it reads the backbone's state detached (``SpecBlockNet.heads``),
+# so over a trained backbone its labels (the target token's rank bucket) no longer move, and a step
+# without the backbone's backward costs a fraction of a full one (our addition; the paper only
+# delays it, freezing it for the first 2,000 steps).
 register(Recipe("specblock", _specblock_build, _taps_pass, _specblock_step, _specblock_evaluate, "taps",
-                compile=_compile_heads))
+                compile=_compile_heads, parts={"rank-head": "rank_head."}))
 
 
 # --------------------------------------------------------------------------- eagle3
