@@ -11,6 +11,8 @@
 #     (TAG= names a second set: runs under $H/runs/$TARGET/ablations$TAG, results *_smollm2$TAG; TRAIN_FLAGS= adds
 #      trainer flags to every variant alike, such as --compile, which changes speed, not the recipe; SEED= another
 #      seed for every variant, default 0)
+#   ... RANK_STEPS=400 ...   # also full-rank: the full variant's rank head trained alone for that many more steps
+#     (--train-only rank-head over its frozen backbone), in the table and the bench beside full and full-topk4
 #
 # The real model trains from the feature cache of `real_drafters.sh features` with the shipped
 # recipe (2 layers, 8k draft vocabulary, batch 4 x 257) but a shorter budget and a 20-step warmup;
@@ -53,8 +55,19 @@ if [[ ${TARGET:-} ]]; then
     if (( ${#pids[@]} >= ${PARALLEL:-1} )); then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
   done
   for p in "${pids[@]}"; do wait "$p"; done
+  ALSO=()
+  if [[ ${RANK_STEPS:-} ]] && finished "$ROOT/full"; then
+    # The rank head reads the backbone detached, so it can go on alone; the same data, seed and threads.
+    dir=$ROOT/full-rank
+    finished "$dir" || $PY -m specblock.training drafter --method specblock --target "$TARGET" --features "$FEAT" \
+        --draft-vocab 8192 --run-dir "$dir" --out "$dir/drafter" --layers 2 --shared-norm --intermediate 1024 \
+        --init-from "$ROOT/full" --train-only rank-head --lr 1e-3 --warmup 20 --window 257 --batch 4 \
+        --max-steps "$RANK_STEPS" --max-minutes 100000 --eval-every 50 --ckpt-every 10 --seed "${SEED:-0}" \
+        --threads "${THREADS:-2}" ${TRAIN_FLAGS:-} 2>"$dir.log" || { echo "full-rank failed: see $dir.log" >&2; exit 1; }
+    ALSO+=(--also "full-rank=$dir/drafter")
+  fi
   [[ ${SKIP_TABLE:-} ]] || $PY experiments/ablation_table.py --target "$TARGET" --features "$FEAT" --root "$ROOT" \
-      --windows "${EVAL_WINDOWS:-64}" --also "shipped=specblock/assets/drafters/$TARGET/specblock" \
+      --windows "${EVAL_WINDOWS:-64}" "${ALSO[@]}" --also "shipped=specblock/assets/drafters/$TARGET/specblock" \
       --threads "${THREADS:-2}" --out "experiments/results/specblock_ablations_smollm2${TAG:-}"
   [[ ${SKIP_BENCH:-} ]] && exit 0
   # Served: each variant at the shipped SpecBlock's serving settings (its serving.json: M = 2, node budget
@@ -69,6 +82,11 @@ if [[ ${TARGET:-} ]]; then
     SETS+=(--set "specblock@$name:drafter=$ROOT/$name/drafter" --set "specblock@$name:M=2"
            --set "specblock@$name:budget=${BUDGET:-3}" ${WIDTHS:+--set "specblock@$name:widths=$WIDTHS"})
   done
+  if finished "$ROOT/full-rank"; then
+    M+=",specblock@full-rank"
+    SETS+=(--set "specblock@full-rank:drafter=$ROOT/full-rank/drafter" --set "specblock@full-rank:M=2"
+           --set "specblock@full-rank:budget=${BUDGET:-3}" ${WIDTHS:+--set "specblock@full-rank:widths=$WIDTHS"})
+  fi
   if finished "$ROOT/full"; then
     M+=",specblock@full-topk4"
     SETS+=(--set "specblock@full-topk4:drafter=$ROOT/full/drafter" --set "specblock@full-topk4:M=2"
