@@ -38,3 +38,10 @@ def test_torchrun_two_processes_then_resume(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert "resumed from step 3" in p.stdout
     assert (tmp_path / "out" / "model.safetensors").is_file()
+    # The rank head alone under torchrun, from that run: every other weight frozen before DDP wraps the step.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "specblock.training", "drafter", *common[:2], "--run-dir", str(tmp_path / "rank"), *common[4:],
+           "--init-from", str(tmp_path / "run"), "--train-only", "rank-head", "--max-steps", "2"]
+    p = run(cmd, env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads((tmp_path / "rank" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2

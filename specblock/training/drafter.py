@@ -251,15 +251,15 @@ def train(args) -> None:
         saved = start["net"].get("d2t") if start else None
         args.d2t = saved.numpy() if saved is not None else pick_draft_vocab(args, source, target.config.vocab_size)
     net = recipe.build(target, args).to(device)
+    if args.train_only is not None:  # before DDP, which registers a gradient hook per trainable parameter
+        prefix = recipe.parts[args.train_only]
+        for name, p in net.named_parameters():
+            p.requires_grad_(p.requires_grad and name.startswith(prefix))
     if args.compile:
         recipe.compile(net)
     model = StepModule(net, recipe, args)
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
-    if args.train_only is not None:
-        prefix = recipe.parts[args.train_only]
-        for name, p in net.named_parameters():
-            p.requires_grad_(p.requires_grad and name.startswith(prefix))
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     step, train_s, init = 0, 0.0, None
