@@ -173,9 +173,11 @@ def check_args(args) -> None:
                              f"only so far; drop it for --method {args.method}")
     if args.train_only is not None:
         parts = recipes.get(args.method).parts
+        if not parts:
+            raise SpecBlockError(f"--train-only: no part of --method {args.method} trains alone; drop the flag")
         if args.train_only not in parts:
             raise SpecBlockError(f"--train-only {args.train_only}: --method {args.method} can train alone "
-                                 f"{', '.join(parts) or 'no part'}; drop the flag or pick one of those")
+                                 f"{', '.join(parts)}; pick one of those")
         if args.init_from is None and not (args.run_dir / CKPT).is_file():
             raise SpecBlockError(f"--train-only {args.train_only} trains over a trained drafter; add --init-from "
                                  "RUN_DIR_OR_DRAFTER (the rest is frozen, so a fresh init would stay random)")
