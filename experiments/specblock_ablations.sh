@@ -39,14 +39,15 @@ if [[ ${TARGET:-} ]]; then
   FEAT=${FEAT:-$H/features/$TARGET}
   ROOT=$H/runs/$TARGET/ablations${TAG:-}
   mkdir -p "$ROOT"
-  train_real() {  # one variant, the recipe of real_drafters.sh specblock with a step budget
-    local name=$1 dir=$ROOT/$1
+  train_real() {  # NAME [flags]: one variant, the recipe of real_drafters.sh specblock with a step budget; the
+    local name=$1 dir=$ROOT/$1  # extra flags come last, so they override the recipe's (argparse keeps the last)
+    shift
     finished "$dir" && return 0
     # shellcheck disable=SC2086
     $PY -m specblock.training drafter --method specblock --target "$TARGET" --features "$FEAT" --draft-vocab 8192 \
         --vocab-corpus 0.5 --run-dir "$dir" --out "$dir/drafter" --layers 2 --shared-norm --intermediate 1024 \
         --lr 1e-3 --warmup 20 --window 257 --batch 4 --max-steps "$STEPS" --max-minutes 100000 --eval-every 50 \
-        --ckpt-every 10 --seed "${SEED:-0}" --threads 1 ${FLAGS[$name]} ${TRAIN_FLAGS:-} 2>"$dir.log" \
+        --ckpt-every 10 --seed "${SEED:-0}" --threads 1 ${FLAGS[$name]:-} ${TRAIN_FLAGS:-} "$@" 2>"$dir.log" \
       || { echo "$name failed: see $dir.log" >&2; return 1; }
   }
   pids=()
@@ -57,14 +58,10 @@ if [[ ${TARGET:-} ]]; then
   for p in "${pids[@]}"; do wait "$p"; done
   ALSO=()
   if [[ ${RANK_STEPS:-} ]] && finished "$ROOT/full"; then
-    # The rank head reads the backbone detached, so it can go on alone; the same data, seed and threads.
-    dir=$ROOT/full-rank
-    finished "$dir" || $PY -m specblock.training drafter --method specblock --target "$TARGET" --features "$FEAT" \
-        --draft-vocab 8192 --run-dir "$dir" --out "$dir/drafter" --layers 2 --shared-norm --intermediate 1024 \
-        --init-from "$ROOT/full" --train-only rank-head --lr 1e-3 --warmup 20 --window 257 --batch 4 \
-        --max-steps "$RANK_STEPS" --max-minutes 100000 --eval-every 50 --ckpt-every 10 --seed "${SEED:-0}" \
-        --threads "${THREADS:-2}" ${TRAIN_FLAGS:-} 2>"$dir.log" || { echo "full-rank failed: see $dir.log" >&2; exit 1; }
-    ALSO+=(--also "full-rank=$dir/drafter")
+    # The rank head reads the backbone detached, so it can go on alone; the same data and seed.
+    train_real full-rank --init-from "$ROOT/full" --train-only rank-head --max-steps "$RANK_STEPS" \
+        --threads "${THREADS:-2}" || exit 1
+    ALSO+=(--also "full-rank=$ROOT/full-rank/drafter")
   fi
   [[ ${SKIP_TABLE:-} ]] || $PY experiments/ablation_table.py --target "$TARGET" --features "$FEAT" --root "$ROOT" \
       --windows "${EVAL_WINDOWS:-64}" "${ALSO[@]}" --also "shipped=specblock/assets/drafters/$TARGET/specblock" \
@@ -76,17 +73,12 @@ if [[ ${TARGET:-} ]]; then
   # tau and Spd (a quiet machine for Spd). The full drafter also runs with fixed top-4 widths
   # (the paper's "fixed uniform top-k tree"), the serving-side ablation that needs no training.
   M=ar; SETS=()
-  for name in $ALL; do
+  for name in $ALL full-rank; do
     finished "$ROOT/$name" || continue
     M+=",specblock@$name"
     SETS+=(--set "specblock@$name:drafter=$ROOT/$name/drafter" --set "specblock@$name:M=2"
            --set "specblock@$name:budget=${BUDGET:-3}" ${WIDTHS:+--set "specblock@$name:widths=$WIDTHS"})
   done
-  if finished "$ROOT/full-rank"; then
-    M+=",specblock@full-rank"
-    SETS+=(--set "specblock@full-rank:drafter=$ROOT/full-rank/drafter" --set "specblock@full-rank:M=2"
-           --set "specblock@full-rank:budget=${BUDGET:-3}" ${WIDTHS:+--set "specblock@full-rank:widths=$WIDTHS"})
-  fi
   if finished "$ROOT/full"; then
     M+=",specblock@full-topk4"
     SETS+=(--set "specblock@full-topk4:drafter=$ROOT/full/drafter" --set "specblock@full-topk4:M=2"
