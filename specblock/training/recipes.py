@@ -97,10 +97,8 @@ def _taps_pass(target, tokens, net, args):
 def _specblock_step(net, tp, gen, args, progress):
     from specblock.training.specblock_step import specblock_step
 
-    if getattr(args, "train_only", None) == "rank-head":
-        rank_w = 1.0  # the one part that trains: --rank-freeze does not apply
-    else:
-        rank_w = 0.0 if progress < args.rank_freeze else 1.0  # rank head frozen early (paper: 2,000 steps)
+    # The rank head is frozen early (paper: 2,000 steps), unless it is the one part that trains (--train-only).
+    rank_w = 0.0 if args.train_only != "rank-head" and progress < args.rank_freeze else 1.0
     res = specblock_step(net, tp, gen, rank_w, args.valid_prefix, args.cross_block, getattr(args, "per_k_norm", True))
     b0 = res.blocks[0]
     acc1 = float((b0.mask * b0.top1).sum() / b0.mask[..., 0].sum())
