@@ -71,7 +71,8 @@ def main(argv: list[str]) -> int:
 
 
 #: Swept variants of a drafter's serving settings (``METHOD@NAME@bN``): what each sets.
-VARIANTS = {"m1": {"M": 1}, "topk4": {"widths": [4, 4, 4, 4]}}
+VARIANTS = {"m1": {"M": 1}, "topk4": {"widths": [4, 4, 4, 4]},
+            "ea": {"policy": "specblock.policies.expected:ExpectedAcceptanceBranching"}}
 
 
 def write_serving(drafters: Path, best: dict[str, int], means: dict[str, dict[int, float]], bench: Path,

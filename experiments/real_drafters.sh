@@ -182,6 +182,7 @@ case "${1:-}" in
         [[ ,$SWEEP, == *,specblock@b$b,* ]] && SETS+=(--set "specblock@b$b:widths=2,4,10,0")
         [[ ,$SWEEP, == *,specblock@topk4@b$b,* ]] && SETS+=(--set "specblock@topk4@b$b:widths=4,4,4,4")
         [[ ,$SWEEP, == *,specblock@m1@b$b,* ]] && SETS+=(--set "specblock@m1@b$b:M=1" --set "specblock@m1@b$b:widths=4,4,4,4")
+        [[ ,$SWEEP, == *,specblock@ea@b$b,* ]] && SETS+=(--set "specblock@ea@b$b:policy=specblock.policies.expected:ExpectedAcceptanceBranching")
       done
       $PY -m specblock.runtime bench --target $T --methods "ar,${SWEEP%,}" "${SETS[@]}" --prompts ${SWEEP_PROMPTS:-1} \
           --runs ${SWEEP_RUNS:-1} --max-new-tokens 32 --dtype packed-fp16 --threads 2 --out experiments/results/$SWEPT

@@ -131,7 +131,7 @@ def _drafter_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
     return {"name": "specblock", "K": int(k), "M": int(sets.get("M", served.get("M", 2))),
             "max_seeds": int(sets.get("max_seeds", served.get("max_seeds", 2))),
             "widths": list(sets.get("widths", served.get("widths", (2, 4, 10, 0)))), "budget": budget, "branching": "rank",
-            "seeds": "deepest-confident", "use_rank_head": True, **user_policies(sets)}, notes
+            "seeds": "deepest-confident", "use_rank_head": True, **user_policies(with_served_policy(sets, served))}, notes
 
 
 def serving(drafter_dir: str | Path, dtype: str | None = None, compiled_target: bool = False) -> dict:
@@ -143,6 +143,14 @@ def serving(drafter_dir: str | Path, dtype: str | None = None, compiled_target: 
     from specblock.runtime.drafters import read_serving
 
     return read_serving(Path(drafter_dir) / "serving.json", SimpleNamespace(dtype_name=dtype, compiled=compiled_target))
+
+
+def with_served_policy(sets: dict, served: dict) -> dict:
+    """The bench row's options with serving.json's tree policy where the row names none of its own
+    (neither ``policy`` nor ``widths``: ``drafters.serving_settings``' rule)."""
+    if sets.get("policy") or sets.get("widths") or not served.get("policy"):
+        return sets
+    return {"policy": served["policy"], "policy_kwargs": served.get("policy_kwargs") or {}, **sets}
 
 
 def user_policies(sets: dict) -> dict:

@@ -26,6 +26,7 @@ from tiny import save_tiny
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_branching.py"
 POLICY = f"{EXAMPLE}:PathConfidenceBranching"
+EXPECTED = "specblock.policies.expected:ExpectedAcceptanceBranching"
 V = 96
 
 
@@ -92,7 +93,7 @@ class _Replay:
 
     pool = None
 
-    def __init__(self, blocks: list[tuple[np.ndarray, np.ndarray]], k: int) -> None:
+    def __init__(self, blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]], k: int) -> None:
         self.blocks, self.k = blocks, k
 
     def sample(self, rng, blk, pos, n_cand, size):
@@ -101,7 +102,7 @@ class _Replay:
         ms = size // (m_count * kd)
         logp = np.full((m_count, ms, kd, n_cand), -50.0, dtype=np.float32)
         pred = np.zeros((m_count, ms, kd), dtype=np.int64)
-        for m, (lps, buckets) in enumerate(self.blocks):
+        for m, (lps, buckets, _) in enumerate(self.blocks):
             s = lps.shape[0]
             logp[m, :s] = lps[..., :n_cand]
             pred[m, :s] = buckets
@@ -110,28 +111,32 @@ class _Replay:
     def sample_pred_off(self, rng, blk, pos, size):
         return None
 
+    def bucket_posterior(self, block, pred):  # the rank head's own probabilities, as the runtime saw them
+        return self.blocks[block][2]
 
-@pytest.mark.parametrize("kwargs", [{"threshold": 0.05, "max_width": 3},
-                                    {"threshold": 0.001, "max_width": 4, "min_width": 0},
-                                    {"threshold": 0.01, "max_width": 2, "bucket_cut": False}])
-def test_same_candidates_same_tree_in_sim_and_runtime(lab, kwargs):
+
+@pytest.mark.parametrize("policy,kwargs", [(POLICY, {"threshold": 0.05, "max_width": 3}),
+                                           (POLICY, {"threshold": 0.001, "max_width": 4, "min_width": 0}),
+                                           (POLICY, {"threshold": 0.01, "max_width": 2, "bucket_cut": False}),
+                                           (EXPECTED, {"min_value": 0.002})])
+def test_same_candidates_same_tree_in_sim_and_runtime(lab, policy, kwargs):
     """The class named once, built by the runtime's drafter registry and by the sim's config, grows
     the same tree from the same candidates: the runtime's SpecBlock drafter and the sim's model of
     it share seeds, leaves-only seeding, the budget and the block loop, not just grow_block."""
     _, ddir, target = lab
     budget, M, seeds = 20, 2, 2
-    opts = {"drafter": ddir, "M": M, "max_seeds": seeds, "policy": POLICY, "policy_kwargs": json.dumps(kwargs)}
+    opts = {"drafter": ddir, "M": M, "max_seeds": seeds, "policy": policy, "policy_kwargs": json.dumps(kwargs)}
     rt = drafters.build("specblock", target, opts)
     sim = build_method(MethodCfg(name="specblock", K=rt.net.cfg.K, M=M, max_seeds=seeds, budget=budget,
-                                 policy_class=POLICY, policy_kwargs=kwargs))
+                                 policy_class=policy, policy_kwargs=kwargs))
     assert type(rt.policy) is type(sim.policy)  # one class object, loaded once
     seen: list = []
     real_candidates, real_propose = rt._candidates, rt.propose
 
     def candidates(hq):
-        ids, lps, buckets = real_candidates(hq)
-        seen[-1][0].append((lps.copy(), buckets.copy()))
-        return ids, lps, buckets
+        ids, lps, buckets, bucket_prob = real_candidates(hq)
+        seen[-1][0].append((lps.copy(), buckets.copy(), bucket_prob.copy()))
+        return ids, lps, buckets, bucket_prob
 
     def propose(req):
         seen.append(([], None))

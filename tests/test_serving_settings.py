@@ -75,3 +75,31 @@ def test_broken_serving_json_is_one_line(tmp_path, capsys):
     code, _, err = run(capsys, "--target", "lab", "--method", "specblock", "--drafter", d, "--prompt", "x",
                        "--max-new-tokens", "2", "--no-warmup")
     assert code == 2 and "serving.json is not valid JSON" in err and len(err.strip().splitlines()) == 1
+
+
+def test_serving_json_names_a_tree_policy_a_flag_replaces(tmp_path, capsys):
+    """A drafter may ship its tree policy (the real model's SpecBlock drafter: expected-acceptance
+    widths); --widths or --policy replace it whole; a class outside specblock.policies is refused
+    (a drafter folder is data: naming a class would run its module)."""
+    from types import SimpleNamespace
+
+    from specblock.policies.expected import ExpectedAcceptanceBranching
+    from specblock.policies.branching import RankBucketBranching
+
+    ea = "specblock.policies.expected:ExpectedAcceptanceBranching"
+    d = drafter_copy(tmp_path, {"budget": 4, "policy": ea, "policy_kwargs": {"max_width": 6}})
+    t = SimpleNamespace(dtype_name="float32", compiled=False)
+    got = drafters.serving_settings("specblock", t, {"drafter": d, "policy_kwargs": {}})
+    assert got["policy"] == ea and got["policy_kwargs"] == {"max_width": 6}
+    assert "policy" not in drafters.serving_settings("specblock", t, {"drafter": d, "widths": (2, 2, 2, 2)})
+    mine = drafters.serving_settings("specblock", t, {"drafter": d, "policy": "specblock.policies.branching:TopKBranching"})
+    assert mine["policy"].endswith(":TopKBranching") and "policy_kwargs" not in mine
+    target = TargetModel.load(DEFAULT_TARGET, "float32", "cpu")
+    built = drafters.build("specblock", target, drafters.serving_settings("specblock", target, {"drafter": d}))
+    assert type(built.policy) is ExpectedAcceptanceBranching and built.policy.max_width == 6
+    built = drafters.build("specblock", target, drafters.serving_settings("specblock", target, {"drafter": d, "widths": (1, 1, 1, 0)}))
+    assert type(built.policy) is RankBucketBranching and built.policy.widths_by_bucket == (1, 1, 1, 0)
+    bad = drafter_copy(tmp_path / "bad", {"budget": 4, "policy": "os:system"})
+    code, _, err = run(capsys, "--target", "lab", "--method", "specblock", "--drafter", bad, "--prompt", "x",
+                       "--max-new-tokens", "2", "--no-warmup", "--dtype", "float32")
+    assert code == 2 and "not one of specblock.policies." in err and len(err.strip().splitlines()) == 1

@@ -53,10 +53,10 @@ def test_one_policy_object_through_sim_and_acceptance(monkeypatch):
     calls = []
     real = methods.grow_block
 
-    def spy(tree, seeds, tok, logp, bucket, policy, budget, block):
+    def spy(tree, seeds, tok, logp, bucket, policy, budget, block, bucket_prob=None):
         calls.append((np.array(seeds), np.array(tok), np.array(logp), None if bucket is None else np.array(bucket),
-                      type(policy), budget, block))
-        return real(tree, seeds, tok, logp, bucket, policy, budget, block)
+                      type(policy), budget, block, bucket_prob))
+        return real(tree, seeds, tok, logp, bucket, policy, budget, block, bucket_prob=bucket_prob)
 
     monkeypatch.setattr(methods, "grow_block", spy)
     policy = RankBucketBranching(widths_by_bucket=(2, 4, 6, 4))
@@ -67,9 +67,10 @@ def test_one_policy_object_through_sim_and_acceptance(monkeypatch):
         calls.clear()
         d = drafter.draft(rng, rm)
         tree = DraftTree.root_only(0)
-        for seeds, tok, logp, bucket, cls, budget, block in calls:
+        for seeds, tok, logp, bucket, cls, budget, block, bucket_prob in calls:
             assert cls is RankBucketBranching
-            real(tree, seeds, tok, logp, bucket, cls(widths_by_bucket=(2, 4, 6, 4)), budget, block)
+            assert bucket_prob.shape == bucket.shape + (4,) and np.allclose(bucket_prob.sum(-1), 1)
+            real(tree, seeds, tok, logp, bucket, cls(widths_by_bucket=(2, 4, 6, 4)), budget, block, bucket_prob=bucket_prob)
         for f in ("parent", "depth", "rank", "bucket", "block"):
             np.testing.assert_array_equal(getattr(tree, f), getattr(d.tree, f))
         acc = accept_longest(tree, d.correct)

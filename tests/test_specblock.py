@@ -85,7 +85,7 @@ def test_one_block_with_cuts_takes_only_the_sizes_it_names():
     original = drafter._candidates
     seen: dict[int, set[int]] = {b: set() for b in (1, 2, 3, 5, 8)}
     for row in buckets:  # the rank head's buckets forced, one run of them a tree
-        drafter._candidates = lambda hq, row=row: (lambda c: (c[0], c[1], np.broadcast_to(row, c[2].shape).copy()))(
+        drafter._candidates = lambda hq, row=row: (lambda c: (c[0], c[1], np.broadcast_to(row, c[2].shape).copy(), c[3]))(
             original(hq))
         for budget in seen:
             drafter.prefill(prompt, target.prefill(prompt[:-1]))

@@ -34,7 +34,7 @@ from specblock.compiled.step import CompiledStep
 from specblock.compiled.target import span_of
 from specblock.runtime import tree_attention
 from specblock.runtime.drafters.layers import DecoderLayer, apply_rope
-from specblock.runtime.drafters.specblock import SpecBlockDrafter
+from specblock.runtime.drafters.specblock import SpecBlockDrafter, pack_candidates, unpack_candidates
 from specblock.runtime.target import TargetOutput
 
 #: New context positions per compiled step: the accepted path plus the bonus token. A tree deeper
@@ -121,7 +121,7 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
     def _step(self, taps: torch.Tensor, toks: torch.Tensor, n_new: torch.Tensor, past: torch.Tensor, span: int):
         """Rows ``[taps, toks]`` (``n_new`` real, the rest padding) become context positions
         ``past, past+1, ...``; the K queries follow the last real one. Returns the queries' top
-        states and ``[K, 2k+1]``: log-probs, token ids and the bucket, packed for one host copy."""
+        states and ``[K, 2k+5]``: the candidates packed for one host copy (``pack_candidates``)."""
         net, p, k = self.net, taps.shape[0], self.net.cfg.K
         g = net.g_from_target(taps, toks)  # [P, h]
         last = (n_new - 1).clamp(min=0)
@@ -141,8 +141,7 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
         hq = x[..., -k:, :]
         top = net.cfg.top_k
         logp, rows, rank = net.serving_heads(hq[0], top)
-        packed = torch.cat([logp, net.token_ids(rows).to(logp.dtype), rank.argmax(-1, keepdim=True).to(logp.dtype)], -1)
-        return hq, packed
+        return hq, pack_candidates(logp, net.token_ids(rows), rank)
 
     def _first_block(self, root: int) -> tuple[torch.Tensor, int]:
         if self._new is None:  # a one-token prompt: nothing cached, the base class's path
@@ -189,9 +188,7 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
         if packed is None:  # later blocks (eager)
             return super()._candidates(hq)
         self._packed = None
-        k = self.net.cfg.top_k
-        host = packed.cpu().numpy()
-        return host[..., k : 2 * k].astype(np.int64), host[..., :k], host[..., 2 * k].astype(np.int64)
+        return unpack_candidates(packed.cpu().numpy(), self.net.cfg.top_k)
 
     def prefill(self, prompt: np.ndarray, features: TargetOutput | None) -> None:
         if len(prompt) > self.capacity:

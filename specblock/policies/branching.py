@@ -42,6 +42,45 @@ class TreePolicy:
         w = np.minimum(np.maximum(np.asarray(self.raw_widths(parent_score, cand_logprob, bucket)), 0), k).astype(np.int64)
         return fit_budget(w, parent_score, cand_logprob, budget_left)
 
+    def block_widths(
+        self,
+        parent_score: np.ndarray,
+        cand_logprob: np.ndarray,
+        bucket: np.ndarray | None,
+        budget_left: int,
+        seed_ok: np.ndarray,
+        bucket_prob: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Widths ``[S, K]`` for a whole drafted block (:func:`grow_block`), and where the policy
+        itself ended a spine (``cut``, not the budget: traces carry it to the simulator).
+
+        Inputs per seed row s and in-block position d: the parent's cumulative log-prob, the
+        top-k candidates' log-probs ``[S, K, k]``, the predicted bucket and the rank head's
+        probabilities ``[S, K, 4]`` (None without a rank head); ``seed_ok`` marks real seeds.
+        Only the top-1 candidate continues a spine, so position d exists iff every width above
+        it is >= 1. Default: :meth:`raw_widths` per position, the budget spent in depth order
+        (what a per-depth loop would do: the depth where it runs out is trimmed by
+        :func:`fit_budget`, deeper ones get nothing). Override it to decide a block jointly
+        (:class:`specblock.policies.expected.ExpectedAcceptanceBranching`).
+        """
+        s, kd, k = cand_logprob.shape
+        flat_b = None if bucket is None else np.asarray(bucket).reshape(-1)
+        raw = np.asarray(self.raw_widths(parent_score.reshape(-1), cand_logprob.reshape(s * kd, k), flat_b))
+        raw = np.minimum(np.maximum(raw.reshape(s, kd), 0), k).astype(np.int64)
+        alive = spine_alive(raw, seed_ok)
+        w = np.where(alive, raw, 0)
+        cut = alive & (raw == 0)
+        spent = np.cumsum(w.sum(axis=0))
+        over = np.nonzero(spent > budget_left)[0]
+        if over.size:  # the budget runs out at depth d*: trim it there, nothing deeper
+            d = int(over[0])
+            room = max(budget_left - (int(spent[d - 1]) if d else 0), 0)
+            live = np.nonzero(alive[:, d])[0]
+            w[live, d] = fit_budget(w[live, d], parent_score[live, d], cand_logprob[live, d], room)
+            w[:, d + 1 :] = 0
+            cut[:, d + 1 :] = False
+        return w, cut
+
     def prune(self, tree: DraftTree, budget: int) -> DraftTree:
         """Final rerank of a finished tree to ``budget`` draft nodes (root excluded).
 
@@ -63,6 +102,16 @@ class TreePolicy:
 def _ancestor_close(tree: DraftTree, keep: np.ndarray) -> np.ndarray:
     """Drop kept nodes whose ancestors were dropped (guards against exact score ties)."""
     return ~(tree.ancestor_mask & ~keep[None, :]).any(axis=1) & keep
+
+
+def spine_alive(widths: np.ndarray, seed_ok: np.ndarray) -> np.ndarray:
+    """``[S, K]``: position d of a block exists iff its seed is real and every width above it is
+    >= 1 (only the top-1 candidate continues the spine)."""
+    alive = np.ones(widths.shape, dtype=bool)
+    alive[:, 0] = seed_ok
+    if widths.shape[1] > 1:
+        alive[:, 1:] = np.logical_and.accumulate(widths[:, :-1] > 0, axis=1) & alive[:, :1]
+    return alive
 
 
 def fit_budget(
@@ -233,6 +282,7 @@ def grow_block(
     policy: TreePolicy,
     budget: int,
     block: int,
+    bucket_prob: np.ndarray | None = None,
 ) -> np.ndarray:
     """Hang one drafted block under each seed (our reading of the paper, see DESIGN.md).
 
@@ -245,13 +295,12 @@ def grow_block(
     hidden state behind each node from them; and ``block_cuts`` (parent, bucket, block) for each
     position the policy itself gave width 0 (not the budget): traces carry them to the simulator.
 
-    The widths of the whole block are decided at once: a spine position lives iff every width
-    above it is >= 1, the budget is spent in depth order (what a per-depth loop would do: the
-    depth where it runs out is trimmed by :func:`fit_budget`, deeper ones get nothing), and the
-    nodes are added with one ``extend``. A policy that overrides :meth:`TreePolicy.widths` (its
-    own budget rule) is driven depth by depth through :func:`expand` instead.
+    The widths of the whole block are decided at once by :meth:`TreePolicy.block_widths` (``bucket_prob``,
+    the rank head's probabilities ``[S, K, 4]`` where the drafter has one, goes to it) and the nodes
+    are added with one ``extend``. A policy that overrides :meth:`TreePolicy.widths` (its own
+    budget rule) and not ``block_widths`` is driven depth by depth through :func:`expand` instead.
     """
-    if type(policy).widths is not TreePolicy.widths:
+    if type(policy).block_widths is TreePolicy.block_widths and type(policy).widths is not TreePolicy.widths:
         return _grow_block_stepwise(tree, seeds, cand_tokens, cand_logprob, bucket, policy, budget, block)
     seeds = np.asarray(seeds, dtype=np.int64)
     s, kd, k = cand_tokens.shape
@@ -262,27 +311,15 @@ def grow_block(
     if kd > 1:
         score[:, 1:] = cand_logprob[:, : kd - 1, 0]
         score = np.cumsum(score, axis=1, dtype=np.float32)
-    flat_b = None if bucket is None else np.asarray(bucket).reshape(-1)
-    raw = np.asarray(policy.raw_widths(score.reshape(-1), cand_logprob.reshape(s * kd, k), flat_b))
-    raw = np.minimum(np.maximum(raw.reshape(s, kd), 0), k).astype(np.int64)
-    # A position exists iff its seed is real and every width above it is >= 1.
-    alive = np.ones((s, kd), dtype=bool)
-    alive[:, 0] = seeds >= 0
-    if kd > 1:
-        alive[:, 1:] = np.logical_and.accumulate(raw[:, :-1] > 0, axis=1) & alive[:, :1]
-    w = np.where(alive, raw, 0)
-    cut = alive & (raw == 0)
-    left = budget - (tree.size - 1)
-    per_depth = w.sum(axis=0)
-    spent = np.cumsum(per_depth)
-    over = np.nonzero(spent > left)[0]
-    if over.size:  # the budget runs out at depth d*: trim it there, nothing deeper
-        d = int(over[0])
-        room = max(left - (int(spent[d - 1]) if d else 0), 0)
-        live = np.nonzero(alive[:, d])[0]
-        w[live, d] = fit_budget(w[live, d], score[live, d], cand_logprob[live, d], room)
-        w[:, d + 1 :] = 0
-        cut[:, d + 1 :] = False
+    w, cut = policy.block_widths(score, cand_logprob, None if bucket is None else np.asarray(bucket),
+                                 budget - (tree.size - 1), seeds >= 0, bucket_prob)
+    # A policy's widths are held to the block's rules here, whoever wrote them.
+    alive = spine_alive(np.asarray(w), seeds >= 0)
+    w = np.where(alive, np.clip(np.asarray(w, dtype=np.int64), 0, k), 0)
+    cut = np.asarray(cut, dtype=bool) & alive & (w == 0)
+    if int(w.sum()) > max(budget - (tree.size - 1), 0):
+        raise ValueError(f"{type(policy).__name__}.block_widths kept {int(w.sum())} nodes with "
+                         f"{max(budget - (tree.size - 1), 0)} left in the budget")
     # Nodes in (depth, seed, candidate) order: parents (spine at d-1) come before children.
     take = np.arange(k)[None, None, :] < w.T[:, :, None]  # [K, S, k]
     dd, ss, cc = np.nonzero(take)

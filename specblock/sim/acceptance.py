@@ -35,6 +35,7 @@ table, 6.5 and 8.2. (The 3-6x too-large trees of issue 7 came from traces withou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -121,6 +122,21 @@ class RankModel:
     def off_table(self) -> np.ndarray:
         """``P(pred | key)`` at unreachable positions (the bucket marginal when not fitted)."""
         return self.joint_table.sum(-2) if self.pred_off is None else self.pred_off
+
+    @cached_property
+    def _posterior(self) -> np.ndarray:
+        """``[blocks, positions, pred, true]``: P(true bucket | predicted bucket, key, parent reachable)."""
+        byb = np.einsum("mprj,rb->mpjb", self.joint_table, np.eye(NUM_BUCKETS)[_BUCKET_OF])
+        mass = byb.sum(-1, keepdims=True)
+        return np.where(mass > 1e-12, byb / np.maximum(mass, 1e-300), np.eye(NUM_BUCKETS))  # never predicted: trust it
+
+    def bucket_posterior(self, block: int, pred: np.ndarray) -> np.ndarray:
+        """``[S, K, 4]`` for buckets ``pred`` ``[S, K]`` of one block: how likely each true bucket is
+        given the prediction at that key. The simulator hands it to tree policies in place of the
+        rank head's probabilities, which it does not model (the runtime's differ position by
+        position; the sim knows how far each kind of prediction is to be trusted)."""
+        b, pos = self._key(block, np.arange(np.shape(pred)[-1]))
+        return self._posterior[b, pos, np.asarray(pred)]
 
     def top1(self, block: int, pos: int) -> float:
         return float(self._top1[self._key(block, pos)])

@@ -270,7 +270,8 @@ class SpecBlockDrafter(MethodModel):
             forwards.append(s * (kd + 1))
             tokens = np.broadcast_to(np.arange(k), (s, kd, k))
             bucket = pred if self.use_rank_head else None
-            spine = grow_block(tree, seeds, tokens, logp, bucket, self.policy, self.budget, block=m)
+            bucket_prob = rm.bucket_posterior(m, pred) if self.use_rank_head else None
+            spine = grow_block(tree, seeds, tokens, logp, bucket, self.policy, self.budget, block=m, bucket_prob=bucket_prob)
             parents = np.concatenate([seeds[:, None], spine[:, :-1]], axis=1)
             ok = parents >= 0
             book.set(parents[ok], rank[ok])

@@ -201,7 +201,10 @@ def pack_drafter(drafter: Drafter, int8: bool = False) -> int:
 #: The engine's node budget when neither the user nor the drafter's serving.json sets one.
 DEFAULT_BUDGET = 24
 #: What a drafter's ``serving.json`` may set: its measured best node budget and tree settings.
-SERVING_KEYS = ("budget", "M", "max_seeds", "widths", "depth", "top_k")
+SERVING_KEYS = ("budget", "M", "max_seeds", "widths", "depth", "top_k", "policy", "policy_kwargs")
+#: Where a serving.json may name its tree policy from: the project's own policies. A drafter folder
+#: is data, and naming a class imports (runs) its module; a user's own class is a flag away.
+SERVING_POLICY_PREFIX = "specblock.policies."
 TRAINED = ("specblock", "eagle3", "medusa", "sps", "parallelspec", "falcon")
 
 
@@ -219,9 +222,14 @@ def serving_settings(name: str, target, options: dict) -> dict:
     settings measured there, applied in order over the file's own.
     """
     explicit = {k: v for k, v in options.items() if v is not None}
+    if not explicit.get("policy"):
+        explicit.pop("policy_kwargs", None)  # the CLI's empty default is no choice
     if name not in TRAINED:
         return explicit
-    return {**read_serving(_path(explicit, name, target) / "serving.json", target), **explicit}
+    saved = read_serving(_path(explicit, name, target) / "serving.json", target)
+    if explicit.get("policy") or explicit.get("widths"):  # the user's tree rule replaces the file's whole
+        saved = {k: v for k, v in saved.items() if k not in ("policy", "policy_kwargs")}
+    return {**saved, **explicit}
 
 
 def read_serving(f: Path, target) -> dict:
@@ -242,4 +250,8 @@ def read_serving(f: Path, target) -> dict:
     for o in overrides:
         if all(o[k] == v for k, v in here.items() if k in o):
             settings.update({k: v for k, v in o.items() if k in SERVING_KEYS})
+    pol = settings.get("policy")
+    if pol is not None and not (isinstance(pol, str) and pol.startswith(SERVING_POLICY_PREFIX)):
+        raise SpecBlockError(f"{f}: \"policy\" {pol!r} is not one of {SERVING_POLICY_PREFIX}*; "
+                             "name your own class with --policy instead")
     return settings

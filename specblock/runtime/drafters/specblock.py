@@ -16,12 +16,25 @@ import numpy as np
 import torch
 
 from specblock.policies.branching import RankBucketBranching, TreePolicy, grow_block
+from specblock.policies.expected import ExpectedAcceptanceBranching
 from specblock.policies.seeds import DeepestConfidentSeeds, SeedPolicy
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
 from specblock.runtime.drafters.specblock_net import SpecBlockNet
 from specblock.runtime.target import TargetModel, TargetOutput
 from specblock.runtime.verify import Verdict
+
+
+def pack_candidates(logp: torch.Tensor, ids: torch.Tensor, rank_logits: torch.Tensor) -> torch.Tensor:
+    """``[..., 2k + 5]``: log-probs, target ids, the argmax bucket and the rank head's probabilities
+    side by side, so that one device-to-host copy carries them all (ids below 2^24 are exact)."""
+    return torch.cat([logp, ids.to(logp.dtype), rank_logits.argmax(-1, keepdim=True).to(logp.dtype),
+                      rank_logits.float().softmax(-1).to(logp.dtype)], -1)
+
+
+def unpack_candidates(host: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``pack_candidates``' columns back: ids, log-probs, buckets, bucket probabilities."""
+    return host[..., k : 2 * k].astype(np.int64), host[..., :k], host[..., 2 * k].astype(np.int64), host[..., 2 * k + 1 :]
 
 
 class SpecBlockDrafter(Drafter):
@@ -51,9 +64,12 @@ class SpecBlockDrafter(Drafter):
         keeping its bucket's width of candidates (at most ``top_k``), and the budget cuts the total.
         So a tree holds ``min(budget, w_1 + ... + w_j)`` nodes below the root for some widths' run.
         Widths with no 0 fill any budget up to ``K`` times the smallest: one size. The shipped
-        widths (2, 4, 10, 0) at budget 3 give 1, 3 or 4 nodes, never 2. Later blocks' seeds (``M
-        > 1``) and other policies: every size."""
+        widths (2, 4, 10, 0) at budget 3 give 1, 3 or 4 nodes, never 2. Expected-acceptance widths
+        that fill the budget: one size. Later blocks' seeds (``M > 1``) and other policies: every size."""
         pol = self.policy
+        if type(pol) is ExpectedAcceptanceBranching and pol.min_value == 0 and budget >= 1:
+            # it fills the budget in block 1 (other sizes, rare, pad up to this one)
+            return (1 + min(budget, self.net.cfg.K * min(self.net.cfg.top_k, pol.max_width)),)
         if self.M != 1 or type(pol) is not RankBucketBranching or budget < 1:
             return super().tree_sizes(budget)
         widths = {min(int(w), self.net.cfg.top_k) for w in pol.widths_by_bucket}
@@ -124,14 +140,12 @@ class SpecBlockDrafter(Drafter):
         return hq
 
     def _candidates(self, hq: torch.Tensor):
-        """Top-k ids and log-probs [S, K, k] and predicted buckets [S, K], moved to host once."""
+        """Top-k ids and log-probs [S, K, k], predicted buckets [S, K] and the rank head's
+        probabilities [S, K, 4], moved to host once."""
         k = self.net.cfg.top_k
         logp, rows, rank = self.net.serving_heads(hq[0], k)
         # Head rows to target ids (a reduced draft vocabulary): nothing outside it is ever drafted.
-        ids = self.net.token_ids(rows)
-        # One device->host copy for all three: pack ids and buckets beside the log-probs.
-        packed = torch.cat([logp, ids.float(), rank.argmax(-1, keepdim=True).float()], -1).cpu().numpy()
-        return packed[..., k : 2 * k].astype(np.int64), packed[..., :k], packed[..., 2 * k].astype(np.int64)
+        return unpack_candidates(pack_candidates(logp, self.net.token_ids(rows), rank).cpu().numpy(), k)
 
     @torch.no_grad()
     def propose(self, req: DraftRequest) -> DraftTree:
@@ -144,8 +158,8 @@ class SpecBlockDrafter(Drafter):
         cuts: list[tuple] = []
         offered: list[tuple] = []
         for m in range(self.M):
-            ids, lps, buckets = self._candidates(hq)
-            spine = grow_block(tree, seeds, ids, lps, buckets, self.policy, req.budget, block=m)
+            ids, lps, buckets, bucket_prob = self._candidates(hq)
+            spine = grow_block(tree, seeds, ids, lps, buckets, self.policy, req.budget, block=m, bucket_prob=bucket_prob)
             cuts.append(tree.meta["block_cuts"])
             # every position with a parent on the tree (seed, or the spine node above it): the whole
             # top-k, whatever the policy kept of it; traces log the target's rank among it (pool.py)
