@@ -189,17 +189,16 @@ case "${1:-}" in
       $PY experiments/best_budgets.py experiments/results/$SWEPT.json --write-serving specblock/assets/drafters/$T >/dev/null
     fi
     [[ ${SKIP_MAIN:-} ]] && exit 0
-    # The paper's SpecBlock (M = 2, rank-head widths; also adapting) and its M = 1 variant (top-4) as swept, each at
-    # its own best budget of the sweep $SWEPT (SWEEP_OUT=), whichever of them won serving.json
-    PIN=(--set specblock:M=2 --set specblock+adapt:M=2 --set specblock:widths=2,4,10,0 --set specblock+adapt:widths=2,4,10,0
-         --set specblock@m1:M=1 --set specblock@m1:widths=4,4,4,4)
-    B=$($PY experiments/best_budgets.py experiments/results/$SWEPT.json --alias specblock+adapt=specblock \
-        --alias specblock@m1=specblock@m1 2>/dev/null) || echo "note: no SpecBlock budgets in $SWEPT.json; serving.json's hold" >&2
-    for s in $B; do [[ $s == specblock* ]] && PIN+=(--set "$s"); done
+    # SpecBlock as shipped (serving.json: since stop 60 expected-acceptance widths at budget 4; also adapting), and
+    # the paper's rank-head widths (2, 4, 10, 0) at M = 2 (specblock@rank) and M = 1 (specblock@m1), each at the rank
+    # widths' best budget of the sweep $SWEPT (SWEEP_OUT=; 3 where it swept none)
+    RB=$($PY experiments/best_budgets.py experiments/results/$SWEPT.json 2>/dev/null | grep -o 'specblock:budget=[0-9]*' | cut -d= -f2)
+    PIN=(--set specblock@rank:M=2 --set specblock@rank:widths=2,4,10,0 --set specblock@rank:budget=${RB:-3}
+         --set specblock@m1:M=1 --set specblock@m1:widths=2,4,10,0 --set specblock@m1:budget=${RB:-3})
     # eagle3+lookup and specblock+lookup: prompt lookup's branch on each drafter at its serving.json (what --method
     # METHOD --lookup-branch 3 runs; best.json may name one, and --method auto then runs it so)
     $PY -m specblock.runtime bench --target $T \
-        --methods ar,hf-greedy,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt,eagle3+lookup,specblock+lookup \
+        --methods ar,hf-greedy,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@rank,specblock@m1,specblock+adapt,eagle3+lookup,specblock+lookup \
         "${PIN[@]}" --dtype packed-fp16 --prompts ${PROMPTS:-3} --runs 3 --max-new-tokens 48 --threads 2 \
         --out "experiments/results/${MAIN_OUT:-bench_smollm2_packed}" --trace-dir runs/traces_smollm2_packed
     $PY experiments/best_method.py "experiments/results/${MAIN_OUT:-bench_smollm2_packed}.json" --write specblock/assets/drafters/$T ;;
