@@ -231,9 +231,10 @@ case "${1:-}" in
         --runs ${RUNS:-2} --max-new-tokens 48 --threads 2 --out "experiments/results/${NAME:-bench_smollm2_compiled_budgets}" ;;
   lossless)  # 6d. Every method against plain decoding at fp32 (the lossless run: match rate and divergences, not
     #            speed), 3 prompts per domain, 48 new tokens, each at its serving.json settings. METHODS= and NAME= pick a subset and its file.
-    M=${METHODS:-ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@m1,specblock+adapt,eagle3+lookup,specblock+lookup}
-    PIN=(); [[ ,$M, == *,specblock@m1,* ]] && PIN=(--set specblock@m1:M=1)
-    [[ ,$M, == *,specblock,* ]] && PIN+=(--set specblock:M=2 --set specblock:widths=2,4,10,0)  # the paper's, as in the main table
+    M=${METHODS:-ar,lookup,hf-lookup,sps,hf-assisted,medusa,parallelspec,falcon,eagle3,specblock,specblock@rank,specblock@m1,specblock+adapt,eagle3+lookup,specblock+lookup}
+    PIN=()  # as in the main table: specblock as shipped, the paper's rank-head widths at M = 2 and M = 1
+    [[ ,$M, == *,specblock@m1,* ]] && PIN+=(--set specblock@m1:M=1 --set specblock@m1:widths=2,4,10,0)
+    [[ ,$M, == *,specblock@rank,* ]] && PIN+=(--set specblock@rank:M=2 --set specblock@rank:widths=2,4,10,0)
     $PY -m specblock.runtime bench --target $T --methods "$M" "${PIN[@]}" --dtype float32 --prompts 3 --runs 1 --max-new-tokens 48 --threads ${THREADS:-2} \
         --out experiments/results/${NAME:-bench_smollm2_fp32_lossless} ;;
   widths)    # 6b. Serving-time branching (no retraining): the rank head's widths (2,4,10,0: bucket b3 ends a branch)
