@@ -129,15 +129,27 @@ def main(argv: list[str]) -> int:
         row["oracle"] = round(float(oracle(rank, budget).mean()), 4)
         print(json.dumps(row), flush=True)
         rows.append(row)
+    # How far each probability of the top-1 is to be trusted: the rank head's b0 against the draft's own
+    calib = []
+    for lo, hi in ((0.0, 0.2), (0.2, 0.4), (0.4, 0.6), (0.6, 0.8), (0.8, 1.01)):
+        by_rank, by_draft = (prob[..., 0] >= lo) & (prob[..., 0] < hi), (np.exp(lp[..., 0]) >= lo) & (np.exp(lp[..., 0]) < hi)
+        calib.append({"band": [lo, min(hi, 1.0)], "rank_head_n": int(by_rank.sum()),
+                      "rank_head_top1": round(float((rank[by_rank] == 0).mean()), 3) if by_rank.any() else None,
+                      "draft_n": int(by_draft.sum()),
+                      "draft_top1": round(float((rank[by_draft] == 0).mean()), 3) if by_draft.any() else None})
     names = [*rules, "oracle"]
     shown = drafter.resolve().relative_to(Path.cwd()) if drafter.resolve().is_relative_to(Path.cwd()) else drafter
     md = [f"Block-1 trees of `{shown}` on {len(rank)} held-out blocks ({a.windows} windows of {a.window} tokens of "
           "the target's own answers): accepted drafts per block at each node budget, each rule's own `block_widths`.", "",
           "| budget | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     md += [f"| {r['budget']} | " + " | ".join(f"{r[n]:.3f}" for n in names) + " |" for r in rows]
+    md += ["", "The top-1's chance as each source states it, against how often it was right (all positions):", "",
+           "| stated | rank head's b0: positions / top-1 right | draft probability: positions / top-1 right |", "|---|---|---|"]
+    md += [f"| {c['band'][0]:.1f}-{c['band'][1]:.1f} | {c['rank_head_n']} / {c['rank_head_top1']} | "
+           f"{c['draft_n']} / {c['draft_top1']} |" for c in calib]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(a.out.with_suffix(".json"), json.dumps({"drafter": str(shown), "blocks": int(len(rank)),
-                                                         "windows": a.windows, "rows": rows}, indent=1) + "\n")
+                                                         "windows": a.windows, "rows": rows, "calibration": calib}, indent=1) + "\n")
     write_atomic(a.out.with_suffix(".md"), "\n".join(md) + "\n")
     print("\n".join(md))
     return 0

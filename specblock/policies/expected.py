@@ -16,9 +16,9 @@ top-1 estimates above it, times the seed's own draft probability). Values are ma
 non-increasing from a node to its descendants and its lower-ranked siblings, so the best
 ``budget`` nodes are a valid tree (ancestors first on ties).
 
-Measured on held-out windows of the real model (stop 60, ``docs/real_model.md``): at a budget of 3
-block-1 nodes, 1.20 accepted drafts per block against 1.04 for the rank widths (2, 4, 10, 0) and
-1.12 for a chain.
+Measured on held-out windows of the real model (``experiments/expected_widths_offline.py``; stop 60 in
+``docs/real_model.md``): at a budget of 3 block-1 nodes, 1.20 accepted drafts per block against 1.04
+for the rank widths (2, 4, 10, 0) and 1.12 for a chain.
 """
 
 from __future__ import annotations
