@@ -103,3 +103,7 @@ def test_serving_json_names_a_tree_policy_a_flag_replaces(tmp_path, capsys):
     code, _, err = run(capsys, "--target", "lab", "--method", "specblock", "--drafter", bad, "--prompt", "x",
                        "--max-new-tokens", "2", "--no-warmup", "--dtype", "float32")
     assert code == 2 and "not one of specblock.policies." in err and len(err.strip().splitlines()) == 1
+    sneaky = drafter_copy(tmp_path / "sneaky", {"policy": "specblock.policies.../../evil.py:Cls"})  # a file, by its prefix
+    code, _, err = run(capsys, "--target", "lab", "--method", "specblock", "--drafter", sneaky, "--prompt", "x",
+                       "--max-new-tokens", "2", "--no-warmup", "--dtype", "float32")
+    assert code == 2 and "not one of specblock.policies." in err

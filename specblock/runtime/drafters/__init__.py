@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -205,6 +206,7 @@ SERVING_KEYS = ("budget", "M", "max_seeds", "widths", "depth", "top_k", "policy"
 #: Where a serving.json may name its tree policy from: the project's own policies. A drafter folder
 #: is data, and naming a class imports (runs) its module; a user's own class is a flag away.
 SERVING_POLICY_PREFIX = "specblock.policies."
+_SERVING_POLICY = re.compile(re.escape(SERVING_POLICY_PREFIX) + r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # a module, not a file
 TRAINED = ("specblock", "eagle3", "medusa", "sps", "parallelspec", "falcon")
 
 
@@ -251,7 +253,7 @@ def read_serving(f: Path, target) -> dict:
         if all(o[k] == v for k, v in here.items() if k in o):
             settings.update({k: v for k, v in o.items() if k in SERVING_KEYS})
     pol = settings.get("policy")
-    if pol is not None and not (isinstance(pol, str) and pol.startswith(SERVING_POLICY_PREFIX)):
+    if pol is not None and not (isinstance(pol, str) and _SERVING_POLICY.fullmatch(pol)):
         raise SpecBlockError(f"{f}: \"policy\" {pol!r} is not one of {SERVING_POLICY_PREFIX}*; "
                              "name your own class with --policy instead")
     return settings
