@@ -129,10 +129,13 @@ def main(argv: list[str]) -> int:
         row["oracle"] = round(float(oracle(rank, budget).mean()), 4)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    # How far each probability of the top-1 is to be trusted: the rank head's b0 against the draft's own
+    # How far each probability of the top-1 is to be trusted: the rank head's b0 against the draft's own, at
+    # positions whose spine above was right (what the policy's estimate is conditioned on)
     calib = []
+    reached = np.concatenate([np.ones((len(rank), 1), bool), np.logical_and.accumulate(rank[:, :-1] == 0, axis=1)], axis=1)
     for lo, hi in ((0.0, 0.2), (0.2, 0.4), (0.4, 0.6), (0.6, 0.8), (0.8, 1.01)):
-        by_rank, by_draft = (prob[..., 0] >= lo) & (prob[..., 0] < hi), (np.exp(lp[..., 0]) >= lo) & (np.exp(lp[..., 0]) < hi)
+        by_rank = reached & (prob[..., 0] >= lo) & (prob[..., 0] < hi)
+        by_draft = reached & (np.exp(lp[..., 0]) >= lo) & (np.exp(lp[..., 0]) < hi)
         calib.append({"band": [lo, min(hi, 1.0)], "rank_head_n": int(by_rank.sum()),
                       "rank_head_top1": round(float((rank[by_rank] == 0).mean()), 3) if by_rank.any() else None,
                       "draft_n": int(by_draft.sum()),
@@ -143,7 +146,7 @@ def main(argv: list[str]) -> int:
           "the target's own answers): accepted drafts per block at each node budget, each rule's own `block_widths`.", "",
           "| budget | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     md += [f"| {r['budget']} | " + " | ".join(f"{r[n]:.3f}" for n in names) + " |" for r in rows]
-    md += ["", "The top-1's chance as each source states it, against how often it was right (all positions):", "",
+    md += ["", "The top-1's chance as each source states it, against how often it was right (positions whose spine above was right):", "",
            "| stated | rank head's b0: positions / top-1 right | draft probability: positions / top-1 right |", "|---|---|---|"]
     md += [f"| {c['band'][0]:.1f}-{c['band'][1]:.1f} | {c['rank_head_n']} / {c['rank_head_top1']} | "
            f"{c['draft_n']} / {c['draft_top1']} |" for c in calib]
