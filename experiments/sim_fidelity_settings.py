@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specblock.models.registry import MODELS, drafters_dir
 from specblock.runtime.config import DEFAULT_DRAFTERS
-from specblock.runtime.drafters import DEFAULT_BUDGET
+from specblock.runtime.drafters import DEFAULT_BUDGET, over_serving
 from specblock.runtime.drafters.lookup_branch import DEFAULT_NODES, SUFFIX, has_lookup
 from specblock.sim.lookup import chain_of, drafter_part
 from specblock.sim.traces import TraceRecord
@@ -131,7 +131,7 @@ def _drafter_method(method: str, cfg: dict) -> tuple[dict, list[str]]:
     return {"name": "specblock", "K": int(k), "M": int(sets.get("M", served.get("M", 2))),
             "max_seeds": int(sets.get("max_seeds", served.get("max_seeds", 2))),
             "widths": list(sets.get("widths", served.get("widths", (2, 4, 10, 0)))), "budget": budget, "branching": "rank",
-            "seeds": "deepest-confident", "use_rank_head": True, **user_policies(with_served_policy(sets, served))}, notes
+            "seeds": "deepest-confident", "use_rank_head": True, **user_policies(over_serving(served, sets))}, notes
 
 
 def serving(drafter_dir: str | Path, dtype: str | None = None, compiled_target: bool = False) -> dict:
@@ -143,14 +143,6 @@ def serving(drafter_dir: str | Path, dtype: str | None = None, compiled_target: 
     from specblock.runtime.drafters import read_serving
 
     return read_serving(Path(drafter_dir) / "serving.json", SimpleNamespace(dtype_name=dtype, compiled=compiled_target))
-
-
-def with_served_policy(sets: dict, served: dict) -> dict:
-    """The bench row's options with serving.json's tree policy where the row names none of its own
-    (neither ``policy`` nor ``widths``: ``drafters.serving_settings``' rule)."""
-    if sets.get("policy") or sets.get("widths") or not served.get("policy"):
-        return sets
-    return {"policy": served["policy"], "policy_kwargs": served.get("policy_kwargs") or {}, **sets}
 
 
 def user_policies(sets: dict) -> dict:

@@ -121,7 +121,7 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
     def _step(self, taps: torch.Tensor, toks: torch.Tensor, n_new: torch.Tensor, past: torch.Tensor, span: int):
         """Rows ``[taps, toks]`` (``n_new`` real, the rest padding) become context positions
         ``past, past+1, ...``; the K queries follow the last real one. Returns the queries' top
-        states and ``[K, 2k+5]``: the candidates packed for one host copy (``pack_candidates``)."""
+        states and ``[K, 2k+4]``: the candidates packed for one host copy (``pack_candidates``)."""
         net, p, k = self.net, taps.shape[0], self.net.cfg.K
         g = net.g_from_target(taps, toks)  # [P, h]
         last = (n_new - 1).clamp(min=0)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specblock.policies.branching import TreePolicy, spine_alive
+from specblock.policies.branching import TreePolicy
 from specblock.policies.tree import BUCKET_UPPER, NUM_BUCKETS
 
 
@@ -103,6 +103,7 @@ class ExpectedAcceptanceBranching(TreePolicy):
         order = order[flat[order] >= max(self.min_value, np.finfo(np.float64).tiny)]
         chosen = np.zeros(flat.size, dtype=bool)
         chosen[order] = True
-        w = np.cumprod(chosen.reshape(s, kd, k), axis=2).sum(axis=2)
-        w = np.where(spine_alive(w, seed_ok), w, 0).astype(np.int64)
+        # A prefix per position, and (values falling down the spine, ties to the shallower node) a
+        # kept node's spine is kept too: grow_block's own check finds nothing to drop.
+        w = np.cumprod(chosen.reshape(s, kd, k), axis=2).sum(axis=2).astype(np.int64)
         return w, np.zeros((s, kd), dtype=bool)

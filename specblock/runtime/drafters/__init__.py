@@ -228,8 +228,13 @@ def serving_settings(name: str, target, options: dict) -> dict:
         explicit.pop("policy_kwargs", None)  # the CLI's empty default is no choice
     if name not in TRAINED:
         return explicit
-    saved = read_serving(_path(explicit, name, target) / "serving.json", target)
-    if explicit.get("policy") or explicit.get("widths"):  # the user's tree rule replaces the file's whole
+    return over_serving(read_serving(_path(explicit, name, target) / "serving.json", target), explicit)
+
+
+def over_serving(saved: dict, explicit: dict) -> dict:
+    """``explicit`` options over a serving.json's ``saved`` settings: a tree rule of the user's own
+    (``policy`` or ``widths``) replaces the file's whole (the simulator's settings follow it too)."""
+    if explicit.get("policy") or explicit.get("widths"):
         saved = {k: v for k, v in saved.items() if k not in ("policy", "policy_kwargs")}
     return {**saved, **explicit}
 

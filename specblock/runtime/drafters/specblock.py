@@ -26,15 +26,18 @@ from specblock.runtime.verify import Verdict
 
 
 def pack_candidates(logp: torch.Tensor, ids: torch.Tensor, rank_logits: torch.Tensor) -> torch.Tensor:
-    """``[..., 2k + 5]``: log-probs, target ids, the argmax bucket and the rank head's probabilities
-    side by side, so that one device-to-host copy carries them all (ids below 2^24 are exact)."""
-    return torch.cat([logp, ids.to(logp.dtype), rank_logits.argmax(-1, keepdim=True).to(logp.dtype),
-                      rank_logits.float().softmax(-1).to(logp.dtype)], -1)
+    """``[..., 2k + 4]``: log-probs, target ids and the rank head's logits side by side, so that one
+    device-to-host copy carries them all (ids below 2^24 are exact). The bucket and its
+    probabilities are worked out on the host from the 4 logits: no device op of their own."""
+    return torch.cat([logp, ids.to(logp.dtype), rank_logits.to(logp.dtype)], -1)
 
 
 def unpack_candidates(host: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``pack_candidates``' columns back: ids, log-probs, buckets, bucket probabilities."""
-    return host[..., k : 2 * k].astype(np.int64), host[..., :k], host[..., 2 * k].astype(np.int64), host[..., 2 * k + 1 :]
+    """``pack_candidates``' columns back: ids, log-probs, predicted buckets (the first maximal logit,
+    as torch's argmax) and the rank head's probabilities."""
+    logits = host[..., 2 * k :].astype(np.float64)
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    return host[..., k : 2 * k].astype(np.int64), host[..., :k], logits.argmax(-1), e / e.sum(-1, keepdims=True)
 
 
 class SpecBlockDrafter(Drafter):
