@@ -28,6 +28,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from specblock.errors import SpecBlockError
+from specblock.runtime.growing_cache import growing
 from specblock.policies.tree import DraftTree
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -43,8 +44,9 @@ class Layout:
         return self.window is not None
 
     def new_cache(self, config) -> DynamicCache:
-        """A cache that keeps every key of every layer (see the module docstring)."""
-        return DynamicCache() if self.sliding else DynamicCache(config=config)
+        """A cache that keeps every key of every layer (see the module docstring), growing in
+        place rather than by a copy per forward (``growing_cache.py``)."""
+        return growing(DynamicCache() if self.sliding else DynamicCache(config=config))
 
 
 def attention_layout(model: PreTrainedModel) -> Layout:

@@ -37,6 +37,7 @@ from specblock.policies.seeds import SeedPolicy, TopScoreSeeds
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
 from specblock.runtime.drafters.draftvocab import DraftVocab, DraftVocabSize
+from specblock.runtime.drafters.kvcache import GROW, KVCache
 from specblock.runtime.drafters.layers import DecoderLayer, FusedInputHeads, flat_kv
 from specblock.runtime.drafters.netio import load_net, save_net, tie_frozen
 from specblock.runtime.target import TargetModel, TargetOutput
@@ -119,7 +120,7 @@ class Eagle3Drafter(Drafter):
         return cls(net.to(device=target.device, dtype=target.drafter_dtype), **kw)
 
     def reset(self) -> None:
-        self.cache: tuple[torch.Tensor, torch.Tensor] | None = None  # [1, H, C, d] committed positions
+        self.cache: KVCache | None = None  # committed positions
         self.pending: torch.Tensor | None = None  # g's of committed positions not yet cached [n, h]
         self.pending_pos: torch.Tensor | None = None
 
@@ -142,14 +143,19 @@ class Eagle3Drafter(Drafter):
         nxt = np.append(tree.tokens[verdict.path[1:]], verdict.bonus)
         self._add_pending(features.taps, nxt, self._root_pos)
 
-    def _flush(self) -> torch.Tensor | None:
+    def _flush(self, room: int) -> torch.Tensor | None:
         """Run the pending committed positions through the layer (one causal block over the
-        cache), append their keys/values; returns the last one's state (it predicts depth 1)."""
+        cache), append their keys/values; returns the last one's state (it predicts depth 1).
+        ``room``: rows to keep free past them (the tree's expanded nodes stage their keys there)."""
         if self.pending is None:
             return None
-        out, kv = self.net.layer(self.pending[None, None], self.pending_pos[None, None], self.cache)
-        k, v = flat_kv(kv)
-        self.cache = (k, v) if self.cache is None else (torch.cat([self.cache[0], k], -2), torch.cat([self.cache[1], v], -2))
+        n = self.pending.shape[0]
+        if self.cache is None:
+            layer = self.net.layer
+            self.cache = KVCache.empty(1, layer.heads, layer.head_dim, n + room + GROW, self.pending)
+        self.cache = self.cache.reserve(n + room)
+        out, _ = self.net.layer(self.pending[None, None], self.pending_pos[None, None], self.cache.slot(0))
+        self.cache = self.cache.commit(n)
         self.pending = self.pending_pos = None
         return out[0, 0, -1:]
 
@@ -162,17 +168,15 @@ class Eagle3Drafter(Drafter):
         root = int(req.tokens[-1])
         self._root_pos = len(req.tokens) - 1
         tree = DraftTree.root_only(root)
-        states = self._flush()  # [S=1, h]: the state behind the root's children
-        depth = min(self.depth, req.max_depth)
+        # Nothing past what the final rerank to the budget can keep (policies.branching)
+        depth, width = rerank_limits(self.policy, self.seed_policy, req.budget, min(self.depth, req.max_depth), self.top_k)
+        states = self._flush(max(depth, 0) * width)  # [S=1, h]: the state behind the root's children
         if states is None or depth < 1 or req.budget < 1:
             return tree
-        # Nothing past what the final rerank to the budget can keep (policies.branching)
-        depth, width = rerank_limits(self.policy, self.seed_policy, req.budget, depth, self.top_k)
         net, dev = self.net, self.device
         parents = np.zeros(1, dtype=np.int64)
-        expanded = np.zeros(0, dtype=np.int64)  # nodes whose keys/values sit in the draft cache, in order
-        dk = dv = None
-        n_ctx = self.cache[0].shape[-2]
+        expanded = np.zeros(0, dtype=np.int64)  # nodes whose keys/values sit past the committed rows, in order
+        n_ctx = self.cache.n
         offered: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # per depth: (nodes, ids, logps)
         for d in range(1, depth + 1):
             ids, lps = self._top(states)
@@ -191,10 +195,9 @@ class Eagle3Drafter(Drafter):
             pos = torch.full((1, s, 1), self._root_pos - 1 + d, device=dev)  # depth d+1 sits at R-2+(d+1)
             anc = tree.ancestor_mask[np.ix_(frontier, expanded)]  # drafted ancestors (strict: self not yet cached)
             mask = torch.cat([torch.ones(s, n_ctx, dtype=torch.bool, device=dev), torch.as_tensor(anc, device=dev)], -1)
-            ctx = self.cache if dk is None else (torch.cat([self.cache[0], dk], -2), torch.cat([self.cache[1], dv], -2))
-            out, kv = net.layer(x, pos, ctx, mask[None])
-            k, v = flat_kv(kv)  # [1, H, S, d]
-            dk, dv = (k, v) if dk is None else (torch.cat([dk, k], -2), torch.cat([dv, v], -2))
+            # the committed rows and the expanded nodes' keys after them: one view, no copy
+            out, kv = net.layer(x, pos, self.cache.view(0, n_ctx + expanded.size), mask[None])
+            self.cache.write(0, n_ctx + expanded.size, *flat_kv(kv))  # [1, H, S, d]
             expanded = np.concatenate([expanded, frontier])
             states, parents = out[0, :, 0], frontier
         # every expanded node's full top-k, before the rerank cuts candidates: traces log the

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specblock.runtime.drafters.kvcache import KVSlot
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -116,7 +118,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,  # [G, R, K, h]
         pos: torch.Tensor,  # [G, R, K]
-        ctx: tuple[torch.Tensor, torch.Tensor] | None = None,  # [G|1, H, C, d] each
+        ctx: tuple[torch.Tensor, torch.Tensor] | KVSlot | None = None,  # [G|1, H, C, d] each, or a cache's layer
         ctx_mask: torch.Tensor | None = None,
         rope_cs: tuple[torch.Tensor, torch.Tensor] | None = None,  # from rope_cos_sin(pos[:, None]): shared by layers
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -127,10 +129,15 @@ class DecoderLayer(nn.Module):
             rope_cs = rope_cos_sin(pos[:, None], self.head_dim, self.rope_theta, x.dtype)  # heads broadcast
         qk = apply_rope(qkv[:2], *rope_cs)  # q and k in one pass
         q, kk, v = qk[0], qk[1], qkv[2]
-        k_ctx = v_ctx = None
-        if ctx is not None:
-            k_ctx, v_ctx = (t.expand(g, -1, -1, -1) for t in ctx)
-        att = block_attention(q, kk, v, k_ctx, v_ctx, ctx_mask)  # [G, H, R, K, d]
+        if isinstance(ctx, KVSlot):  # one causal row over a cache: its keys staged there, no copy of the context
+            if g != 1 or r != 1 or ctx_mask is not None:
+                raise ValueError("a KVSlot serves one row over the whole cache; pass its views for more")
+            att = ctx.attend(q[:, :, 0], kk[:, :, 0], v[:, :, 0])[:, :, None]
+        else:
+            k_ctx = v_ctx = None
+            if ctx is not None:
+                k_ctx, v_ctx = (t.expand(g, -1, -1, -1) for t in ctx)
+            att = block_attention(q, kk, v, k_ctx, v_ctx, ctx_mask)  # [G, H, R, K, d]
         x = x + self.o(att.permute(0, 2, 3, 1, 4).reshape(g, r, k, h))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         x = x + self.down(F.silu(gate) * up)

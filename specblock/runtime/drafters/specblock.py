@@ -20,6 +20,7 @@ from specblock.policies.expected import ExpectedAcceptanceBranching
 from specblock.policies.seeds import DeepestConfidentSeeds, SeedPolicy
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
+from specblock.runtime.drafters.kvcache import GROW, KVCache
 from specblock.runtime.drafters.specblock_net import SpecBlockNet
 from specblock.runtime.target import TargetModel, TargetOutput
 from specblock.runtime.verify import Verdict
@@ -90,7 +91,7 @@ class SpecBlockDrafter(Drafter):
         return cls(net.to(device=target.device, dtype=target.drafter_dtype), **kw)
 
     def reset(self) -> None:
-        self.cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.cache: KVCache | None = None  # committed positions (the compiled drafter: views of its buffers)
         self.pending: torch.Tensor | None = None  # g's of committed positions not yet cached [n, h]
         self.pending_pos: torch.Tensor | None = None
 
@@ -125,14 +126,18 @@ class SpecBlockDrafter(Drafter):
             x = torch.cat([self.pending[None, None], net.queries(g_prefix[None])], dim=-2)
             pos = self.pending_pos[None, None]
         pos_q = prefix_pos + torch.arange(1, net.cfg.K + 1, device=self.device)[None, None]
-        hq, kvs = net.run_serving(x, torch.cat([pos, pos_q], dim=-1), self.cache)
-        if n_new:
-            new = [(k[:, :, 0, :n_new], v[:, :, 0, :n_new]) for k, v in kvs]
-            self.cache = new if self.cache is None else [
-                (torch.cat([ck, nk], -2), torch.cat([cv, nv], -2)) for (ck, cv), (nk, nv) in zip(self.cache, new)
-            ]
+        self.cache = self._room(n_new + net.cfg.K, x)
+        hq, _ = net.run_serving(x, torch.cat([pos, pos_q], dim=-1), self.cache)
+        self.cache = self.cache.commit(n_new)  # the new context positions' keys, staged first in the row
         self.pending = self.pending_pos = None
         return hq, prefix_pos
+
+    def _room(self, rows: int, like: torch.Tensor) -> KVCache:
+        """The cache, with room for ``rows`` more (a first block's new positions and queries)."""
+        if self.cache is None:
+            cfg = self.net.cfg
+            return KVCache.empty(cfg.num_layers, cfg.num_heads, cfg.hidden_size // cfg.num_heads, rows + GROW, like)
+        return self.cache.reserve(rows)
 
     def _seed_block(self, g_seed: torch.Tensor, seed_pos: torch.Tensor) -> torch.Tensor:
         """Later blocks: one row per seed, [seed position, K queries] causal over the cache."""
