@@ -123,3 +123,12 @@ def test_target_decodes_across_growth(monkeypatch):
         want = model(torch.tensor(committed)[None]).logits[0, -1]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert isinstance(target.cache.layers[0], GrowingLayer)
+
+
+def test_append_and_of():
+    """``append`` (ParallelSpec's and Falcon's commits) adds rows after the others, layer by layer."""
+    a = [(torch.ones(1, H, 2, D), torch.zeros(1, H, 2, D)), (torch.full((1, H, 2, D), 3.0), torch.ones(1, H, 2, D))]
+    cache = KVCache.of(a).append([(k * 2, v * 2) for k, v in a])
+    assert cache.n == 4 and len(list(cache)) == 2
+    for (k, v), (k0, v0) in zip(cache, a):
+        assert torch.equal(k, torch.cat([k0, 2 * k0], -2)) and torch.equal(v, torch.cat([v0, 2 * v0], -2))

@@ -47,6 +47,9 @@ class KVCache:
         every attention here takes as context)."""
         return self.keys[layer][:, :, : self.n], self.values[layer][:, :, : self.n]
 
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``0..end-1``: the committed ones and whatever was written after them."""
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
@@ -74,6 +77,20 @@ class KVCache:
         if self.n + m > self.capacity:
             raise IndexError(f"cannot commit {m} rows past {self.n} of {self.capacity}")
         return KVCache(self.keys, self.values, self.n + m)
+
+    def append(self, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> "KVCache":
+        """Each layer's ``(k, v)`` rows (``[1, H, m, d]``) committed after the others."""
+        m = kvs[0][0].shape[-2]
+        cache = self.reserve(m)
+        for layer, (k, v) in enumerate(kvs):
+            cache.write(layer, cache.n, k, v)
+        return cache.commit(m)
+
+    @classmethod
+    def of(cls, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> "KVCache":
+        """A cache holding ``kvs`` (per layer ``[1, H, m, d]``), with room to grow."""
+        k = kvs[0][0]
+        return cls.empty(len(kvs), k.shape[1], k.shape[-1], k.shape[-2] + GROW, k).append(kvs)
 
     def slot(self, layer: int) -> "KVSlot":
         return KVSlot(self, layer)

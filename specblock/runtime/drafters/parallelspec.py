@@ -41,6 +41,7 @@ from specblock.policies.branching import TopKBranching, TreePolicy, grow_block
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
 from specblock.runtime.drafters.draftvocab import DraftVocab, DraftVocabSize
+from specblock.runtime.drafters.kvcache import KVCache
 from specblock.runtime.drafters.layers import DecoderLayer, FusedInputHeads, rope
 from specblock.runtime.drafters.netio import load_net, save_net, tie_frozen
 from specblock.runtime.target import TargetModel, TargetOutput
@@ -155,7 +156,7 @@ class CommittedContext:
 
     def __init__(self, net: FeatureNet, device, dtype) -> None:
         self.net, self.device, self.dtype = net, device, dtype
-        self.cache: list[KV] | None = None  # [1, H, C, d] per layer, positions 0..C-1
+        self.cache: KVCache | None = None  # positions 0..C-1
         self.pending: torch.Tensor | None = None  # [n, h]
         self.pending_pos: torch.Tensor | None = None
 
@@ -170,12 +171,13 @@ class CommittedContext:
 
     def commit(self, kvs: list[KV], n: int) -> None:
         """Cache the first ``n`` queries of a call (the pending positions) and clear them."""
-        self.cache = cat_kv(self.cache, [(k[:, :, 0, :n], v[:, :, 0, :n]) for k, v in kvs])
+        new = [(k[:, :, 0, :n], v[:, :, 0, :n]) for k, v in kvs]
+        self.cache = KVCache.of(new) if self.cache is None else self.cache.append(new)  # in place, no copy of the context
         self.pending = self.pending_pos = None
 
     @property
     def cached(self) -> int:
-        return 0 if self.cache is None else int(self.cache[0][0].shape[-2])
+        return 0 if self.cache is None else self.cache.n
 
 
 class ContextDrafter(Drafter):
