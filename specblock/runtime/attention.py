@@ -28,8 +28,8 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from specblock.errors import SpecBlockError
-from specblock.runtime.growing_cache import growing
 from specblock.policies.tree import DraftTree
+from specblock.runtime.growing_cache import growing
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 

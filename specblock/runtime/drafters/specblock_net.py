@@ -174,9 +174,9 @@ class SpecBlockNet(DraftVocab, nn.Module):
         acts on the last K positions only, with zeros before the first query, exactly as in
         ``run`` (a test holds the two against each other). Returns the queries' top hidden
         states and every position's per-layer keys/values ``[G, H, R, n, d]``. One row over a
-        :class:`KVCache` stages its keys there (rows ``n..``), so the caller commits its new context
-        positions' with ``cache.commit`` instead of copying them in; its room is the caller's
-        ``reserve``.
+        :class:`KVCache` stages its keys there (rows ``n..``), so the caller keeps the rows of its new
+        context positions with ``cache.commit`` instead of copying them in (room: the caller's
+        ``reserve``).
         """
         k = self.cfg.K
         kvs = []
