@@ -301,9 +301,12 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
     compiled = {f"compiled {m}": StaticTarget.wrap(eager, compile=True, regions=m == "regions")  # same weights
                 for m in args.mode_list}
 
-    def second(dtype: str = args.dtype, fp16_head: bool = False, hf_parts: bool = False, **kw) -> StaticTarget:  # a second copy: attention, kernel and options are per copy
+    def second(dtype: str = args.dtype, fp16_head: bool = False, hf_parts: bool = False, exact_parts: bool = False,
+               **kw) -> StaticTarget:  # a second copy: attention, kernel and options are per copy
         with mock.patch.object(target_module, "use_exact_parts", lambda model: (0, 0)) if hf_parts else contextlib.nullcontext():
             t = TargetModel.load(path, dtype, args.device)
+        if exact_parts:
+            target_module.use_exact_parts(t.model)
         if fp16_head:
             packed_fp16_head(t.model)
         return StaticTarget.wrap(t, compile=True, **kw)
@@ -319,6 +322,7 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
         "unfused": (args.unfused_baseline, {"fuse": False}),
         "fp16 head": (args.fp16_head_baseline, {"fp16_head": True}),
         "HF's norms and rotary": (args.hf_parts_baseline, {"hf_parts": True}),  # before exact_parts (int8 kernel)
+        "exact parts": (args.exact_parts_variant, {"exact_parts": True}),  # q4's norms and rotary on another dtype
         "power-of-two spans": (args.spans_baseline, {"one_span": False}),  # before one_span (fused op)
         str(args.also_dtype): (args.also_dtype, {"dtype": args.also_dtype}),  # e.g. q4 beside packed-fp16
     }
@@ -370,6 +374,7 @@ def markdown(results: list[dict], args) -> str:
              f"{' --unfused-baseline' if args.unfused_baseline else ''}"
              f"{' --fp16-head-baseline' if args.fp16_head_baseline else ''}"
              f"{' --hf-parts-baseline' if args.hf_parts_baseline else ''}"
+             f"{' --exact-parts-variant' if args.exact_parts_variant else ''}"
              f"{' --spans-baseline' if args.spans_baseline else ''}"
              f"{' --frozen-variant' if args.frozen_variant else ''}"
              f"{' --unfrozen-variant' if args.unfrozen_variant else ''}"
@@ -454,6 +459,9 @@ def main() -> None:
                     help="q4: also time a compiled target whose LM head is packed fp16 (before the GGUF's Q8_0 head)")
     ap.add_argument("--hf-parts-baseline", action="store_true",
                     help="q4 on the int8 kernel: also time a compiled target with HF's RMSNorm and rotary (before exact_parts)")
+    ap.add_argument("--exact-parts-variant", action="store_true",
+                    help="packed-fp16 / float32: also time a compiled target with q4's exact parts (one C++ RMSNorm, "
+                         "rotary from a table), which the eager one gains from (exact_parts_eager.py)")
     ap.add_argument("--spans-baseline", action="store_true",
                     help="also time a compiled target on power-of-two spans where the fused op allows the whole buffer")
     ap.add_argument("--also-dtype", choices=DTYPE_CHOICES, help="also time a compiled copy of the target in this dtype")
