@@ -9,6 +9,7 @@ from transformers.cache_utils import DynamicLayer
 
 from specblock.policies.tree import DraftTree
 from specblock.runtime import growing_cache
+from specblock.runtime.drafters import kvcache
 from specblock.runtime.drafters.kvcache import KVCache
 from specblock.runtime.drafters.layers import DecoderLayer
 from specblock.runtime.growing_cache import GrowingLayer
@@ -24,7 +25,15 @@ def test_kvcache_appends_like_cat(steps, seed):
     """Each step stages ``m`` rows and commits the first ``keep`` of them (a first block's new
     positions, then its queries): the committed rows are the concatenation of what was kept."""
     g = torch.Generator().manual_seed(seed)
-    cache = KVCache.empty(2, H, D, 1, torch.zeros(1))  # capacity 1: every step grows it
+    before, kvcache.GROW = kvcache.GROW, 0  # no slack: the storage grows (doubling) whenever a step needs it
+    try:
+        _appends_like_cat(steps, g)
+    finally:
+        kvcache.GROW = before
+
+
+def _appends_like_cat(steps, g):
+    cache = KVCache.empty(2, H, D, torch.zeros(1))
     ref_k, ref_v = [torch.zeros(1, H, 0, D)] * 2, [torch.zeros(1, H, 0, D)] * 2
     for m, keep in steps:
         keep = min(keep, m)
@@ -41,7 +50,7 @@ def test_kvcache_appends_like_cat(steps, seed):
 
 def test_kvcache_kept_aside_still_reads_its_rows():
     """Calibration restores an older cache again and again: later writes land past its rows."""
-    cache = KVCache.empty(1, H, D, 8, torch.zeros(1)).reserve(3)
+    cache = KVCache.empty(1, H, D, torch.zeros(1)).reserve(3)
     cache.write(0, 0, torch.ones(1, H, 3, D), torch.ones(1, H, 3, D))
     old = cache.commit(3)
     newer = old.reserve(2)
@@ -61,7 +70,7 @@ def test_staged_attention_matches_the_context_copy(c, m, seed):
     layer = DecoderLayer(H * D, H, 16, 10000.0).eval()
     x = torch.randn(1, 1, m, H * D)
     pos = torch.arange(c, c + m)[None, None]
-    cache = KVCache.empty(1, H, D, 1, x).reserve(c + m)
+    cache = KVCache.empty(1, H, D, x).reserve(c + m)
     cache.write(0, 0, torch.randn(1, H, c, D), torch.randn(1, H, c, D))
     cache = cache.commit(c)
     with torch.no_grad():

@@ -10,6 +10,7 @@ from specblock.errors import SpecBlockError
 from specblock.policies.branching import RankBucketBranching
 from specblock.policies.tree import rank_to_bucket
 from specblock.runtime.drafters.base import DraftRequest
+from specblock.runtime.drafters.kvcache import KVCache
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
 from specblock.runtime.drafters.specblock_net import SpecBlockConfig, SpecBlockNet
 from specblock.runtime.engine import Engine
@@ -131,6 +132,10 @@ def test_serving_blocks_equal_training_blocks():
             g = net.g_from_drafter(hq_train[0, p, j - 1][None], seed_tok[0, p][None])
             hq2_serve = drafter._seed_block(g, seed_pos[0, p][None])
             torch.testing.assert_close(hq2_serve[0, 0], hq2_train[0, p], atol=2e-4, rtol=2e-4)
+            # A seed block only reads the cache: the same with no free row left in its storage.
+            c = drafter.cache
+            drafter.cache = KVCache(tuple(t[:, :, : c.n] for t in c.keys), tuple(t[:, :, : c.n] for t in c.values), c.n)
+            torch.testing.assert_close(drafter._seed_block(g, seed_pos[0, p][None]), hq2_serve, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("k", [4, 10])  # fewer candidates than the rank statistics' 10, and as many (serving's default)

@@ -22,9 +22,8 @@ GROW = 256  # rows added at least when the storage must grow (then doubled)
 
 
 class GrowingLayer(DynamicLayer):
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self._k = self._v = None  # storage [B, H, capacity, d]; keys / values view its first rows
+    _k: torch.Tensor | None = None  # storage [B, H, capacity, d]; keys / values view its first rows
+    _v: torch.Tensor | None = None
 
     def _seated(self) -> bool:
         k = self.keys

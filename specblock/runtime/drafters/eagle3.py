@@ -37,7 +37,7 @@ from specblock.policies.seeds import SeedPolicy, TopScoreSeeds
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
 from specblock.runtime.drafters.draftvocab import DraftVocab, DraftVocabSize
-from specblock.runtime.drafters.kvcache import GROW, KVCache
+from specblock.runtime.drafters.kvcache import KVCache
 from specblock.runtime.drafters.layers import DecoderLayer, FusedInputHeads, flat_kv
 from specblock.runtime.drafters.netio import load_net, save_net, tie_frozen
 from specblock.runtime.target import TargetModel, TargetOutput
@@ -149,10 +149,9 @@ class Eagle3Drafter(Drafter):
         ``room``: rows to keep free past them (the tree's expanded nodes stage their keys there)."""
         if self.pending is None:
             return None
-        n = self.pending.shape[0]
+        n, layer = self.pending.shape[0], self.net.layer
         if self.cache is None:
-            layer = self.net.layer
-            self.cache = KVCache.empty(1, layer.heads, layer.head_dim, n + room + GROW, self.pending)
+            self.cache = KVCache.empty(1, layer.heads, layer.head_dim, self.pending)
         self.cache = self.cache.reserve(n + room)
         out, _ = self.net.layer(self.pending[None, None], self.pending_pos[None, None], self.cache.slot(0))
         self.cache = self.cache.commit(n)

@@ -30,9 +30,9 @@ class KVCache:
     n: int
 
     @classmethod
-    def empty(cls, layers: int, heads: int, head_dim: int, capacity: int, like: torch.Tensor) -> "KVCache":
-        shape = (1, heads, capacity, head_dim)
-        new = lambda: tuple(like.new_zeros(shape) for _ in range(layers))
+    def empty(cls, layers: int, heads: int, head_dim: int, like: torch.Tensor) -> "KVCache":
+        """No rows and no room (``reserve`` makes it); dtype and device ``like``'s."""
+        new = lambda: tuple(like.new_zeros(1, heads, 0, head_dim) for _ in range(layers))
         return cls(new(), new(), 0)
 
     @property
@@ -90,7 +90,7 @@ class KVCache:
     def of(cls, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> "KVCache":
         """A cache holding ``kvs`` (per layer ``[1, H, m, d]``), with room to grow."""
         k = kvs[0][0]
-        return cls.empty(len(kvs), k.shape[1], k.shape[-1], k.shape[-2] + GROW, k).append(kvs)
+        return cls.empty(len(kvs), k.shape[1], k.shape[-1], k).append(kvs)
 
     def slot(self, layer: int) -> "KVSlot":
         return KVSlot(self, layer)

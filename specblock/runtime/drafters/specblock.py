@@ -20,7 +20,7 @@ from specblock.policies.expected import ExpectedAcceptanceBranching
 from specblock.policies.seeds import DeepestConfidentSeeds, SeedPolicy
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
-from specblock.runtime.drafters.kvcache import GROW, KVCache
+from specblock.runtime.drafters.kvcache import KVCache
 from specblock.runtime.drafters.specblock_net import SpecBlockNet
 from specblock.runtime.target import TargetModel, TargetOutput
 from specblock.runtime.verify import Verdict
@@ -127,16 +127,16 @@ class SpecBlockDrafter(Drafter):
             pos = self.pending_pos[None, None]
         pos_q = prefix_pos + torch.arange(1, net.cfg.K + 1, device=self.device)[None, None]
         self.cache = self._room(n_new + net.cfg.K, x)
-        hq, _ = net.run_serving(x, torch.cat([pos, pos_q], dim=-1), self.cache)
+        hq, _ = net.run_serving(x, torch.cat([pos, pos_q], dim=-1), self.cache, stage=True)
         self.cache = self.cache.commit(n_new)  # the new context positions' keys, staged first in the row
         self.pending = self.pending_pos = None
         return hq, prefix_pos
 
     def _room(self, rows: int, like: torch.Tensor) -> KVCache:
         """The cache, with room for ``rows`` more (a first block's new positions and queries)."""
+        cfg = self.net.cfg
         if self.cache is None:
-            cfg = self.net.cfg
-            return KVCache.empty(cfg.num_layers, cfg.num_heads, cfg.hidden_size // cfg.num_heads, rows + GROW, like)
+            return KVCache.empty(cfg.num_layers, cfg.num_heads, cfg.hidden_size // cfg.num_heads, like).reserve(rows)
         return self.cache.reserve(rows)
 
     def _seed_block(self, g_seed: torch.Tensor, seed_pos: torch.Tensor) -> torch.Tensor:

@@ -165,6 +165,7 @@ class SpecBlockNet(DraftVocab, nn.Module):
         x: torch.Tensor,  # [G, R, n, h]: per row, new context positions then the K block queries
         pos: torch.Tensor,  # [G, R, n]
         cache: KVCache | list[tuple[torch.Tensor, torch.Tensor]] | None,
+        stage: bool = False,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Serving-time forward: one causal stream per row instead of two streams.
 
@@ -173,18 +174,17 @@ class SpecBlockNet(DraftVocab, nn.Module):
         both streams of :meth:`run` fuse into one, halving the layer calls per block. The shift
         acts on the last K positions only, with zeros before the first query, exactly as in
         ``run`` (a test holds the two against each other). Returns the queries' top hidden
-        states and every position's per-layer keys/values ``[G, H, R, n, d]``. One row over a
-        :class:`KVCache` stages its keys there (rows ``n..``), so the caller keeps the rows of its new
-        context positions with ``cache.commit`` instead of copying them in (room: the caller's
-        ``reserve``).
+        states and every position's per-layer keys/values ``[G, H, R, n, d]``. ``stage`` (one row
+        over a :class:`KVCache` with room for it, the caller's ``reserve``): its keys are written to
+        the cache's free rows, so the caller keeps its new context positions' with ``cache.commit``
+        instead of copying them in; without it the cache is only read.
         """
         k = self.cfg.K
         kvs = []
         first = self.layers[0]
         cs = rope_cos_sin(pos[:, None], first.head_dim, first.rope_theta, x.dtype)  # once for all layers
-        staged = isinstance(cache, KVCache) and x.shape[0] == x.shape[1] == 1
         for i, layer in enumerate(self.layers):
-            ctx = None if cache is None else cache.slot(i) if staged else cache[i]
+            ctx = None if cache is None else cache.slot(i) if stage else cache[i]
             x, kv = layer(x, pos, ctx, None, cs)
             kvs.append(kv)
             if self.cfg.shift and i < len(self.layers) - 1:
