@@ -2,9 +2,10 @@
 
 Why: beyond its linears, the eager target's forward is ~1,300 small ops (stop 61's profile: the
 211 fp16 linears were 14.7 of 33 ms at one row). HF's RMSNorm is 8 ops, 61 times a forward;
-``runtime/exact_parts.py`` replaces it with one op a call, but only on q4's int8 kernel, where its
-fixed summation order is needed for exactness. This measures what the same swap gives the eager
-packed-fp16 (or fp32) target in speed, and how far its logits move (last bits: it is a different
+``runtime/exact_parts.py`` replaces it with one op a call: first on q4's int8 kernel, where its
+fixed summation order is needed for exactness, and since stop 62 on every packed-fp16 target by
+default. This measures what the swap gives the eager packed-fp16 (or fp32) target in speed against
+HF's parts (``SPECBLOCK_EXACT_PARTS=off``), and how far its logits move (last bits: it is a different
 summation order, not a different formula). Two models loaded side by side, tree forwards of n
 tokens timed interleaved at the same context.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from specblock.models import resolve_target  # noqa: E402
 from specblock.policies.tree import DraftTree  # noqa: E402
 from specblock.runtime.calibrate import rewind  # noqa: E402
-from specblock.runtime.exact_parts import use_exact_parts  # noqa: E402
+from specblock.runtime.exact_parts import RowRMSNorm, TableRotary, use_exact_parts  # noqa: E402
 from specblock.runtime.target import TargetModel  # noqa: E402
 
 
@@ -53,10 +55,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = resolve_target(args.target)
-    hf, exact = TargetModel.load(path, args.dtype, "cpu"), TargetModel.load(path, args.dtype, "cpu")
-    norms, rotaries = use_exact_parts(exact.model)
-    if not norms:
+    os.environ["SPECBLOCK_EXACT_PARTS"] = "off"  # packed-fp16 takes the parts by default since stop 62
+    hf = TargetModel.load(path, args.dtype, "cpu")
+    del os.environ["SPECBLOCK_EXACT_PARTS"]
+    exact = TargetModel.load(path, args.dtype, "cpu")
+    swapped = any(isinstance(m, RowRMSNorm) for m in exact.model.modules())
+    if not swapped and use_exact_parts(exact.model, prompts=False) == (0, 0):  # fp32 keeps HF's parts by default
         print("error: the exact parts do not apply here (no AVX512F, the C++ op could not be built, or no fp32 norms)")
+        return 2
+    norms = sum(isinstance(m, RowRMSNorm) for m in exact.model.modules())
+    rotaries = sum(isinstance(m, TableRotary) for m in exact.model.modules())
+    if any(isinstance(m, RowRMSNorm) for m in hf.model.modules()):
+        print("error: SPECBLOCK_EXACT_PARTS=off did not keep HF's parts")
         return 2
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, hf.vocab_size, args.ctx + 1)

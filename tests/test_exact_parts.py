@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specblock.policies.tree import DraftTree
-from specblock.runtime import exact_parts, q4, q4_kernel
+from specblock.runtime import exact_parts, packed, q4, q4_kernel
 from specblock.runtime.target import TargetModel
-from tiny import save_tiny_q4, tiny_model
+from tiny import save_tiny, save_tiny_q4, tiny_model
 
 pytestmark = pytest.mark.skipif(not exact_parts.load(), reason="the RMSNorm op needs AVX512F")
 
@@ -115,3 +115,26 @@ def test_an_eager_prompt_leaves_the_keys_and_values_of_the_static_caches_prefill
     static = StaticTarget(eager.model, compile=False)
     prompt = np.random.default_rng(0).integers(2, 48, 30)
     assert torch.equal(logits_after(eager, prompt, TREE), logits_after(static, prompt, TREE))
+
+
+@pytest.mark.skipif(not packed.available(), reason="packed fp16 needs torch's fbgemm (an x86 build)")
+def test_a_packed_fp16_target_takes_the_parts_for_speed_unless_told_not_to(tmp_path, monkeypatch):
+    """Since stop 62 packed-fp16 loads with the parts (7-11% off each eager forward), but not the
+    prompts' switch (slower on long prompts, and exactness there is q4's need). Its logits stay HF's
+    but for last bits, and greedy decoding stays the same target's own greedy decoding."""
+    from specblock.errors import SpecBlockError
+    from specblock.runtime import grouped_rows
+
+    path = save_tiny(tmp_path / "t", layers=2, hidden=64)
+    ours = TargetModel.load(path, "packed-fp16", "cpu")
+    assert sum(isinstance(m, exact_parts.RowRMSNorm) for m in ours.model.modules()) == 5
+    assert isinstance(ours.model.model.rotary_emb, exact_parts.TableRotary)
+    assert not any(getattr(m, grouped_rows.EXACT_PROMPT, False) for m in ours.model.modules())
+    monkeypatch.setenv("SPECBLOCK_EXACT_PARTS", "off")
+    hf = TargetModel.load(path, "packed-fp16", "cpu")
+    assert not any(isinstance(m, (exact_parts.RowRMSNorm, exact_parts.TableRotary)) for m in hf.model.modules())
+    prompt = np.random.default_rng(1).integers(2, 60, 30)
+    torch.testing.assert_close(logits_after(ours, prompt, TREE), logits_after(hf, prompt, TREE), rtol=0, atol=1e-4)
+    monkeypatch.setenv("SPECBLOCK_EXACT_PARTS", "yes")
+    with pytest.raises(SpecBlockError, match="SPECBLOCK_EXACT_PARTS='yes': use on or off"):
+        TargetModel.load(path, "packed-fp16", "cpu")

@@ -24,17 +24,25 @@ any tree size, eager or compiled (``tests/test_exact_parts.py``).
   exact copy) in every forward. Only for rope types whose frequencies do not change with the
   sequence (not "dynamic" or "longrope"), and at most ``MAX_TABLE`` positions.
 
-Used on models whose linears run on q4's int8 kernel (``target.load_causal_lm``); the fp32 kernel
-keeps HF's parts (its fp32 activations turn a last-bit difference into a last-bit difference)."""
+Used on models whose linears run on q4's int8 kernel (``target.load_causal_lm``), with their prompts;
+and, for speed alone, on packed-fp16 targets, without the prompts' switch (stop 62): there they take
+7-11% off each eager forward (``experiments/exact_parts_eager.py``: HF's RMSNorm is 8 ops, 61 times a
+forward, and the rotary module 10 more) and move logits in their last bits only, as any change of
+summation order does; decoding stays lossless against the same target's own greedy decoding, which
+runs the same parts. ``SPECBLOCK_EXACT_PARTS=off`` keeps HF's parts there (the A/B of that experiment).
+fp32 and bf16 targets keep HF's parts: fp32 is the reference the lossless runs compare against, and a
+bf16 norm is not the fp32 formula the op computes."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from specblock.errors import SpecBlockError
 from specblock.runtime import cext
 from specblock.runtime.grouped_rows import mark_exact_prompts
 
@@ -44,17 +52,38 @@ MAX_TABLE = 65536  # positions: 32 MB of cos/sin at head dim 64
 _STATE: dict[str, bool] = {}
 
 
+def wanted() -> bool:
+    """Whether a packed-fp16 target takes the parts for speed: where the op runs (AVX512F), unless
+    ``SPECBLOCK_EXACT_PARTS=off``; q4's int8 kernel takes them whatever this says, as its exactness needs them."""
+    value = os.environ.get("SPECBLOCK_EXACT_PARTS", "on")
+    if value not in ("on", "off"):
+        raise SpecBlockError(f"SPECBLOCK_EXACT_PARTS={value!r}: use on or off")
+    return value == "on" and runs_here()
+
+
+def runs_here() -> bool:
+    return {"avx512f", "fma"} <= cext.cpu_flags()
+
+
+def start_building() -> None:
+    """``load``'s build begun in the background where it would run, so that it overlaps the
+    model's load (``target.load_causal_lm``): 8 s cold on this machine, on the critical path otherwise."""
+    if runs_here():
+        cext.start_build("specblock_norm", SOURCE, *cext.OPENMP)  # build_or_why's flags
+
+
 def load() -> bool:
     """Build (or load) the norm op once per process; False, with one warning, where it cannot run."""
     if "ok" not in _STATE:
         why = None
-        if not {"avx512f", "fma"} <= cext.cpu_flags():
+        if not runs_here():
             why = "this CPU has no AVX512F"
         else:  # where it cannot be built: HF's norm, as before
             why = cext.build_or_why("specblock_norm", SOURCE, {"specblock_norm::rms_norm": lambda x, w, eps: torch.empty_like(x)})
         _STATE["ok"] = why is None
         if why is not None:
-            warnings.warn(f"specblock: HF's RMSNorm stays, so compiled and eager int8 forwards may part ({why})", stacklevel=2)
+            warnings.warn(f"specblock: HF's RMSNorm stays ({why}); on q4's int8 kernel compiled and eager "
+                          "forwards may then part", stacklevel=2)
     return _STATE["ok"]
 
 
@@ -105,15 +134,17 @@ def _is_rms_norm(mod: nn.Module) -> bool:
         return torch.allclose(mod(x), rms_norm(x, w, eps), rtol=1e-5, atol=1e-6)
 
 
-def use_exact_parts(model: nn.Module) -> tuple[int, int]:
+def use_exact_parts(model: nn.Module, prompts: bool = True) -> tuple[int, int]:
     """Swap ``model``'s RMSNorms for ``RowRMSNorm`` and its rotary module for ``TableRotary`` where
-    they apply, and send its eager prompts through the fused attention op (``grouped_rows.EXACT_PROMPT``:
-    as the static cache's prefill); returns (norms swapped, rotary modules swapped). Nothing where
-    the op cannot run."""
+    they apply, and (``prompts``) send its eager prompts through the fused attention op
+    (``grouped_rows.EXACT_PROMPT``: as the static cache's prefill; slower than SDPA on long prompts,
+    so only where exactness needs it); returns (norms swapped, rotary modules swapped). Nothing
+    where the op cannot run."""
     if not load():
         return 0, 0
     norms = rotaries = 0
-    mark_exact_prompts(model)  # eager prompts through the fused attention op too
+    if prompts:
+        mark_exact_prompts(model)  # eager prompts through the fused attention op too
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _is_rms_norm(child):
