@@ -49,6 +49,7 @@ from specblock.runtime.cli import load_tokenizer  # noqa: E402
 from specblock.models import resolve_target  # noqa: E402
 from specblock.compiled import drafter as static_drafter  # noqa: E402
 from specblock.runtime import drafters  # noqa: E402
+from specblock.runtime.drafters.layers import RMSNorm  # noqa: E402
 from specblock.runtime.q4 import Int8Linear, default_kernel as q4_kernel  # noqa: E402
 from specblock.runtime.target import TargetModel  # noqa: E402
 
@@ -99,8 +100,9 @@ def measure(method: str, targets: Targets, prompts: list[list[int]], tokens: int
     inner = getattr(eng.drafter, "inner", eng.drafter)
     net = getattr(inner, "net", None) or getattr(inner, "model", None)
     int8 = sum(isinstance(m, Int8Linear) for m in net.modules()) if isinstance(net, torch.nn.Module) else 0
+    norm_ops = sum(isinstance(m, RMSNorm) and m.op for m in net.modules()) if isinstance(net, torch.nn.Module) else 0
     row = {"method": method, "budget": budget_n, "tau": round(statistics.mean(taus), 3), "int8_linears": int8,
-           "fused_attention": bool(getattr(inner, "fused_attention", False))}
+           "norm_ops": norm_ops, "fused_attention": bool(getattr(inner, "fused_attention", False))}
     compiled = eng.target is targets._compiled or getattr(inner, "compiled", False)
     if compiled:
         for phase in ("propose", "verify", "accept"):
@@ -170,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--packed-drafters", action="store_true",
                     help="beside a packed target where drafters run int8 linears, also time each drafter with "
                          "packed fp16 linears (the row 'METHOD [packed]'), the baseline of its int8 ones")
+    ap.add_argument("--formula-norms", action="store_true",
+                    help="where a drafter serves its RMSNorms through the C++ op (beside a packed target), also time "
+                         "it with the formula's 7 ops (the row 'METHOD [formula norms]'), the baseline of the op")
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "drafter_cost")
     args = ap.parse_args(argv)
     try:
@@ -190,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             # baselines and variants, each timed with one module setting changed: (asked, applies, module, name, value, label)
             variants = [(args.sdpa_drafter, base["fused_attention"], static_drafter, "USE_FUSED", False, "sdpa"),
                         (args.q4_drafters, base["int8_linears"], drafters, "DRAFTER_BITS", 4, "q4"),
-                        (args.packed_drafters, base["int8_linears"], drafters, "INT8_DRAFTERS", False, "packed")]
+                        (args.packed_drafters, base["int8_linears"], drafters, "INT8_DRAFTERS", False, "packed"),
+                        (args.formula_norms, base["norm_ops"], drafters, "NORM_OP", False, "formula norms")]
             for asked, applies, module, name, value, label in variants:
                 if asked and applies:
                     before = getattr(module, name)
@@ -205,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"prompts": args.prompts, "domains": args.domains, "tokens": args.tokens, "reps": args.reps,
             "threads": torch.get_num_threads(), "budget": args.budget, "target": args.target, "dtype": args.dtype,
             "set": args.set, "compile": args.compile, "packed_drafters": args.packed_drafters, "sdpa_drafter": args.sdpa_drafter, "q4_drafters": args.q4_drafters,
+            "formula_norms": args.formula_norms,
             "q4_kernel": q4_kernel() if args.dtype == "q4" else None}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -138,3 +138,42 @@ def test_a_packed_fp16_target_takes_the_parts_for_speed_unless_told_not_to(tmp_p
     monkeypatch.setenv("SPECBLOCK_EXACT_PARTS", "yes")
     with pytest.raises(SpecBlockError, match="SPECBLOCK_EXACT_PARTS='yes': use on or off"):
         TargetModel.load(path, "packed-fp16", "cpu")
+
+
+def test_a_drafters_norm_serves_through_the_op_and_trains_through_the_formula():
+    from specblock.runtime.drafters.layers import RMSNorm
+
+    norm = RMSNorm(70, 1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 3, 70, generator=torch.Generator().manual_seed(0)) * 3
+    with torch.no_grad():
+        formula = norm(x)
+        norm.op = True
+        served = norm(x)
+    torch.testing.assert_close(served, formula, rtol=2e-6, atol=2e-6)
+    assert torch.equal(served[1, 2], exact_parts.rms_norm(x[1, 2:3], norm.weight, 1e-6)[0])  # the op's row bits
+    x.requires_grad_(True)
+    norm(x).square().sum().backward()  # the op has no backward: with grad on, the formula
+    assert x.grad is not None and norm.weight.grad is not None
+
+
+@pytest.mark.skipif(not packed.available(), reason="packed fp16 needs torch's fbgemm (an x86 build)")
+def test_a_drafter_beside_a_packed_target_takes_the_op_unless_told_not_to(monkeypatch):
+    """``pack_drafter`` (what ``drafters.build`` does beside a packed target) sets every norm to the op,
+    as the target's own norms take it; with ``SPECBLOCK_EXACT_PARTS=off`` none."""
+    from specblock.runtime import drafters
+    from specblock.runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Net
+    from specblock.runtime.drafters.layers import RMSNorm
+
+    def served_norms() -> tuple[int, int]:
+        net = Eagle3Net(Eagle3Config(vocab_size=64, hidden_size=32, num_heads=4, intermediate_size=64,
+                                     tap_layers=(0, 1, 1), top_k=4)).eval()
+        drafters.pack_drafter(Eagle3Drafter(net))
+        norms = [m for m in net.modules() if isinstance(m, RMSNorm)]
+        return sum(m.op for m in norms), len(norms)
+
+    on, norms = served_norms()
+    assert on == norms > 0
+    monkeypatch.setenv("SPECBLOCK_EXACT_PARTS", "off")
+    assert served_norms() == (0, norms)

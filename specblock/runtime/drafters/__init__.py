@@ -98,6 +98,9 @@ def register(name: str, factory: Callable) -> None:
 INT8_DRAFTERS = True
 #: Their weights' rounding there: Q8_0 (8) or Q4_1 (4; ``experiments/drafter_cost.py --q4-drafters``).
 DRAFTER_BITS = 8
+#: Their RMSNorms through ``exact_parts``' C++ op there (``norm_op``); False keeps the formula: the
+#: baseline of ``experiments/drafter_cost.py --formula-norms``.
+NORM_OP = True
 
 
 def build(name: str, target, options: dict | None = None, int8: bool | None = None) -> Drafter:
@@ -196,7 +199,25 @@ def pack_drafter(drafter: Drafter, int8: bool = False) -> int:
         done = use_int8_linears(nets[0], DRAFTER_BITS)
     if any(type(m) is torch.nn.Linear for m in nets[0].modules()):
         done += pack_linears(nets[0])
+    norm_op(nets[0])
     return done
+
+
+def norm_op(net) -> int:
+    """The net's RMSNorms served through ``exact_parts``' C++ op where the packed target's own norms
+    take it (``exact_parts.wanted``: AVX512F, unless ``SPECBLOCK_EXACT_PARTS=off``; the target's load
+    has built it by now); returns how many."""
+    import torch
+
+    from specblock.runtime import exact_parts
+    from specblock.runtime.drafters.layers import RMSNorm
+
+    if not (NORM_OP and exact_parts.wanted() and exact_parts.load()):
+        return 0
+    norms = [m for m in net.modules() if isinstance(m, RMSNorm) and m.weight.dtype == torch.float32]
+    for m in norms:
+        m.op = True
+    return len(norms)
 
 
 #: The engine's node budget when neither the user nor the drafter's serving.json sets one.
