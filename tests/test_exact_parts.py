@@ -119,7 +119,7 @@ def test_an_eager_prompt_leaves_the_keys_and_values_of_the_static_caches_prefill
 
 @pytest.mark.skipif(not packed.available(), reason="packed fp16 needs torch's fbgemm (an x86 build)")
 def test_a_packed_fp16_target_takes_the_parts_for_speed_unless_told_not_to(tmp_path, monkeypatch):
-    """Since stop 62 packed-fp16 loads with the parts (7-11% off each eager forward), but not the
+    """Since stop 62 packed-fp16 loads with the parts (6-11% off each eager forward), but not the
     prompts' switch (slower on long prompts, and exactness there is q4's need). Its logits stay HF's
     but for last bits, and greedy decoding stays the same target's own greedy decoding."""
     from specblock.errors import SpecBlockError

@@ -26,7 +26,7 @@ any tree size, eager or compiled (``tests/test_exact_parts.py``).
 
 Used on models whose linears run on q4's int8 kernel (``target.load_causal_lm``), with their prompts;
 and, for speed alone, on packed-fp16 targets, without the prompts' switch (stop 62): there they take
-7-11% off each eager forward (``experiments/exact_parts_eager.py``: HF's RMSNorm is 8 ops, 61 times a
+6-11% off each eager forward (``experiments/exact_parts_eager.py``: HF's RMSNorm is 8 ops, 61 times a
 forward, and the rotary module 10 more) and move logits in their last bits only, as any change of
 summation order does; decoding stays lossless against the same target's own greedy decoding, which
 runs the same parts. ``SPECBLOCK_EXACT_PARTS=off`` keeps HF's parts there (the A/B of that experiment).

@@ -309,7 +309,7 @@ def load_causal_lm(
         use_q4_linears(model, path)  # before packing: what it does not hold (the head) is packed below
         if int8_kernel_of(model):  # its int8 rounding turns inductor's last bits into steps: exact_parts.py
             exact_parts.use_exact_parts(model)
-    elif parts:  # for speed: 7-11% off each eager forward (exact_parts.py, stop 62)
+    elif parts:  # for speed: 6-11% off each eager forward (exact_parts.py, stop 62)
         exact_parts.use_exact_parts(model, prompts=False)
     if packed:
         pack_linears(model)
