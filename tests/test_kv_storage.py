@@ -88,8 +88,8 @@ def test_growing_layer_matches_dynamic_layer(steps, seed):
     row moved in place (``TargetModel.commit``'s two operations), leave the same keys in both."""
     g = torch.Generator().manual_seed(seed)
     ref, mine = DynamicLayer(), GrowingLayer()
-    before = growing_cache.GROW
-    growing_cache.GROW = 1  # grow on almost every update
+    before = growing_cache.GROW, growing_cache.MAX_ROOM
+    growing_cache.GROW, growing_cache.MAX_ROOM = 1, 3  # grow on almost every update, by 3 rows at most past 3
     try:
         for m, keep in steps:
             k, v = torch.randn(1, H, m, D, generator=g), torch.randn(1, H, m, D, generator=g)
@@ -105,7 +105,15 @@ def test_growing_layer_matches_dynamic_layer(steps, seed):
         k = torch.randn(1, H, 2, D, generator=g)
         assert torch.equal(mine.update(k, k)[0], ref.update(k, k)[0])
     finally:
-        growing_cache.GROW = before
+        growing_cache.GROW, growing_cache.MAX_ROOM = before
+
+
+@given(st.integers(1, 10**6), st.integers(0, 10**6), st.integers(0, 512))
+def test_storage_doubles_while_small_and_then_grows_by_at_most_max_room(need, capacity, grow):
+    cap = growing_cache.next_capacity(need, capacity, grow)
+    assert cap >= need + grow  # at least ``grow`` rows of room
+    assert cap - need <= max(grow, growing_cache.MAX_ROOM)  # never more than MAX_ROOM unused (or grow)
+    assert cap >= min(2 * capacity, need + growing_cache.MAX_ROOM)  # doubling until the room would pass MAX_ROOM
 
 
 def test_target_decodes_across_growth(monkeypatch):

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specblock.runtime.growing_cache import next_capacity
+
 GROW = 256  # rows added at least when the storage must grow (then doubled): few reallocations per conversation
 
 
@@ -67,7 +69,7 @@ class KVCache:
         need = self.n + extra
         if need <= self.capacity:
             return self
-        cap = max(2 * self.capacity, need + GROW)
+        cap = next_capacity(need, self.capacity, GROW)
         grow = lambda ts: tuple(torch.cat([t[:, :, : self.n], t.new_zeros(*t.shape[:2], cap - self.n, t.shape[-1])], -2)
                                 for t in ts)
         return KVCache(grow(self.keys), grow(self.values), self.n)
