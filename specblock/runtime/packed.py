@@ -44,6 +44,8 @@ class PackedLinear(nn.Module):
     ``use_compiled_op`` swapped it in)."""
 
     compiled_op = None  # packed_linear, set below its definition
+    shared = None  # a shared_input.SharedInput: eager calls read its stacked product (q/k/v)
+    shared_cols = None  # this linear's columns of it
 
     def __init__(self, lin: nn.Linear, packed: torch.ScriptObject | None = None) -> None:
         super().__init__()
@@ -69,6 +71,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the same kernel, behind an op dynamo can trace (see packed_linear)
             return self.compiled_op(x, self._key, self.out_features)
+        if self.shared is not None:  # q/k/v as one GEMM (shared_input.py)
+            return self.shared.run(self, x)
         return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
 
     def repack(self) -> None:
@@ -76,6 +80,8 @@ class PackedLinear(nn.Module):
         under the same key, so compiled graphs that name it read the new weights too."""
         self._packed = prepack(self)
         _put(self._key, self._packed)
+        if self.shared is not None:
+            self.shared.pack()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed fp16"

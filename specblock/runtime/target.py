@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrai
 
 from specblock.errors import SpecBlockError
 from specblock.policies.tree import DraftTree
-from specblock.runtime import exact_parts
+from specblock.runtime import exact_parts, shared_input
 from specblock.runtime.attention import attention_layout, tree_masks
 from specblock.runtime.grouped_rows import use_grouped_rows
 from specblock.runtime.packed import PACKED_FP16, PackedLinear, pack_linears
@@ -313,6 +313,8 @@ def load_causal_lm(
         exact_parts.use_exact_parts(model, prompts=False)
     if packed:
         pack_linears(model)
+    if dtype == PACKED_FP16 and shared_input.wanted():  # q/k/v as one GEMM in eager forwards
+        shared_input.share_inputs(model)
     return model
 
 

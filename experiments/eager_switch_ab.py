@@ -1,0 +1,103 @@
+"""The eager target loaded with a load-time switch off and on, tree forwards timed interleaved.
+
+Why: ``SPECBLOCK_EXACT_PARTS`` (stop 62: HF's RMSNorm and rotary as one op each) and
+``SPECBLOCK_SHARED_INPUT`` (q/k/v as one GEMM, ``runtime/shared_input.py``) change how the
+packed-fp16 target computes, not what: this times what each gives, and how far the logits move
+(last bits), on two models loaded side by side at the same context.
+
+    python experiments/eager_switch_ab.py --switch SPECBLOCK_SHARED_INPUT [--sizes 1,5,8] [--ctx 200] [--reps 25]
+
+Writes ``--out``.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from specblock.models import resolve_target  # noqa: E402
+from specblock.policies.tree import DraftTree  # noqa: E402
+from specblock.runtime.calibrate import rewind  # noqa: E402
+from specblock.runtime.target import TargetModel  # noqa: E402
+
+SWITCHES = ("SPECBLOCK_EXACT_PARTS", "SPECBLOCK_SHARED_INPUT")
+
+
+def chain(root: int, n: int, rng: np.random.Generator, vocab: int) -> DraftTree:
+    return DraftTree.from_parents(np.concatenate([[root], rng.integers(0, vocab, n - 1)]), np.arange(-1, n - 1))
+
+
+def load_with(path: str, dtype: str, switch: str, value: str) -> TargetModel:
+    before = os.environ.get(switch)
+    os.environ[switch] = value
+    try:
+        return TargetModel.load(path, dtype, "cpu")
+    finally:
+        os.environ.pop(switch) if before is None else os.environ.__setitem__(switch, before)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--switch", choices=SWITCHES, required=True)
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="packed-fp16")
+    ap.add_argument("--sizes", default="1,5,8")
+    ap.add_argument("--ctx", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=25)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "eager_switch_ab")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    path = resolve_target(args.target)
+    models = {"off": load_with(path, args.dtype, args.switch, "off"), "on": load_with(path, args.dtype, args.switch, "on")}
+    rng = np.random.default_rng(0)
+    vocab = models["off"].vocab_size
+    prompt = rng.integers(0, vocab, args.ctx + 1)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    trees = {n: chain(int(prompt[-1]), n, rng, vocab) for n in sizes}
+    for t in models.values():
+        t.prefill(prompt[:-1])
+    ms = {(k, n): [] for k in models for n in sizes}
+    logits = {}
+    for rep in range(args.reps + 2):  # two untimed warm-up rounds
+        for n in sizes:
+            for k, t in models.items():
+                start = time.perf_counter()
+                logits[k, n] = t.tree_forward(trees[n]).logits
+                if rep >= 2:
+                    ms[k, n].append(1e3 * (time.perf_counter() - start))
+                rewind(t, args.ctx)
+    rows = []
+    for n in sizes:
+        a, b = statistics.median(ms["off", n]), statistics.median(ms["on", n])
+        rows.append({"n": n, "off_ms": round(a, 2), "on_ms": round(b, 2), "ratio": round(b / a, 3),
+                     "max_logit_diff": (logits["off", n] - logits["on", n]).abs().max().item(),
+                     "argmax_same": bool((logits["off", n].argmax(-1) == logits["on", n].argmax(-1)).all())})
+    cmd = "python experiments/eager_switch_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    res = {"command": cmd, "switch": args.switch, "target": args.target, "dtype": args.dtype, "ctx": args.ctx,
+           "reps": args.reps, "threads": args.threads, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+    lines = [f"`{cmd}` ({args.target}, {args.dtype}, context {args.ctx}, {args.threads} threads; medians of {args.reps} "
+             f"interleaved tree forwards, {args.switch}=off against on)", "",
+             "| tree tokens | off ms | on ms | ratio | max logit diff | argmax same |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['n']} | {r['off_ms']:.2f} | {r['on_ms']:.2f} | {r['ratio']:.3f} | {r['max_logit_diff']:.2e} | "
+              f"{r['argmax_same']} |" for r in rows]
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
