@@ -57,6 +57,16 @@ def test_each_call_is_its_own_linear_whatever_the_input_and_order():
         torch.testing.assert_close(q, own(attn.q_proj, x / 2), rtol=1e-6, atol=1e-6)
 
 
+def test_a_forward_leaves_no_tensor_held_by_the_groups():
+    """Each group lets go of its input and product once its three calls are served: a long
+    prompt's would otherwise stay alive in every layer until the next forward."""
+    _, shared = packed_pair("llama", layers=3)
+    with torch.no_grad():
+        shared(torch.arange(12)[None])
+    groups = {id(m.shared): m.shared for m in shared.modules() if getattr(m, "shared", None) is not None}
+    assert len(groups) == 3 and all(g.x is None and g.out is None for g in groups.values())
+
+
 def test_a_repacked_part_restacks_the_shared_weights():
     _, shared = packed_pair("llama")
     attn = shared.model.layers[1].self_attn

@@ -11,7 +11,8 @@ saved ones included, name those). Each gets a ``SharedInput`` holding one packed
 stacked weights. The first call computes the stacked product for its input and remembers the
 input; a sibling called with the same tensor (same object, unchanged since: its version counter)
 reads its columns from it; any other input is computed afresh. So a call returns its own
-linear's product whatever the order or the inputs; the memo only saves work.
+linear's product whatever the order or the inputs; the memo only saves work. Once every sibling
+has been served the memo lets go of both tensors, so nothing outlives its layer.
 
 Each output element is the same dot product either way, but fbgemm may block a wider matrix
 differently, so a row's last bits may differ from the three separate calls. Greedy decoding stays
@@ -52,15 +53,21 @@ class SharedInput:
             stacked.bias = nn.Parameter(torch.cat([p.bias.detach() if p.bias is not None else
                                                    p.weight.new_zeros(p.out_features) for p in parts]), requires_grad=False)
         self.packed = prepack(stacked)
-        self.x: torch.Tensor | None = None
+        self.x: torch.Tensor | None = None  # the input of the last stacked product, while siblings are left to serve
         self.version = -1
         self.out: torch.Tensor | None = None
+        self.left = 0
 
     def run(self, part: PackedLinear, x: torch.Tensor) -> torch.Tensor:
-        if x is not self.x or x._version != self.version:
-            self.out = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
-            self.x, self.version = x, x._version
-        return self.out[..., part.shared_cols]
+        out = self.out
+        if self.left and x is self.x and x._version == self.version:
+            self.left -= 1
+            if not self.left:  # every sibling served: hold nothing (a long prompt's would be MBs a layer)
+                self.x = self.out = None
+        else:
+            out = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+            self.x, self.version, self.out, self.left = x, x._version, out, len(self.parts) - 1
+        return out[..., part.shared_cols]
 
 
 def wanted() -> bool:
