@@ -38,6 +38,35 @@ def chain(root: int, n: int, rng: np.random.Generator, vocab: int) -> DraftTree:
     return DraftTree.from_parents(np.concatenate([[root], rng.integers(0, vocab, n - 1)]), np.arange(-1, n - 1))
 
 
+def time_pair(pair: list[TargetModel], sizes: list[int], ctx: int, reps: int) -> list[dict]:
+    """Tree forwards of each size on two targets at the same context (random tokens, seeded),
+    interleaved after two untimed rounds: per size the two medians in ms, their ratio (second /
+    first), the largest logit difference and whether every argmax agrees."""
+    rng = np.random.default_rng(0)
+    vocab = pair[0].vocab_size
+    prompt = rng.integers(0, vocab, ctx + 1)
+    trees = {n: chain(int(prompt[-1]), n, rng, vocab) for n in sizes}
+    for t in pair:
+        t.prefill(prompt[:-1])
+    ms = {(i, n): [] for i in range(2) for n in sizes}
+    logits = {}
+    for rep in range(reps + 2):
+        for n in sizes:
+            for i, t in enumerate(pair):
+                start = time.perf_counter()
+                logits[i, n] = t.tree_forward(trees[n]).logits
+                if rep >= 2:
+                    ms[i, n].append(1e3 * (time.perf_counter() - start))
+                rewind(t, ctx)
+    rows = []
+    for n in sizes:
+        a, b = statistics.median(ms[0, n]), statistics.median(ms[1, n])
+        rows.append({"n": n, "ms": (round(a, 2), round(b, 2)), "ratio": round(b / a, 3),
+                     "max_logit_diff": (logits[0, n] - logits[1, n]).abs().max().item(),
+                     "argmax_same": bool((logits[0, n].argmax(-1) == logits[1, n].argmax(-1)).all())})
+    return rows
+
+
 def load_with(path: str, dtype: str, switch: str, value: str) -> TargetModel:
     before = os.environ.get(switch)
     os.environ[switch] = value
@@ -61,29 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     path = resolve_target(args.target)
     models = {"off": load_with(path, args.dtype, args.switch, "off"), "on": load_with(path, args.dtype, args.switch, "on")}
-    rng = np.random.default_rng(0)
-    vocab = models["off"].vocab_size
-    prompt = rng.integers(0, vocab, args.ctx + 1)
     sizes = [int(s) for s in args.sizes.split(",")]
-    trees = {n: chain(int(prompt[-1]), n, rng, vocab) for n in sizes}
-    for t in models.values():
-        t.prefill(prompt[:-1])
-    ms = {(k, n): [] for k in models for n in sizes}
-    logits = {}
-    for rep in range(args.reps + 2):  # two untimed warm-up rounds
-        for n in sizes:
-            for k, t in models.items():
-                start = time.perf_counter()
-                logits[k, n] = t.tree_forward(trees[n]).logits
-                if rep >= 2:
-                    ms[k, n].append(1e3 * (time.perf_counter() - start))
-                rewind(t, args.ctx)
-    rows = []
-    for n in sizes:
-        a, b = statistics.median(ms["off", n]), statistics.median(ms["on", n])
-        rows.append({"n": n, "off_ms": round(a, 2), "on_ms": round(b, 2), "ratio": round(b / a, 3),
-                     "max_logit_diff": (logits["off", n] - logits["on", n]).abs().max().item(),
-                     "argmax_same": bool((logits["off", n].argmax(-1) == logits["on", n].argmax(-1)).all())})
+    rows = [{"n": r["n"], "off_ms": r["ms"][0], "on_ms": r["ms"][1], "ratio": r["ratio"], "max_logit_diff": r["max_logit_diff"],
+             "argmax_same": r["argmax_same"]} for r in time_pair([models["off"], models["on"]], sizes, args.ctx, args.reps)]
     cmd = "python experiments/eager_switch_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])
     res = {"command": cmd, "switch": args.switch, "target": args.target, "dtype": args.dtype, "ctx": args.ctx,
            "reps": args.reps, "threads": args.threads, "rows": rows}

@@ -19,28 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from specblock.models import resolve_target  # noqa: E402
-from specblock.policies.tree import DraftTree  # noqa: E402
-from specblock.runtime.calibrate import rewind  # noqa: E402
 from specblock.runtime.exact_parts import RowRMSNorm, TableRotary, use_exact_parts  # noqa: E402
 from specblock.runtime.target import TargetModel  # noqa: E402
 
-
-def chain(root: int, n: int, rng: np.random.Generator, vocab: int) -> DraftTree:
-    parent = np.arange(-1, n - 1)
-    tokens = np.concatenate([[root], rng.integers(0, vocab, n - 1)])
-    return DraftTree.from_parents(tokens, parent)
+sys.path.insert(0, str(ROOT / "experiments"))
+from eager_switch_ab import time_pair  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,30 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(isinstance(m, RowRMSNorm) for m in hf.model.modules()):
         print("error: SPECBLOCK_EXACT_PARTS=off did not keep HF's parts")
         return 2
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, hf.vocab_size, args.ctx + 1)
-    sizes = [int(s) for s in args.sizes.split(",")]
-    trees = {n: chain(int(prompt[-1]), n, rng, hf.vocab_size) for n in sizes}
-    for t in (hf, exact):
-        t.prefill(prompt[:-1])
-    ms = {(k, n): [] for k in ("hf", "exact") for n in sizes}
-    diff = {}
-    for rep in range(args.reps + 2):  # two untimed warm-up rounds
-        for n in sizes:
-            for k, t in (("hf", hf), ("exact", exact)):
-                start = time.perf_counter()
-                out = t.tree_forward(trees[n])
-                if rep >= 2:
-                    ms[k, n].append(1e3 * (time.perf_counter() - start))
-                diff[k, n] = out.logits
-                rewind(t, args.ctx)
-    rows = []
-    for n in sizes:
-        a, b = statistics.median(ms["hf", n]), statistics.median(ms["exact", n])
-        d = (diff["hf", n] - diff["exact", n]).abs().max().item()
-        same = bool((diff["hf", n].argmax(-1) == diff["exact", n].argmax(-1)).all())
-        rows.append({"n": n, "hf_ms": round(a, 2), "exact_ms": round(b, 2), "ratio": round(b / a, 3),
-                     "max_logit_diff": d, "argmax_same": same})
+    rows = [{"n": r["n"], "hf_ms": r["ms"][0], "exact_ms": r["ms"][1], "ratio": r["ratio"],
+             "max_logit_diff": r["max_logit_diff"], "argmax_same": r["argmax_same"]}
+            for r in time_pair([hf, exact], [int(s) for s in args.sizes.split(",")], args.ctx, args.reps)]
     cmd = "python experiments/exact_parts_eager.py " + " ".join(argv if argv is not None else sys.argv[1:])
     res = {"command": cmd, "target": args.target, "dtype": args.dtype, "ctx": args.ctx, "reps": args.reps,
            "threads": args.threads, "norms_swapped": norms, "rotary_swapped": rotaries, "rows": rows}
