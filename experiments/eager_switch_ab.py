@@ -91,22 +91,28 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_target(args.target)
     models = {"off": load_with(path, args.dtype, args.switch, "off"), "on": load_with(path, args.dtype, args.switch, "on")}
     sizes = [int(s) for s in args.sizes.split(",")]
-    rows = [{"n": r["n"], "off_ms": r["ms"][0], "on_ms": r["ms"][1], "ratio": r["ratio"], "max_logit_diff": r["max_logit_diff"],
-             "argmax_same": r["argmax_same"]} for r in time_pair([models["off"], models["on"]], sizes, args.ctx, args.reps)]
+    rows = time_pair([models["off"], models["on"]], sizes, args.ctx, args.reps)
     cmd = "python experiments/eager_switch_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    res = {"command": cmd, "switch": args.switch, "target": args.target, "dtype": args.dtype, "ctx": args.ctx,
-           "reps": args.reps, "threads": args.threads, "rows": rows}
+    write_pair(args, cmd, rows, ("off", "on"), f"{args.switch}=off against on", {"switch": args.switch})
+    return 0
+
+
+def write_pair(args: argparse.Namespace, cmd: str, rows: list[dict], labels: tuple[str, str], what: str,
+               meta: dict) -> None:
+    """``time_pair``'s rows to ``args.out``.{json,md} (and stdout), the two columns named ``labels``."""
+    rows = [{"n": r["n"], f"{labels[0]}_ms": r["ms"][0], f"{labels[1]}_ms": r["ms"][1]}
+            | {k: r[k] for k in ("ratio", "max_logit_diff", "argmax_same")} for r in rows]
+    res = {"command": cmd, "target": args.target, "dtype": args.dtype, "ctx": args.ctx, "reps": args.reps,
+           "threads": args.threads, **meta, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
     lines = [f"`{cmd}` ({args.target}, {args.dtype}, context {args.ctx}, {args.threads} threads; medians of {args.reps} "
-             f"interleaved tree forwards, {args.switch}=off against on)", "",
-             "| tree tokens | off ms | on ms | ratio | max logit diff | argmax same |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['n']} | {r['off_ms']:.2f} | {r['on_ms']:.2f} | {r['ratio']:.3f} | {r['max_logit_diff']:.2e} | "
-              f"{r['argmax_same']} |" for r in rows]
+             f"interleaved tree forwards, {what})", "",
+             f"| tree tokens | {labels[0]} ms | {labels[1]} ms | ratio | max logit diff | argmax same |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['n']} | {r[labels[0] + '_ms']:.2f} | {r[labels[1] + '_ms']:.2f} | {r['ratio']:.3f} | "
+              f"{r['max_logit_diff']:.2e} | {r['argmax_same']} |" for r in rows]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -17,7 +17,6 @@ Writes experiments/results/exact_parts_eager.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ from specblock.runtime.exact_parts import RowRMSNorm, TableRotary, use_exact_par
 from specblock.runtime.target import TargetModel  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "experiments"))
-from eager_switch_ab import time_pair  # noqa: E402
+from eager_switch_ab import time_pair, write_pair  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,23 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(isinstance(m, RowRMSNorm) for m in hf.model.modules()):
         print("error: SPECBLOCK_EXACT_PARTS=off did not keep HF's parts")
         return 2
-    rows = [{"n": r["n"], "hf_ms": r["ms"][0], "exact_ms": r["ms"][1], "ratio": r["ratio"],
-             "max_logit_diff": r["max_logit_diff"], "argmax_same": r["argmax_same"]}
-            for r in time_pair([hf, exact], [int(s) for s in args.sizes.split(",")], args.ctx, args.reps)]
+    rows = time_pair([hf, exact], [int(s) for s in args.sizes.split(",")], args.ctx, args.reps)
     cmd = "python experiments/exact_parts_eager.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    res = {"command": cmd, "target": args.target, "dtype": args.dtype, "ctx": args.ctx, "reps": args.reps,
-           "threads": args.threads, "norms_swapped": norms, "rotary_swapped": rotaries, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
-    lines = [f"`{cmd}` ({args.target}, {args.dtype}, context {args.ctx}, {args.threads} threads; medians of "
-             f"{args.reps} interleaved tree forwards; {norms} norms and {rotaries} rotary module swapped)", "",
-             "| tree tokens | HF parts ms | exact parts ms | ratio | max logit diff | argmax same |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['n']} | {r['hf_ms']:.2f} | {r['exact_ms']:.2f} | {r['ratio']:.3f} | {r['max_logit_diff']:.2e} | "
-              f"{r['argmax_same']} |" for r in rows]
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_pair(args, cmd, rows, ("hf", "exact"), f"HF's parts against exact parts; {norms} norms and {rotaries} rotary "
+               "module swapped", {"norms_swapped": norms, "rotary_swapped": rotaries})
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
