@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 
 from specblock.policies.tree import DraftTree
 from specblock.runtime import exact_parts, packed, q4, q4_kernel
+from specblock.runtime.drafters import RandomDrafter
+from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel
-from tiny import save_tiny, save_tiny_q4, tiny_model
+from tiny import hf_greedy, save_tiny, save_tiny_q4, tiny_model
 
 pytestmark = pytest.mark.skipif(not exact_parts.load(), reason="the RMSNorm op needs AVX512F")
 
@@ -135,6 +137,9 @@ def test_a_packed_fp16_target_takes_the_parts_for_speed_unless_told_not_to(tmp_p
     assert not any(isinstance(m, (exact_parts.RowRMSNorm, exact_parts.TableRotary)) for m in hf.model.modules())
     prompt = np.random.default_rng(1).integers(2, 60, 30)
     torch.testing.assert_close(logits_after(ours, prompt, TREE), logits_after(hf, prompt, TREE), rtol=0, atol=1e-4)
+    ref = hf_greedy(ours.model, prompt, 16)  # the loaded model as HF's generate runs it (q/k/v shared too)
+    for seed in range(3):
+        assert Engine(ours, RandomDrafter(64, seed=seed), budget=6).generate(prompt, 16).token_ids == ref
     monkeypatch.setenv("SPECBLOCK_EXACT_PARTS", "yes")
     with pytest.raises(SpecBlockError, match="SPECBLOCK_EXACT_PARTS='yes': use on or off"):
         TargetModel.load(path, "packed-fp16", "cpu")
