@@ -40,7 +40,7 @@ from specblock.runtime.packed import PackedLinear
 from specblock.runtime.q4 import Int4Linear, Int8Linear
 from specblock.runtime.calibrate import _random_tree as random_tree  # calibrate's trees and rewind: the same T(n)
 from specblock.runtime.calibrate import rewind
-from specblock.runtime import target as target_module
+from specblock.runtime import exact_parts as exact_parts_module
 from specblock.runtime.target import DTYPE_CHOICES, TargetModel, resolve_dtype
 
 
@@ -303,10 +303,11 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
 
     def second(dtype: str = args.dtype, fp16_head: bool = False, hf_parts: bool = False, exact_parts: bool = False,
                **kw) -> StaticTarget:  # a second copy: attention, kernel and options are per copy
-        with mock.patch.object(target_module, "use_exact_parts", lambda model: (0, 0)) if hf_parts else contextlib.nullcontext():
+        with mock.patch.object(exact_parts_module, "use_exact_parts", lambda model, prompts=True: (0, 0)) \
+                if hf_parts else contextlib.nullcontext():
             t = TargetModel.load(path, dtype, args.device)
         if exact_parts:
-            target_module.use_exact_parts(t.model)
+            exact_parts_module.use_exact_parts(t.model)
         if fp16_head:
             packed_fp16_head(t.model)
         return StaticTarget.wrap(t, compile=True, **kw)
@@ -321,7 +322,7 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
         "dynamic": (args.dynamic_variant, {"dynamic": None}),  # meant as one graph past bucket 1; it was not (docs/compiled.md)
         "unfused": (args.unfused_baseline, {"fuse": False}),
         "fp16 head": (args.fp16_head_baseline, {"fp16_head": True}),
-        "HF's norms and rotary": (args.hf_parts_baseline, {"hf_parts": True}),  # before exact_parts (int8 kernel)
+        "HF's norms and rotary": (args.hf_parts_baseline, {"hf_parts": True}),  # before exact_parts (q4, packed-fp16)
         "exact parts": (args.exact_parts_variant, {"exact_parts": True}),  # q4's norms and rotary on another dtype
         "power-of-two spans": (args.spans_baseline, {"one_span": False}),  # before one_span (fused op)
         str(args.also_dtype): (args.also_dtype, {"dtype": args.also_dtype}),  # e.g. q4 beside packed-fp16
@@ -458,10 +459,11 @@ def main() -> None:
     ap.add_argument("--fp16-head-baseline", action="store_true",
                     help="q4: also time a compiled target whose LM head is packed fp16 (before the GGUF's Q8_0 head)")
     ap.add_argument("--hf-parts-baseline", action="store_true",
-                    help="q4 on the int8 kernel: also time a compiled target with HF's RMSNorm and rotary (before exact_parts)")
+                    help="q4 on the int8 kernel, packed-fp16: also time a compiled target with HF's RMSNorm and rotary "
+                         "(before exact_parts)")
     ap.add_argument("--exact-parts-variant", action="store_true",
-                    help="packed-fp16 / float32: also time a compiled target with q4's exact parts (one C++ RMSNorm, "
-                         "rotary from a table), which the eager one gains from (exact_parts_eager.py)")
+                    help="float32: also time a compiled target with q4's exact parts (one C++ RMSNorm, rotary from a "
+                         "table); packed-fp16 has them since stop 62, so there --hf-parts-baseline is the comparison")
     ap.add_argument("--spans-baseline", action="store_true",
                     help="also time a compiled target on power-of-two spans where the fused op allows the whole buffer")
     ap.add_argument("--also-dtype", choices=DTYPE_CHOICES, help="also time a compiled copy of the target in this dtype")

@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -68,12 +69,9 @@ def time_pair(pair: list[TargetModel], sizes: list[int], ctx: int, reps: int) ->
 
 
 def load_with(path: str, dtype: str, switch: str, value: str) -> TargetModel:
-    before = os.environ.get(switch)
-    os.environ[switch] = value
-    try:
+    """The target loaded with the environment switch ``switch`` set to ``value`` (restored after)."""
+    with mock.patch.dict(os.environ, {switch: value}):
         return TargetModel.load(path, dtype, "cpu")
-    finally:
-        os.environ.pop(switch) if before is None else os.environ.__setitem__(switch, before)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,6 @@ Writes experiments/results/exact_parts_eager.{json,md}.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -28,10 +27,9 @@ sys.path.insert(0, str(ROOT))
 
 from specblock.models import resolve_target  # noqa: E402
 from specblock.runtime.exact_parts import RowRMSNorm, TableRotary, use_exact_parts  # noqa: E402
-from specblock.runtime.target import TargetModel  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "experiments"))
-from eager_switch_ab import time_pair, write_pair  # noqa: E402
+from eager_switch_ab import load_with, time_pair, write_pair  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,10 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = resolve_target(args.target)
-    os.environ["SPECBLOCK_EXACT_PARTS"] = "off"  # packed-fp16 takes the parts by default since stop 62
-    hf = TargetModel.load(path, args.dtype, "cpu")
-    del os.environ["SPECBLOCK_EXACT_PARTS"]
-    exact = TargetModel.load(path, args.dtype, "cpu")
+    hf = load_with(path, args.dtype, "SPECBLOCK_EXACT_PARTS", "off")  # packed-fp16 takes the parts since stop 62
+    exact = load_with(path, args.dtype, "SPECBLOCK_EXACT_PARTS", "on")
     swapped = any(isinstance(m, RowRMSNorm) for m in exact.model.modules())
     if not swapped and use_exact_parts(exact.model, prompts=False) == (0, 0):  # fp32 keeps HF's parts by default
         print("error: the exact parts do not apply here (no AVX512F, the C++ op could not be built, or no fp32 norms)")

@@ -6,6 +6,7 @@ flag. Torch-free, like :mod:`specblock.errors`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, NoReturn, TypeVar
 
@@ -38,6 +39,15 @@ def check(model: type[M], values: dict[str, Any], name=flag_name) -> M:
         return model.model_validate(values)
     except ValidationError as e:
         raise SpecBlockError(one_line(e, name)) from None
+
+
+def env_switch(name: str, default: str = "on") -> bool:
+    """An ``on``/``off`` environment switch (a load-time A/B baseline, e.g. ``SPECBLOCK_EXACT_PARTS``);
+    any other value is refused in one line naming it."""
+    value = os.environ.get(name, default)
+    if value not in ("on", "off"):
+        raise SpecBlockError(f"{name}={value!r}: use on or off")
+    return value == "on"
 
 
 def bad_text(value: Any) -> str | None:

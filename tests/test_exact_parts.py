@@ -69,6 +69,7 @@ def test_the_swap_takes_hfs_rms_norms_and_static_rotary_and_nothing_else():
     llama = tiny_model("llama", layers=2, hidden=64)
     assert exact_parts.use_exact_parts(llama) == (2 * 2 + 1, 1)
     assert isinstance(llama.model.norm, exact_parts.RowRMSNorm) and isinstance(llama.model.rotary_emb, exact_parts.TableRotary)
+    assert exact_parts.use_exact_parts(llama) == (0, 0)  # swapped parts are not swapped again
     qwen3 = tiny_model("qwen3", layers=2, hidden=64)
     assert exact_parts.use_exact_parts(qwen3) == (2 * 4 + 1, 1)  # each layer's q_norm and k_norm too
 

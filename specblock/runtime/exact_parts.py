@@ -35,14 +35,13 @@ bf16 norm is not the fp32 formula the op computes."""
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from specblock.errors import SpecBlockError
+from specblock.flags import env_switch
 from specblock.runtime import cext
 from specblock.runtime.grouped_rows import mark_exact_prompts
 
@@ -55,10 +54,7 @@ _STATE: dict[str, bool] = {}
 def wanted() -> bool:
     """Whether a packed-fp16 target takes the parts for speed: where the op runs (AVX512F), unless
     ``SPECBLOCK_EXACT_PARTS=off``; q4's int8 kernel takes them whatever this says, as its exactness needs them."""
-    value = os.environ.get("SPECBLOCK_EXACT_PARTS", "on")
-    if value not in ("on", "off"):
-        raise SpecBlockError(f"SPECBLOCK_EXACT_PARTS={value!r}: use on or off")
-    return value == "on" and runs_here()
+    return env_switch("SPECBLOCK_EXACT_PARTS") and runs_here()
 
 
 def runs_here() -> bool:
@@ -126,7 +122,7 @@ def _is_rms_norm(mod: nn.Module) -> bool:
     """HF's RMSNorm formula in fp32 on the CPU, by behaviour on a random input."""
     w = getattr(mod, "weight", None)
     eps = getattr(mod, "variance_epsilon", None)
-    if not (type(mod).__name__.endswith("RMSNorm") and isinstance(w, torch.Tensor) and w.dim() == 1
+    if isinstance(mod, RowRMSNorm) or not (type(mod).__name__.endswith("RMSNorm") and isinstance(w, torch.Tensor) and w.dim() == 1
             and w.dtype == torch.float32 and w.device.type == "cpu" and isinstance(eps, float)):
         return False
     x = torch.randn(3, w.shape[0], generator=torch.Generator().manual_seed(0))

@@ -21,12 +21,10 @@ lossless: every method, plain decoding included, runs the same model.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-from specblock.errors import SpecBlockError
+from specblock.flags import env_switch
 from specblock.runtime.packed import PackedLinear, prepack
 
 #: Sibling linears that read one input in HF's attention modules (any family that names them so).
@@ -72,10 +70,7 @@ class SharedInput:
 
 def wanted() -> bool:
     """``SPECBLOCK_SHARED_INPUT``: ``on`` (the default) or ``off`` (the A/B baseline)."""
-    value = os.environ.get("SPECBLOCK_SHARED_INPUT", "on")
-    if value not in ("on", "off"):
-        raise SpecBlockError(f"SPECBLOCK_SHARED_INPUT={value!r}: use on or off")
-    return value == "on"
+    return env_switch("SPECBLOCK_SHARED_INPUT")
 
 
 def share_inputs(model: nn.Module) -> int:

@@ -204,9 +204,9 @@ def pack_drafter(drafter: Drafter, int8: bool = False) -> int:
 
 
 def norm_op(net) -> int:
-    """The net's RMSNorms served through ``exact_parts``' C++ op where the packed target's own norms
-    take it (``exact_parts.wanted``: AVX512F, unless ``SPECBLOCK_EXACT_PARTS=off``; the target's load
-    has built it by now); returns how many."""
+    """The net's RMSNorms served through ``exact_parts``' C++ op where a packed-fp16 target takes it
+    (``exact_parts.wanted``: AVX512F, unless ``SPECBLOCK_EXACT_PARTS=off``; the target's load has built
+    it by now; beside q4 the same switch decides); returns how many."""
     import torch
 
     from specblock.runtime import exact_parts
