@@ -3,7 +3,8 @@
 Why: ``SPECBLOCK_EXACT_PARTS`` (stop 62: HF's RMSNorm and rotary as one op each) and
 ``SPECBLOCK_SHARED_INPUT`` (q/k/v as one GEMM, ``runtime/shared_input.py``) change how the
 packed-fp16 target computes, not what: this times what each gives, and how far the logits move
-(last bits), on two models loaded side by side at the same context.
+(last bits), on two models loaded side by side at the same context. ``SPECBLOCK_ROTARY_OP`` (stop 63):
+rotary's application as one op (``exact_parts.use_rotary_op``).
 
     python experiments/eager_switch_ab.py --switch SPECBLOCK_SHARED_INPUT [--sizes 1,5,8] [--ctx 200] [--reps 25]
 
@@ -32,7 +33,7 @@ from specblock.policies.tree import DraftTree  # noqa: E402
 from specblock.runtime.calibrate import rewind  # noqa: E402
 from specblock.runtime.target import TargetModel  # noqa: E402
 
-SWITCHES = ("SPECBLOCK_EXACT_PARTS", "SPECBLOCK_SHARED_INPUT")
+SWITCHES = ("SPECBLOCK_EXACT_PARTS", "SPECBLOCK_SHARED_INPUT", "SPECBLOCK_ROTARY_OP")
 
 
 def chain(root: int, n: int, rng: np.random.Generator, vocab: int) -> DraftTree:

@@ -183,3 +183,92 @@ def test_a_drafter_beside_a_packed_target_takes_the_op_unless_told_not_to(monkey
     assert on == norms > 0
     monkeypatch.setenv("SPECBLOCK_EXACT_PARTS", "off")
     assert served_norms() == (0, norms)
+
+
+def hf_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """transformers' Llama ``apply_rotary_pos_emb`` as written there (the module's global may be patched)."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+@settings(max_examples=25, deadline=None)
+@given(half=st.integers(1, 80), heads=st.integers(1, 9), kv=st.integers(1, 3), n=st.integers(1, 12),
+       batch=st.integers(1, 2), sliced=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_rotary_op_is_hfs_rotary_application_bit_for_bit(half, heads, kv, n, batch, sliced, seed):
+    """Any head size (a masked last chunk), q and k as HF's attention hands them over (a transposed
+    view of the projection; ``sliced``: columns of a stacked q/k/v product), output strided as the input."""
+    d, g = 2 * half, torch.Generator().manual_seed(seed)
+    if sliced:
+        qkv = torch.randn(batch, n, (heads + 2 * kv) * d, generator=g) * 4
+        q, k = qkv[..., :heads * d], qkv[..., heads * d:(heads + kv) * d]
+    else:
+        q, k = torch.randn(batch, n, heads * d, generator=g) * 4, torch.randn(batch, n, kv * d, generator=g) * 4
+    q, k = q.view(batch, n, heads, d).transpose(1, 2), k.view(batch, n, kv, d).transpose(1, 2)
+    cos, sin = (torch.rand(2, batch, n, d, generator=g) * 2 - 1).unbind(0)
+    got, want = exact_parts.rotary(q, k, cos, sin), hf_apply(q, k, cos, sin)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+        assert [st for st, size in zip(a.stride(), a.shape) if size > 1] == [st for st, size in zip(b.stride(), b.shape) if size > 1]
+
+
+def test_a_loaded_models_attention_applies_rotary_through_the_op_with_the_same_logits(tmp_path, monkeypatch):
+    """On a packed-fp16 load (or wherever the table is), HF's attention calls the op for the table's
+    cos and sin: the logits bit for bit as with HF's function (``apply_op`` off), and the op called
+    once per layer. Other models of the family in the process (HF's own rotary) keep HF's function."""
+    if not packed.available():
+        pytest.skip("packed fp16 needs torch's fbgemm (an x86 build)")
+    path = save_tiny(tmp_path / "t", layers=2, hidden=64)
+    target = TargetModel.load(path, "packed-fp16", "cpu")
+    table = target.model.model.rotary_emb
+    assert isinstance(table, exact_parts.TableRotary) and table.apply_op
+    calls = []
+    real = exact_parts.rotary
+    monkeypatch.setattr(exact_parts, "rotary", lambda *a: calls.append(1) or real(*a))
+    prompt = np.random.default_rng(2).integers(2, 60, 30)
+    with_op = logits_after(target, prompt, TREE)
+    assert len(calls) == 2 * 2  # two layers, the prompt and the tree
+    table.apply_op = False
+    without = logits_after(target, prompt, TREE)
+    assert len(calls) == 4 and torch.equal(with_op, without)
+    fp32 = TargetModel.load(path, "float32", "cpu")  # HF's rotary module: its cos is no table's
+    logits_after(fp32, prompt, TREE)
+    assert len(calls) == 4
+    monkeypatch.setenv("SPECBLOCK_ROTARY_OP", "off")  # the load-time baseline
+    off = TargetModel.load(path, "packed-fp16", "cpu")
+    assert not off.model.model.rotary_emb.apply_op and torch.equal(logits_after(off, prompt, TREE), with_op)
+    assert len(calls) == 4
+
+
+def test_the_rotary_op_replaces_only_hfs_formula():
+    """``use_rotary_op`` patches a modeling module whose function computes HF's half-split formula
+    (once, however often it is called), and leaves one that rotates in another layout."""
+    import types
+
+    llama = tiny_model("llama", layers=1, hidden=64)
+    module = __import__(type(llama.model.layers[0].self_attn).__module__, fromlist=["x"])
+    assert exact_parts.use_rotary_op(llama) >= 1
+    patched = module.apply_rotary_pos_emb
+    assert exact_parts.use_rotary_op(llama) >= 1 and module.apply_rotary_pos_emb is patched  # not wrapped twice
+
+    def interleaved(q, k, cos, sin):  # GPT-J's pairs (x0, x1), (x2, x3), ...: another formula, the same name
+        def rot(x):
+            return torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
+        return q * cos.unsqueeze(1) + rot(q) * sin.unsqueeze(1), k * cos.unsqueeze(1) + rot(k) * sin.unsqueeze(1)
+
+    fake = types.ModuleType("specblock_test_interleaved_rotary")
+    fake.apply_rotary_pos_emb = interleaved
+
+    class Attention(torch.nn.Module):
+        pass
+
+    Attention.__module__ = fake.__name__
+    import sys
+    monkey = {fake.__name__: fake}
+    sys.modules.update(monkey)
+    try:
+        assert exact_parts.use_rotary_op(torch.nn.Sequential(Attention())) == 0
+        assert fake.apply_rotary_pos_emb is interleaved
+    finally:
+        sys.modules.pop(fake.__name__)

@@ -30,13 +30,21 @@ and, for speed alone, on packed-fp16 targets, without the prompts' switch (stop 
 forward, and the rotary module 10 more) and move logits in their last bits only, as any change of
 summation order does; decoding stays lossless against the same target's own greedy decoding, which
 runs the same parts. ``SPECBLOCK_EXACT_PARTS=off`` keeps HF's parts there (the A/B of that experiment).
+
+- Rotary's application (stop 63): where ``TableRotary`` feeds the attention, HF's
+  ``apply_rotary_pos_emb`` (about 14 ops a layer) runs as one op, ``specblock_norm::rotary``
+  (``rotary.cpp``), with the same bits; eager forwards only (``use_rotary_op``). ``SPECBLOCK_ROTARY_OP=off``
+  at load keeps HF's function (the A/B baseline).
 fp32 and bf16 targets keep HF's parts: fp32 is the reference the lossless runs compare against, and a
 bf16 norm is not the fp32 formula the op computes."""
 
 from __future__ import annotations
 
+import functools
+import sys
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -45,7 +53,7 @@ from specblock.flags import env_switch
 from specblock.runtime import cext
 from specblock.runtime.grouped_rows import mark_exact_prompts
 
-SOURCE = (Path(__file__).parent / "rms_norm.cpp").read_text()
+SOURCE = cext.read_source(Path(__file__).parent / "rms_norm.cpp")  # with rotary.cpp
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 MAX_TABLE = 65536  # positions: 32 MB of cos/sin at head dim 64
 _STATE: dict[str, bool] = {}
@@ -75,7 +83,9 @@ def load() -> bool:
         if not runs_here():
             why = "this CPU has no AVX512F"
         else:  # where it cannot be built: HF's norm, as before
-            why = cext.build_or_why("specblock_norm", SOURCE, {"specblock_norm::rms_norm": lambda x, w, eps: torch.empty_like(x)})
+            why = cext.build_or_why("specblock_norm", SOURCE, {
+                "specblock_norm::rms_norm": lambda x, w, eps: torch.empty_like(x),
+                "specblock_norm::rotary": lambda q, k, cos, sin: (torch.empty_like(q), torch.empty_like(k))})
         _STATE["ok"] = why is None
         if why is not None:
             warnings.warn(f"specblock: HF's RMSNorm stays ({why}); on q4's int8 kernel compiled and eager "
@@ -102,11 +112,21 @@ class RowRMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, fixed-order C++ op"
 
 
-class TableRotary(nn.Module):
-    """cos/sin by position from one table that the model's own rotary module filled once."""
+#: The cos and sin a ``TableRotary`` returned last (with ``apply_op``): the rotary application of a
+#: patched modeling module takes the op for exactly these (``use_rotary_op``).
+_TABLE_OUT: list[torch.Tensor | None] = [None, None]
 
-    def __init__(self, rotary: nn.Module, positions: int) -> None:
+
+class TableRotary(nn.Module):
+    """cos/sin by position from one table that the model's own rotary module filled once.
+
+    ``apply_op``: the model's attention applies them with ``specblock_norm::rotary`` (one op a layer
+    instead of about 14; ``use_rotary_op``); off, HF's ``apply_rotary_pos_emb``
+    (``SPECBLOCK_ROTARY_OP=off`` at load, the baseline of ``experiments/eager_switch_ab.py``)."""
+
+    def __init__(self, rotary: nn.Module, positions: int, apply_op: bool = True) -> None:
         super().__init__()
+        self.apply_op = apply_op
         inv = rotary.inv_freq
         with torch.no_grad():
             cos, sin = rotary(torch.zeros(1, dtype=torch.float32, device=inv.device),
@@ -115,7 +135,72 @@ class TableRotary(nn.Module):
         self.register_buffer("sin", sin[0].contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)
+        cos, sin = self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)
+        if self.apply_op and not torch.compiler.is_compiling():
+            _TABLE_OUT[0], _TABLE_OUT[1] = cos, sin
+        return cos, sin
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's ``apply_rotary_pos_emb(q, k, cos, sin)`` (q, k [B, H, n, D], cos and sin [B, n, D], fp32)
+    as one op: the same bits (``rotary.cpp``)."""
+    return torch.ops.specblock_norm.rotary.default(q, k, cos, sin)
+
+
+def _rotary_op_for_tables(hf_apply: Callable) -> Callable:
+    """``hf_apply`` (a modeling module's ``apply_rotary_pos_emb``) that runs ``rotary`` where its
+    cos and sin are the last a ``TableRotary`` returned, fp32, without autograd, and the shapes are
+    HF's usual ones; ``hf_apply`` itself otherwise (any other model of the family in the process,
+    traced code, a partial rotary)."""
+
+    @functools.wraps(hf_apply)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if (not torch.compiler.is_compiling() and cos is _TABLE_OUT[0] and sin is _TABLE_OUT[1] and not args
+                and not kwargs and q.dtype == torch.float32 and k.dtype == torch.float32 and q.dim() == 4
+                and k.dim() == 4 and q.shape[-1] == cos.shape[-1] and not (torch.is_grad_enabled()
+                and (q.requires_grad or k.requires_grad))):
+            return rotary(q, k, cos, sin)
+        return hf_apply(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb.specblock_hf_apply = hf_apply  # what it wraps (a second patch does not wrap it again)
+    return apply_rotary_pos_emb
+
+
+def _applies_rotary_as_hf(fn: Callable) -> bool:
+    """``fn(q, k, cos, sin)`` gives the op's bits on a random input (HF's half-split formula, not an
+    interleaved or partial one), by behaviour, as ``_is_rms_norm`` checks a norm."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 3, 2, 8, generator=g), torch.randn(1, 1, 2, 8, generator=g)
+    cos, sin = torch.randn(2, 1, 2, 8, generator=g).unbind(0)
+    try:
+        with torch.no_grad():
+            got, want = fn(q, k, cos, sin), rotary(q, k, cos, sin)
+        return all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    except Exception:  # noqa: BLE001 - another signature or shape rule: not HF's formula
+        return False
+
+
+def use_rotary_op(model: nn.Module) -> int:
+    """Point the ``apply_rotary_pos_emb`` of each modeling module that ``model``'s attention layers
+    come from at ``_rotary_op_for_tables`` (where it computes HF's formula); returns how many
+    modules now do.
+
+    Why a module global: HF's attention calls that function by its global name (``kernels``, the hub
+    mechanism that would swap it, is not installed and fetches from the hub), and forking the
+    modeling code is what this project does not do. The wrapper falls back to HF's function for
+    any input that is not a ``TableRotary``'s output, so other models in the process are unchanged."""
+    patched = 0
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        fn = getattr(module, "apply_rotary_pos_emb", None)
+        if fn is None:
+            continue
+        if getattr(fn, "specblock_hf_apply", None) is None:
+            if not _applies_rotary_as_hf(fn):
+                continue
+            module.apply_rotary_pos_emb = fn = _rotary_op_for_tables(fn)
+        patched += 1
+    return patched
 
 
 def _is_rms_norm(mod: nn.Module) -> bool:
@@ -139,6 +224,7 @@ def use_exact_parts(model: nn.Module, prompts: bool = True) -> tuple[int, int]:
     if not load():
         return 0, 0
     norms = rotaries = 0
+    apply_op = env_switch("SPECBLOCK_ROTARY_OP")  # on: rotary's application as one op too (stop 63)
     if prompts:
         mark_exact_prompts(model)  # eager prompts through the fused attention op too
     for parent in list(model.modules()):
@@ -149,6 +235,8 @@ def use_exact_parts(model: nn.Module, prompts: bool = True) -> tuple[int, int]:
             elif hasattr(child, "inv_freq") and getattr(child, "rope_type", None) in STATIC_ROPE:
                 positions = int(getattr(getattr(child, "config", None), "max_position_embeddings", 0) or 0)
                 if 0 < positions <= MAX_TABLE:
-                    setattr(parent, name, TableRotary(child, positions))
+                    setattr(parent, name, TableRotary(child, positions, apply_op))
                     rotaries += 1
+    if rotaries and apply_op:
+        use_rotary_op(model)
     return norms, rotaries

@@ -5,6 +5,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 
 namespace {
 #define SPECBLOCK_AVX512 __attribute__((target("avx512f,fma")))
@@ -51,7 +52,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   });
   return y;
 }
+
+// @include rotary.cpp
 }  // namespace
 
-TORCH_LIBRARY(specblock_norm, m) { m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor"); }
-TORCH_LIBRARY_IMPL(specblock_norm, CPU, m) { m.impl("rms_norm", rms_norm); }
+TORCH_LIBRARY(specblock_norm, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+}
+TORCH_LIBRARY_IMPL(specblock_norm, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("rotary", rotary);
+}
