@@ -30,13 +30,13 @@ and, for speed alone, on packed-fp16 targets, without the prompts' switch (stop 
 forward, and the rotary module 10 more) and move logits in their last bits only, as any change of
 summation order does; decoding stays lossless against the same target's own greedy decoding, which
 runs the same parts. ``SPECBLOCK_EXACT_PARTS=off`` keeps HF's parts there (the A/B of that experiment).
-
-- Rotary's application (stop 63): where ``TableRotary`` feeds the attention, HF's
-  ``apply_rotary_pos_emb`` (about 14 ops a layer) runs as one op, ``specblock_norm::rotary``
-  (``rotary.cpp``), with the same bits; eager forwards only (``use_rotary_op``). ``SPECBLOCK_ROTARY_OP=off``
-  at load keeps HF's function (the A/B baseline).
 fp32 and bf16 targets keep HF's parts: fp32 is the reference the lossless runs compare against, and a
-bf16 norm is not the fp32 formula the op computes."""
+bf16 norm is not the fp32 formula the op computes.
+
+Rotary's application (stop 63): where ``TableRotary`` feeds the attention, HF's ``apply_rotary_pos_emb``
+(about 14 ops a layer) runs as one op, ``specblock_norm::rotary`` (``rotary.cpp``), with the same bits;
+eager forwards only (``use_rotary_op``). ``SPECBLOCK_ROTARY_OP=off`` at load keeps HF's function (the
+A/B baseline)."""
 
 from __future__ import annotations
 
@@ -149,16 +149,16 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 def _rotary_op_for_tables(hf_apply: Callable) -> Callable:
     """``hf_apply`` (a modeling module's ``apply_rotary_pos_emb``) that runs ``rotary`` where its
-    cos and sin are the last a ``TableRotary`` returned, fp32, without autograd, and the shapes are
-    HF's usual ones; ``hf_apply`` itself otherwise (any other model of the family in the process,
-    traced code, a partial rotary)."""
+    cos and sin are the last a ``TableRotary`` returned, fp32, without autograd, and the shapes and
+    strides are the ones the op takes (it would raise on others); ``hf_apply`` itself otherwise (any
+    other model of the family in the process, traced code, a partial rotary)."""
 
     @functools.wraps(hf_apply)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         if (not torch.compiler.is_compiling() and cos is _TABLE_OUT[0] and sin is _TABLE_OUT[1] and not args
                 and not kwargs and q.dtype == torch.float32 and k.dtype == torch.float32 and q.dim() == 4
-                and k.dim() == 4 and q.shape[-1] == cos.shape[-1] and not (torch.is_grad_enabled()
-                and (q.requires_grad or k.requires_grad))):
+                and k.dim() == 4 and cos.dim() == 3 and q.shape[-1] == cos.shape[-1] and q.stride(-1) == 1
+                and k.stride(-1) == 1 and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
             return rotary(q, k, cos, sin)
         return hf_apply(q, k, cos, sin, *args, **kwargs)
 
