@@ -241,16 +241,23 @@ def test_a_loaded_models_attention_applies_rotary_through_the_op_with_the_same_l
     assert len(calls) == 4
 
 
-def test_the_rotary_op_replaces_only_hfs_formula():
-    """``use_rotary_op`` patches a modeling module whose function computes HF's half-split formula
-    (once, however often it is called), and leaves one that rotates in another layout."""
+def test_the_rotary_op_replaces_only_hfs_formula_and_only_during_a_forward():
+    """``use_rotary_op`` prepares a wrapper for a modeling module whose function computes HF's
+    half-split formula, and none for one that rotates in another layout; the module's global is the
+    wrapper only inside ``rotary_op`` (so compiled graphs and other models never see it)."""
+    import sys
     import types
 
     llama = tiny_model("llama", layers=1, hidden=64)
-    module = __import__(type(llama.model.layers[0].self_attn).__module__, fromlist=["x"])
-    assert exact_parts.use_rotary_op(llama) >= 1
-    patched = module.apply_rotary_pos_emb
-    assert exact_parts.use_rotary_op(llama) >= 1 and module.apply_rotary_pos_emb is patched  # not wrapped twice
+    module = sys.modules[type(llama.model.layers[0].self_attn).__module__]
+    hf = module.apply_rotary_pos_emb
+    assert exact_parts.use_rotary_op(llama) == 1 and module.apply_rotary_pos_emb is hf
+    with exact_parts.rotary_op(llama):
+        assert module.apply_rotary_pos_emb is not hf
+        with exact_parts.rotary_op(llama):  # nested: the outer swap comes back
+            pass
+        assert module.apply_rotary_pos_emb is not hf
+    assert module.apply_rotary_pos_emb is hf
 
     def interleaved(q, k, cos, sin):  # GPT-J's pairs (x0, x1), (x2, x3), ...: another formula, the same name
         def rot(x):
@@ -264,11 +271,11 @@ def test_the_rotary_op_replaces_only_hfs_formula():
         pass
 
     Attention.__module__ = fake.__name__
-    import sys
-    monkey = {fake.__name__: fake}
-    sys.modules.update(monkey)
+    sys.modules[fake.__name__] = fake
     try:
-        assert exact_parts.use_rotary_op(torch.nn.Sequential(Attention())) == 0
-        assert fake.apply_rotary_pos_emb is interleaved
+        holder = torch.nn.Sequential(Attention())
+        assert exact_parts.use_rotary_op(holder) == 0
+        with exact_parts.rotary_op(holder):
+            assert fake.apply_rotary_pos_emb is interleaved
     finally:
         sys.modules.pop(fake.__name__)

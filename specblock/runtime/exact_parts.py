@@ -35,16 +35,17 @@ bf16 norm is not the fp32 formula the op computes.
 
 Rotary's application (stop 63): where ``TableRotary`` feeds the attention, HF's ``apply_rotary_pos_emb``
 (about 14 ops a layer) runs as one op, ``specblock_norm::rotary`` (``rotary.cpp``), with the same bits;
-eager forwards only (``use_rotary_op``). ``SPECBLOCK_ROTARY_OP=off`` at load keeps HF's function (the
-A/B baseline)."""
+eager forwards of a ``TargetModel`` only (``use_rotary_op``, ``rotary_op``). ``SPECBLOCK_ROTARY_OP=off``
+at load keeps HF's function (the A/B baseline)."""
 
 from __future__ import annotations
 
 import functools
 import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -162,7 +163,6 @@ def _rotary_op_for_tables(hf_apply: Callable) -> Callable:
             return rotary(q, k, cos, sin)
         return hf_apply(q, k, cos, sin, *args, **kwargs)
 
-    apply_rotary_pos_emb.specblock_hf_apply = hf_apply  # what it wraps (a second patch does not wrap it again)
     return apply_rotary_pos_emb
 
 
@@ -180,27 +180,49 @@ def _applies_rotary_as_hf(fn: Callable) -> bool:
         return False
 
 
+#: Where ``use_rotary_op`` keeps a model's swaps: (modeling module, the wrapper of its function).
+ROTARY_SWAPS = "_specblock_rotary_swaps"
+
+
 def use_rotary_op(model: nn.Module) -> int:
-    """Point the ``apply_rotary_pos_emb`` of each modeling module that ``model``'s attention layers
-    come from at ``_rotary_op_for_tables`` (where it computes HF's formula); returns how many
-    modules now do.
+    """Prepare ``model``'s eager forwards to apply rotary with the op: for each modeling module its
+    layers come from whose ``apply_rotary_pos_emb`` computes HF's formula, a wrapper
+    (``_rotary_op_for_tables``) that ``rotary_op`` puts in that function's place for the length of
+    a forward. Returns how many modules.
 
     Why a module global: HF's attention calls that function by its global name (``kernels``, the hub
     mechanism that would swap it, is not installed and fetches from the hub), and forking the
-    modeling code is what this project does not do. The wrapper falls back to HF's function for
-    any input that is not a ``TableRotary``'s output, so other models in the process are unchanged."""
-    patched = 0
-    for name in {type(m).__module__ for m in model.modules()}:
+    modeling code is what this project does not do. Why only during a forward: a global swapped for
+    good would reach every model of the family in the process, and dynamo guards the function it
+    traces (its defaults) in the graphs it saves, so a compiled model would trace another function in
+    a process that also loaded a packed-fp16 target than in a fresh one (a warm helper's), and its
+    saved graphs would not load (``tests/test_warm_helpers.py`` caught it)."""
+    swaps = []
+    for name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(name)
         fn = getattr(module, "apply_rotary_pos_emb", None)
-        if fn is None:
-            continue
-        if getattr(fn, "specblock_hf_apply", None) is None:
-            if not _applies_rotary_as_hf(fn):
-                continue
-            module.apply_rotary_pos_emb = fn = _rotary_op_for_tables(fn)
-        patched += 1
-    return patched
+        if fn is not None and _applies_rotary_as_hf(fn):
+            swaps.append((module, _rotary_op_for_tables(fn)))
+    setattr(model, ROTARY_SWAPS, swaps)
+    return len(swaps)
+
+
+@contextmanager
+def rotary_op(model: nn.Module) -> Iterator[None]:
+    """``model``'s rotary wrappers (``use_rotary_op``) in their modules while the block runs (an
+    eager forward: ``TargetModel.prefill`` and ``tree_forward``), what was there before after it."""
+    swaps = getattr(model, ROTARY_SWAPS, None)
+    if not swaps:
+        yield
+        return
+    before = [(module, module.apply_rotary_pos_emb) for module, _ in swaps]
+    for module, wrapper in swaps:
+        module.apply_rotary_pos_emb = wrapper
+    try:
+        yield
+    finally:
+        for module, fn in before:
+            module.apply_rotary_pos_emb = fn
 
 
 def _is_rms_norm(mod: nn.Module) -> bool:

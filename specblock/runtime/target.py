@@ -187,13 +187,14 @@ class TargetModel:
         if len(ids) == 0:
             return None
         x = torch.as_tensor(np.asarray(ids), device=self.device, dtype=torch.long)[None]
-        out = self.model(
-            input_ids=x,
-            past_key_values=self.cache,
-            use_cache=True,
-            output_hidden_states=self.want_features,
-            logits_to_keep=1,
-        )
+        with exact_parts.rotary_op(self.model):  # HF's rotary application as one op, where prepared
+            out = self.model(
+                input_ids=x,
+                past_key_values=self.cache,
+                use_cache=True,
+                output_hidden_states=self.want_features,
+                logits_to_keep=1,
+            )
         self.past_len = int(x.shape[1])
         return self._output(out)
 
@@ -213,14 +214,15 @@ class TargetModel:
     def tree_forward(self, tree: DraftTree) -> TargetOutput:
         """One forward over every node of ``tree``; the root sits at position ``past_len``."""
         x, pos, mask = self.tree_inputs(tree)
-        out = self.model(
-            input_ids=x,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=self.cache,
-            use_cache=True,
-            output_hidden_states=self.want_features,
-        )
+        with exact_parts.rotary_op(self.model):
+            out = self.model(
+                input_ids=x,
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=self.cache,
+                use_cache=True,
+                output_hidden_states=self.want_features,
+            )
         return self._output(out)
 
     def _output(self, out) -> TargetOutput:
