@@ -42,7 +42,7 @@ def chain(root: int, n: int, rng: np.random.Generator, vocab: int) -> DraftTree:
 
 def time_pair(pair: list[TargetModel], sizes: list[int], ctx: int, reps: int) -> list[dict]:
     """Tree forwards of each size on two targets at the same context (random tokens, seeded),
-    interleaved after two untimed rounds: per size the two medians in ms, their ratio (second /
+    interleaved after two untimed rounds, the order alternating between reps: per size the two medians in ms, their ratio (second /
     first), the largest logit difference and whether every argmax agrees."""
     rng = np.random.default_rng(0)
     vocab = pair[0].vocab_size
@@ -54,7 +54,8 @@ def time_pair(pair: list[TargetModel], sizes: list[int], ctx: int, reps: int) ->
     logits = {}
     for rep in range(reps + 2):
         for n in sizes:
-            for i, t in enumerate(pair):
+            for i in ((0, 1) if rep % 2 == 0 else (1, 0)):  # each side first in half the reps (the second ran faster)
+                t = pair[i]
                 start = time.perf_counter()
                 logits[i, n] = t.tree_forward(trees[n]).logits
                 if rep >= 2:
@@ -84,15 +85,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=200)
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--load-order", default="off,on", help="which side loads first (the first-loaded model may run slower)")
+    ap.add_argument("--null", action="store_true", help="both sides with the switch on: the A/B's own bias, to compare with")
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "eager_switch_ab")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = resolve_target(args.target)
-    models = {"off": load_with(path, args.dtype, args.switch, "off"), "on": load_with(path, args.dtype, args.switch, "on")}
+    values = {"off": "on" if args.null else "off", "on": "on"}  # --null: the same setting on both sides
+    order = args.load_order.split(",")
+    if sorted(order) != ["off", "on"]:
+        raise SystemExit(f"--load-order {args.load_order!r}: name off and on, in the order to load them")
+    models = {side: load_with(path, args.dtype, args.switch, values[side]) for side in order}
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = time_pair([models["off"], models["on"]], sizes, args.ctx, args.reps)
     cmd = "python experiments/eager_switch_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_pair(args, cmd, rows, ("off", "on"), f"{args.switch}=off against on", {"switch": args.switch})
+    what = f"{args.switch}=on on both sides (a null A/B), loaded {args.load_order}" if args.null else \
+        f"{args.switch}=off against on, loaded {args.load_order}"
+    write_pair(args, cmd, rows, ("off", "on"), what, {"switch": args.switch, "null": args.null, "load_order": args.load_order})
     return 0
 
 
