@@ -42,8 +42,9 @@ def chain(root: int, n: int, rng: np.random.Generator, vocab: int) -> DraftTree:
 
 def time_pair(pair: list[TargetModel], sizes: list[int], ctx: int, reps: int) -> list[dict]:
     """Tree forwards of each size on two targets at the same context (random tokens, seeded),
-    interleaved after two untimed rounds, the order alternating between reps: per size the two medians in ms, their ratio (second /
-    first), the largest logit difference and whether every argmax agrees."""
+    interleaved after two untimed rounds, the order alternating between reps: per size the two
+    medians in ms, their ratio (second / first), the largest logit difference and whether every
+    argmax agrees."""
     rng = np.random.default_rng(0)
     vocab = pair[0].vocab_size
     prompt = rng.integers(0, vocab, ctx + 1)
