@@ -214,30 +214,33 @@ def test_the_rotary_op_is_hfs_rotary_application_bit_for_bit(half, heads, kv, n,
 
 
 def test_a_loaded_models_attention_applies_rotary_through_the_op_with_the_same_logits(tmp_path, monkeypatch):
-    """On a packed-fp16 load (or wherever the table is), HF's attention calls the op for the table's
-    cos and sin: the logits bit for bit as with HF's function (``apply_op`` off), and the op called
-    once per layer. Other models of the family in the process (HF's own rotary) keep HF's function."""
+    """On a packed-fp16 load (or wherever the table is), HF's attention calls the op during the
+    target's forwards: the logits bit for bit as with HF's function (the same target without its
+    swaps, and one loaded with ``SPECBLOCK_ROTARY_OP=off``), the op called once per layer. Another
+    model of the family in the process (fp32: HF's own rotary) keeps HF's function."""
     if not packed.available():
         pytest.skip("packed fp16 needs torch's fbgemm (an x86 build)")
     path = save_tiny(tmp_path / "t", layers=2, hidden=64)
     target = TargetModel.load(path, "packed-fp16", "cpu")
-    table = target.model.model.rotary_emb
-    assert isinstance(table, exact_parts.TableRotary) and table.apply_op
+    assert isinstance(target.model.model.rotary_emb, exact_parts.TableRotary)
+    swaps = getattr(target.model, exact_parts.ROTARY_SWAPS)
+    assert len(swaps) == 1
     calls = []
     real = exact_parts.rotary
     monkeypatch.setattr(exact_parts, "rotary", lambda *a: calls.append(1) or real(*a))
     prompt = np.random.default_rng(2).integers(2, 60, 30)
     with_op = logits_after(target, prompt, TREE)
     assert len(calls) == 2 * 2  # two layers, the prompt and the tree
-    table.apply_op = False
+    monkeypatch.setattr(target.model, exact_parts.ROTARY_SWAPS, [])
     without = logits_after(target, prompt, TREE)
     assert len(calls) == 4 and torch.equal(with_op, without)
-    fp32 = TargetModel.load(path, "float32", "cpu")  # HF's rotary module: its cos is no table's
+    fp32 = TargetModel.load(path, "float32", "cpu")
     logits_after(fp32, prompt, TREE)
     assert len(calls) == 4
     monkeypatch.setenv("SPECBLOCK_ROTARY_OP", "off")  # the load-time baseline
     off = TargetModel.load(path, "packed-fp16", "cpu")
-    assert not off.model.model.rotary_emb.apply_op and torch.equal(logits_after(off, prompt, TREE), with_op)
+    assert isinstance(off.model.model.rotary_emb, exact_parts.TableRotary)
+    assert not getattr(off.model, exact_parts.ROTARY_SWAPS, None) and torch.equal(logits_after(off, prompt, TREE), with_op)
     assert len(calls) == 4
 
 

@@ -113,21 +113,11 @@ class RowRMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, fixed-order C++ op"
 
 
-#: The cos and sin a ``TableRotary`` returned last (with ``apply_op``): the rotary application of a
-#: patched modeling module takes the op for exactly these (``use_rotary_op``).
-_TABLE_OUT: list[torch.Tensor | None] = [None, None]
-
-
 class TableRotary(nn.Module):
-    """cos/sin by position from one table that the model's own rotary module filled once.
+    """cos/sin by position from one table that the model's own rotary module filled once."""
 
-    ``apply_op``: the model's attention applies them with ``specblock_norm::rotary`` (one op a layer
-    instead of about 14; ``use_rotary_op``); off, HF's ``apply_rotary_pos_emb``
-    (``SPECBLOCK_ROTARY_OP=off`` at load, the baseline of ``experiments/eager_switch_ab.py``)."""
-
-    def __init__(self, rotary: nn.Module, positions: int, apply_op: bool = True) -> None:
+    def __init__(self, rotary: nn.Module, positions: int) -> None:
         super().__init__()
-        self.apply_op = apply_op
         inv = rotary.inv_freq
         with torch.no_grad():
             cos, sin = rotary(torch.zeros(1, dtype=torch.float32, device=inv.device),
@@ -136,10 +126,7 @@ class TableRotary(nn.Module):
         self.register_buffer("sin", sin[0].contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)
-        if self.apply_op and not torch.compiler.is_compiling():
-            _TABLE_OUT[0], _TABLE_OUT[1] = cos, sin
-        return cos, sin
+        return self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,17 +136,18 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 def _rotary_op_for_tables(hf_apply: Callable) -> Callable:
-    """``hf_apply`` (a modeling module's ``apply_rotary_pos_emb``) that runs ``rotary`` where its
-    cos and sin are the last a ``TableRotary`` returned, fp32, without autograd, and the shapes and
-    strides are the ones the op takes (it would raise on others); ``hf_apply`` itself otherwise (any
-    other model of the family in the process, traced code, a partial rotary)."""
+    """``hf_apply`` (a modeling module's ``apply_rotary_pos_emb``) that runs ``rotary`` on fp32 inputs
+    without autograd whose shapes and strides the op takes (it would raise on others); ``hf_apply``
+    itself otherwise (traced code, a partial rotary). Only in place during an eager forward of a
+    model whose rotary module is a ``TableRotary`` (``rotary_op``), so its cos and sin are the table's."""
 
     @functools.wraps(hf_apply)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if (not torch.compiler.is_compiling() and cos is _TABLE_OUT[0] and sin is _TABLE_OUT[1] and not args
-                and not kwargs and q.dtype == torch.float32 and k.dtype == torch.float32 and q.dim() == 4
-                and k.dim() == 4 and cos.dim() == 3 and q.shape[-1] == cos.shape[-1] and q.stride(-1) == 1
-                and k.stride(-1) == 1 and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
+        if (not torch.compiler.is_compiling() and not args and not kwargs and q.dtype == torch.float32
+                and k.dtype == torch.float32 and cos.dtype == torch.float32 and sin.dtype == torch.float32
+                and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and q.shape[-1] == cos.shape[-1]
+                and q.stride(-1) == 1 and k.stride(-1) == 1
+                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
             return rotary(q, k, cos, sin)
         return hf_apply(q, k, cos, sin, *args, **kwargs)
 
@@ -246,7 +234,6 @@ def use_exact_parts(model: nn.Module, prompts: bool = True) -> tuple[int, int]:
     if not load():
         return 0, 0
     norms = rotaries = 0
-    apply_op = env_switch("SPECBLOCK_ROTARY_OP")  # on: rotary's application as one op too (stop 63)
     if prompts:
         mark_exact_prompts(model)  # eager prompts through the fused attention op too
     for parent in list(model.modules()):
@@ -257,8 +244,8 @@ def use_exact_parts(model: nn.Module, prompts: bool = True) -> tuple[int, int]:
             elif hasattr(child, "inv_freq") and getattr(child, "rope_type", None) in STATIC_ROPE:
                 positions = int(getattr(getattr(child, "config", None), "max_position_embeddings", 0) or 0)
                 if 0 < positions <= MAX_TABLE:
-                    setattr(parent, name, TableRotary(child, positions, apply_op))
+                    setattr(parent, name, TableRotary(child, positions))
                     rotaries += 1
-    if rotaries and apply_op:
+    if rotaries and env_switch("SPECBLOCK_ROTARY_OP"):  # rotary's application as one op too (stop 63)
         use_rotary_op(model)
     return norms, rotaries
