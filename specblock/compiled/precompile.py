@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from specblock.compiled.toolchain import keep_headers, remember_vec_isa
 from specblock.models.registry import specblock_home
 
 
@@ -175,50 +176,21 @@ def save() -> None:
                       f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r})", stacklevel=2)
 
 
-def remember_vec_isa(cache_dir: Path) -> None:
-    """Skip inductor's per-process check of the CPU's vector instruction sets when this machine's
-    answer is on record. Why: before it loads or compiles a first graph, inductor builds a test
-    library for each instruction set the CPU reports and ``dlopen``s it in a child Python, every
-    process: 0.9 s of a 4.2 s first call of a saved graph in a profiled later start. The answer
-    does not change on one machine and torch build, so the first process records the sets that
-    passed (``vec_isa.json`` beside the graphs); a later one takes every set the CPU reports as
-    passing (``cpp.vec_isa_ok``) only if that gives the recorded list, and checks as before if not
-    (another CPU behind the same cache folder, a set that failed to build)."""
-    import json
-    import platform
-
-    from torch._inductor import config, cpu_vec_isa
-
-    if config.cpp.vec_isa_ok is not None or platform.machine() not in ("x86_64", "AMD64"):
-        return  # set by the user, or an architecture this was not measured on
-    names = lambda: [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # noqa: E731
-    path = cache_dir / "vec_isa.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if isinstance(known, dict) and known.get("torch") == torch.__version__ and known.get("valid"):
-        config.cpp.vec_isa_ok = True
-        cpu_vec_isa.valid_vec_isa_list.cache_clear()
-        if names() == known["valid"]:
-            return
-        config.cpp.vec_isa_ok = None
-        cpu_vec_isa.valid_vec_isa_list.cache_clear()
-    from specblock.atomic import write_atomic
-
-    try:
-        write_atomic(path, json.dumps({"torch": torch.__version__, "valid": names()}))  # the check, once
-    except OSError:
-        pass  # a read-only cache: every process checks, as before
-
-
 def use_disk_cache() -> Path:
     """Inductor's compiled graphs (FX graph and AOT-autograd caches, on by default) go under
-    ``$SPECBLOCK_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: the default
-    ``/tmp/torchinductor_$USER`` does not survive a reboot, and a warm start skips the C++ builds.
-    Importing inductor writes that default into the environment itself, so a value equal to it
-    counts as unset (until this was checked, every artefact went to /tmp). Also spares later
-    processes inductor's vector-ISA check (``precompile.remember_vec_isa``)."""
+    ``$SPECBLOCK_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` says otherwise (``cache_folder``).
+    Also spares later processes inductor's vector-ISA check (``compiled/toolchain.py``)."""
+    path = cache_folder()
+    remember_vec_isa(path)
+    return path
+
+
+def cache_folder() -> Path:
+    """Inductor's cache folder, set: ``$SPECBLOCK_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR``
+    names another. Why: the default ``/tmp/torchinductor_$USER`` does not survive a reboot, and a
+    warm start skips the C++ builds. Importing inductor writes that default into the environment
+    itself, so a value equal to it counts as unset (until this was checked, every artefact went to
+    /tmp). Precompiled headers go under the home either way (``toolchain.keep_headers``)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -226,7 +198,7 @@ def use_disk_cache() -> Path:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(specblock_home() / "inductor")
     path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     path.mkdir(parents=True, exist_ok=True)
-    remember_vec_isa(path)
+    keep_headers(specblock_home() / "inductor" / "precompiled_headers")
     return path
 
 

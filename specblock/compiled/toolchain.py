@@ -1,0 +1,98 @@
+"""What inductor's C++ toolchain does once per machine, kept with the rest of the cache and off a
+first start's critical path: the check of the CPU's vector instruction sets, and precompiled headers.
+
+Why a module: both are machine-wide facts that inductor keeps outside its cache folder (the check
+in each process's memory, the headers under ``/tmp/torchinductor_$USER``), so a fresh home was
+not a fresh machine, and a first start ran the check (9-10 s here, one g++ build and one child
+Python per set) on the critical path after the model's load (docs/compiled.md, stop 64).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+_CHECK: Future | None = None  # the vector-ISA check begun in the background (``start_vec_isa_check``)
+
+
+def keep_headers(folder: Path) -> None:
+    """Inductor's precompiled headers (one per set of compile flags; two a first start here, about
+    5 s and 150 MB each) in ``folder`` rather than ``/tmp/torchinductor_$USER``. Why: a first start
+    on an empty ``$SPECBLOCK_HOME`` reused the headers an earlier run had left in ``/tmp``, so it
+    measured less than a fresh machine does, and ``/tmp`` kept every header of every run (4 GB
+    here). Inductor reads the folder from a module global at each build; torch is pinned, and a
+    torch without the global keeps its own place."""
+    from torch._inductor import codecache
+
+    if hasattr(codecache, "_HEADER_DIR") and hasattr(codecache, "_HEADER_LOCK_DIR"):
+        codecache._HEADER_DIR = str(folder)
+        codecache._HEADER_LOCK_DIR = str(folder / "locks")
+
+
+def _recorded(cache_dir: Path) -> list[str] | None:
+    try:
+        known = json.loads((cache_dir / "vec_isa.json").read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(known, dict) and known.get("torch") == torch.__version__ and known.get("valid")
+    return list(known["valid"]) if ok else None
+
+
+def _checks_here() -> bool:
+    from torch._inductor import config
+
+    return config.cpp.vec_isa_ok is None and platform.machine() in ("x86_64", "AMD64")
+
+
+def start_vec_isa_check(cache_dir: Path) -> None:
+    """Begin inductor's vector-ISA check in a background thread where this process will run it
+    (no record in ``cache_dir`` yet: a first start), so it overlaps the model's load instead of
+    following it; ``remember_vec_isa`` waits for it. Its builds and probes are child processes."""
+    global _CHECK
+    if _CHECK is not None or not _checks_here() or _recorded(cache_dir) is not None:
+        return
+    from torch._inductor import cpu_vec_isa
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specblock-vec-isa")
+    _CHECK = pool.submit(cpu_vec_isa.valid_vec_isa_list)
+    pool.shutdown(wait=False)
+
+
+def remember_vec_isa(cache_dir: Path) -> None:
+    """Skip inductor's per-process check of the CPU's vector instruction sets when this machine's
+    answer is on record. Why: before it loads or compiles a first graph, inductor builds a test
+    library for each instruction set the CPU reports and ``dlopen``s it in a child Python, every
+    process: 0.9 s of a 4.2 s first call of a saved graph in a profiled later start. The answer
+    does not change on one machine and torch build, so the first process records the sets that
+    passed (``vec_isa.json`` beside the graphs); a later one takes every set the CPU reports as
+    passing (``cpp.vec_isa_ok``) only if that gives the recorded list, and checks as before if not
+    (another CPU behind the same cache folder, a set that failed to build). A check begun by
+    ``start_vec_isa_check`` is waited for, not run twice."""
+    from torch._inductor import config, cpu_vec_isa
+
+    if not _checks_here():
+        return  # set by the user, or an architecture this was not measured on
+    names = lambda: [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # noqa: E731
+    known = _recorded(cache_dir)
+    if known is not None:
+        config.cpp.vec_isa_ok = True
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+        if names() == known:
+            return
+        config.cpp.vec_isa_ok = None
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    elif _CHECK is not None:
+        try:
+            _CHECK.result()  # its answer is in valid_vec_isa_list's cache now
+        except Exception:  # noqa: BLE001 - the check below runs again and says what failed
+            cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    from specblock.atomic import write_atomic
+
+    try:
+        write_atomic(cache_dir / "vec_isa.json", json.dumps({"torch": torch.__version__, "valid": names()}))  # the check, once
+    except OSError:
+        pass  # a read-only cache: every process checks, as before
