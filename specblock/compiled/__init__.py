@@ -13,9 +13,8 @@ def prebuild(dtype: str, device: str) -> None:
     """Begin building the C++ libraries a compiled CPU target calls (the fused tree attention where
     the CPU runs it; the packed-linear kernel at packed-fp16) in the background, before the model
     loads: the CLI and the server call this first under ``--compile``. On a first start the two
-    builds ran one after the other after the load, on the critical path (docs/compiled.md, stop 56).
-    Inductor's vector-ISA check, where no record spares it, begins beside them (stop 64)."""
-    from specblock.compiled import native, precompile, toolchain
+    builds ran one after the other after the load, on the critical path (docs/compiled.md, stop 56)."""
+    from specblock.compiled import native
     from specblock.runtime import packed, tree_attention
     from specblock.runtime.target import resolve_device, resolve_dtype
 
@@ -23,7 +22,6 @@ def prebuild(dtype: str, device: str) -> None:
     if dev.type != "cpu":
         return
     tree_attention.start_building()
-    toolchain.start_vec_isa_check(precompile.cache_folder())
     if resolve_dtype(dtype, dev) == packed.PACKED_FP16:
         native.start_building()
 
