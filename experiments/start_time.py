@@ -42,6 +42,8 @@ UNDO = {
             "d.wants_int8 = lambda t: True; b = d.start_int8_build; d.start_int8_build = lambda t, v, c: b(t, v, False)",
     "hfparts": "import os, specblock.gcstart as g; g.begin(); os.environ['SPECBLOCK_EXACT_PARTS'] = 'off'",
     "rotaryop": "import os, specblock.gcstart as g; g.begin(); os.environ['SPECBLOCK_ROTARY_OP'] = 'off'",
+    "warmsizes": "import specblock.gcstart as g; g.begin(); import specblock.runtime.drafters as d; "
+                 "d.warm_sizes = lambda opts: opts.pop('warm_sizes', None) and None",
     "tmpheaders": "import specblock.gcstart as g; g.begin(); import specblock.compiled.precompile as p; "
                   "p.keep_headers = lambda f: None",
 }
@@ -50,6 +52,7 @@ UNDONE = {"guards": "each saved graph's guards built twice at load (as before)",
           "int8": "drafters' linears on the int8 kernel beside the compiled packed-fp16 target too (stop 57's first try)",
           "hfparts": "HF's RMSNorm and rotary on the packed-fp16 target (before stop 62; no norm library to build)",
           "rotaryop": "HF's rotary application (before stop 63; the library is built either way, with rotary.cpp in it)",
+          "warmsizes": "every tree size the drafter can propose warmed, serving.json's warm_sizes ignored (before stop 64)",
           "tmpheaders": "precompiled headers in /tmp/torchinductor_$USER as before stop 64 (there from earlier runs: "
                         "not built)"}
 

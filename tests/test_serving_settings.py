@@ -107,3 +107,56 @@ def test_serving_json_names_a_tree_policy_a_flag_replaces(tmp_path, capsys):
     code, _, err = run(capsys, "--target", "lab", "--method", "specblock", "--drafter", sneaky, "--prompt", "x",
                        "--max-new-tokens", "2", "--no-warmup", "--dtype", "float32")
     assert code == 2 and "not one of specblock.policies." in err
+
+
+def test_serving_json_names_the_tree_sizes_a_compiled_server_warms(tmp_path, monkeypatch, capsys):
+    """``warm_sizes`` (measured from traces: each graph is half a minute of a first start) replaces
+    the drafter's every possible size when a compiled server warms; the largest tree the budget
+    allows is warmed too, and a tree of another size pads up to a warmed bucket with the tokens of
+    plain greedy decoding. A bad list is refused in one line; a drafter never sees the key."""
+    import numpy as np
+
+    from specblock.compiled.target import StaticTarget
+    from specblock.runtime import cli
+    from specblock.runtime.engine import Engine
+    from specblock.serve.cli import open_service, parse
+
+    d = drafter_copy(tmp_path, {"budget": 3, "M": 1, "widths": [2, 4, 10, 0], "warm_sizes": [1, 4]})
+    warmed = []
+
+    def fake_warm(self, n, sizes=None, then=None):
+        warmed.append((n, tuple(sizes)))
+        return []
+
+    monkeypatch.setattr(cli, "maybe_compile", lambda t, c, m="whole": StaticTarget.wrap(t, compile=False) if c else t)
+    monkeypatch.setattr(StaticTarget, "warm", fake_warm)
+    base = ["--target", "lab", "--dtype", "float32", "--method", "specblock", "--drafter", str(d), "--compile",
+            "--port", "0"]
+    open_service(*parse(base))
+    assert warmed.pop() == (4, (1, 4, 4))  # the measured sizes, and root + the budget's 3 nodes
+    open_service(*parse([*base, "--lookup-branch", "3"]))
+    assert warmed.pop() == (7, (1, 4, 7))  # the branch's 3 on top: 7 nodes at most, warmed as well
+    (d / "serving.json").write_text(json.dumps({"budget": 3, "M": 1}))
+    open_service(*parse(base))
+    assert warmed.pop() == (4, (1, 3, 4))  # without the key: every size the rank widths allow
+    (d / "serving.json").write_text(json.dumps({"budget": 3, "warm_sizes": [0, "4"]}))
+    code, _, err = run(capsys, "--target", "lab", "--method", "specblock", "--drafter", str(d), "--prompt", "x",
+                       "--max-new-tokens", "2", "--no-warmup")
+    assert code == 2 and "warm_sizes" in err.strip().splitlines()[-1] and "Traceback" not in err
+    # padded up to a warmed bucket, results unchanged: trees of 3 nodes run as 4 rows
+    opts = {"drafter": str(d), "budget": None}
+    (d / "serving.json").write_text(json.dumps({"budget": 2, "M": 1, "warm_sizes": [1, 4]}))  # trees of 3 nodes
+    plain_target = TargetModel.load(DEFAULT_TARGET, "float32", "cpu")
+    static = StaticTarget.wrap(TargetModel.load(DEFAULT_TARGET, "float32", "cpu"), compile=False)
+    got = drafters.serving_settings("specblock", static, dict(opts))
+    assert drafters.warm_sizes(got) == (1, 4) and "warm_sizes" not in got
+    budget = int(got.pop("budget"))
+    static.warmed = (1, 4)  # what warm leaves on a compiled target
+    rows = []  # (nodes, rows run) of each tree
+    real_bucket = StaticTarget.bucket
+    monkeypatch.setattr(StaticTarget, "bucket", lambda self, n: rows.append((n, real_bucket(self, n))) or rows[-1][1])
+    prompt = np.arange(5, 40)
+    out = Engine(static, drafters.build("specblock", static, got), budget=budget, warm_sizes=(1, 4)).generate(prompt, 24)
+    ref = Engine(plain_target, drafters.ARDrafter(), budget=0).generate(prompt, 24)
+    assert out.token_ids == ref.token_ids
+    assert {b for _, b in rows} <= {1, 4} and any(n in (2, 3) and b == 4 for n, b in rows), rows

@@ -148,6 +148,7 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
     on_top = bool(opts.pop("lookup_on_top", None))
     opts = drafters.serving_settings(_base(m), target, opts)
     budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
+    warm = drafters.warm_sizes(opts)
     drafter = drafters.build(_base(m), target, opts, int8=int8)
     if drafter_compiled and ADAPT not in m:
         from specblock.runtime.cli import maybe_compile_drafter
@@ -166,7 +167,7 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
         drafter = Adapter(drafter, AdaptSettings(window=window, **chosen, **user))  # the rest: AdaptSettings' defaults
     if lookup_branch.has_lookup(m):
         drafter, budget = lookup_branch.with_branch(drafter, budget, nodes or lookup_branch.DEFAULT_NODES, given, on_top)
-    return Engine(target, drafter, GreedyVerifier(), budget, eos)
+    return Engine(target, drafter, GreedyVerifier(), budget, eos, warm_sizes=warm)
 
 
 def adapter_of(engine: Engine):

@@ -177,6 +177,7 @@ class Session:
 
         opts = drafters.serving_settings(cfg.method, target, cfg.drafter_options())
         budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
+        warm = drafters.warm_sizes(opts)
         drafter, adapter = drafters.build(cfg.method, target, opts), None
         if cfg.compile and not cfg.adapt:  # an adapting drafter's weights change while it serves
             drafter = maybe_compile_drafter(drafter, target)
@@ -188,7 +189,7 @@ class Session:
             from specblock.runtime.drafters.lookup_branch import with_branch
 
             drafter, budget = with_branch(drafter, budget, cfg.lookup_branch, cfg.budget is not None, cfg.lookup_on_top)
-        engine = Engine(target, drafter, verifier(), budget, eos, trace)
+        engine = Engine(target, drafter, verifier(), budget, eos, trace, warm_sizes=warm)
         baseline = Engine(target, drafters.ARDrafter(), verifier(), 0, eos) if cfg.compare else None
         return cls(cfg, target, tokenizer, engine, baseline, adapter)
 

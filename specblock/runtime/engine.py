@@ -40,6 +40,9 @@ class Engine:
     trace: TextIO | None = None  # per-iteration JSONL, when set
     trace_domain: str | None = None  # written into each trace record (the sim fits per domain)
     on_iteration: list[Callable[[DraftTree, Verdict], None]] = field(default_factory=list)
+    #: The tree sizes a compiled target compiles before it serves, where measured (a drafter's
+    #: ``serving.json``, ``warm_sizes``); None: every size the drafter can propose (``tree_sizes``).
+    warm_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         self._cuda = self.target.device.type == "cuda"
@@ -58,9 +61,10 @@ class Engine:
     def warm_compiled(self) -> list[int]:
         """Compile (or load) every shape this engine can meet at the first span, before anything is
         timed or served: the compiled target's buckets of the tree sizes the drafter proposes under
-        the budget (``warm``, ``Drafter.tree_sizes``) and a compiled drafter's steps (its
-        ``warm``, under a lookup branch too). Duck-typed, so the
-        runtime needs nothing from ``specblock.compiled``; an eager target and drafter warm nothing.
+        the budget (``warm``, ``Drafter.tree_sizes``, or the measured ``warm_sizes``: other sizes pad
+        up to the next one warmed) and a compiled drafter's steps (its ``warm``, under a lookup
+        branch too). Duck-typed, so the runtime needs nothing from ``specblock.compiled``; an eager
+        target and drafter warm nothing.
         Returns the target's buckets warmed."""
         inner = getattr(self.drafter, "inner", self.drafter)
         drafter_warm = inner.warm if callable(getattr(inner, "warm", None)) else None
@@ -70,8 +74,10 @@ class Engine:
             return []
         self._point_target()  # the graphs depend on the features and taps this drafter reads
         # the drafter's steps compile while the target's helper processes (if any) finish theirs
-        return self.target.warm(self.drafter.max_tree(self.budget), self.drafter.tree_sizes(self.budget),
-                                then=drafter_warm)
+        top = self.drafter.max_tree(self.budget)
+        # measured sizes, and the largest tree this budget allows (a user's larger budget): none outgrows them
+        sizes = (*self.warm_sizes, top) if self.warm_sizes is not None else self.drafter.tree_sizes(self.budget)
+        return self.target.warm(top, sizes, then=drafter_warm)
 
     def generate(
         self,

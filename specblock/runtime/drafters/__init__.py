@@ -111,6 +111,7 @@ def build(name: str, target, options: dict | None = None, int8: bool | None = No
     if name not in METHODS:
         raise SpecBlockError(f"unknown method {name!r}; choose one of {', '.join(sorted(METHODS))}")
     options = {k: v for k, v in (options or {}).items() if v is not None}  # None: not set, the default holds
+    options.pop("warm_sizes", None)  # the engine's (``warm_sizes``), where a caller passed serving.json's on
     if name not in TAKES_POLICY:
         user_policies(name, options)  # a policy named for a method without one: refused
     drafter = METHODS[name](target, options)
@@ -223,12 +224,20 @@ def norm_op(net) -> int:
 #: The engine's node budget when neither the user nor the drafter's serving.json sets one.
 DEFAULT_BUDGET = 24
 #: What a drafter's ``serving.json`` may set: its measured best node budget and tree settings.
-SERVING_KEYS = ("budget", "M", "max_seeds", "widths", "depth", "top_k", "policy", "policy_kwargs")
+SERVING_KEYS = ("budget", "M", "max_seeds", "widths", "depth", "top_k", "policy", "policy_kwargs", "warm_sizes")
 #: Where a serving.json may name its tree policy from: the project's own policies. A drafter folder
 #: is data, and naming a class imports (runs) its module; a user's own class is a flag away.
 SERVING_POLICY_PREFIX = "specblock.policies."
 _SERVING_POLICY = re.compile(re.escape(SERVING_POLICY_PREFIX) + r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # a module, not a file
 TRAINED = ("specblock", "eagle3", "medusa", "sps", "parallelspec", "falcon")
+
+
+def warm_sizes(opts: dict) -> tuple[int, ...] | None:
+    """Pop a serving.json's ``warm_sizes`` from the drafter's options: the tree sizes a compiled
+    target compiles before it serves (``Engine.warm_sizes``), where traces showed the others rare
+    enough to pad up (each graph is half a minute of a first start). Not a drafter's option."""
+    sizes = opts.pop("warm_sizes", None)
+    return tuple(sizes) if sizes else None
 
 
 def serving_settings(name: str, target, options: dict) -> dict:
@@ -278,6 +287,9 @@ def read_serving(f: Path, target) -> dict:
     for o in overrides:
         if all(o[k] == v for k, v in here.items() if k in o):
             settings.update({k: v for k, v in o.items() if k in SERVING_KEYS})
+    warm = settings.get("warm_sizes")
+    if warm is not None and not (isinstance(warm, list) and warm and all(type(n) is int and n >= 1 for n in warm)):
+        raise SpecBlockError(f"{f}: \"warm_sizes\" must be a list of tree sizes (positive integers), e.g. [1, 4, 6, 7]")
     pol = settings.get("policy")
     if pol is not None and not (isinstance(pol, str) and _SERVING_POLICY.fullmatch(pol)):
         raise SpecBlockError(f"{f}: \"policy\" {pol!r} is not one of {SERVING_POLICY_PREFIX}*; "
