@@ -136,6 +136,8 @@ def test_serving_json_names_the_tree_sizes_a_compiled_server_warms(tmp_path, mon
     assert warmed.pop() == (4, (1, 4, 4))  # the measured sizes, and root + the budget's 3 nodes
     open_service(*parse([*base, "--lookup-branch", "3"]))
     assert warmed.pop() == (7, (1, 4, 7))  # the branch's 3 on top: 7 nodes at most, warmed as well
+    open_service(*parse([*base, "--budget", "2"]))
+    assert warmed.pop() == (3, (1, 3))  # a tree setting of the user's: the sizes its trees can take, not the file's
     (d / "serving.json").write_text(json.dumps({"budget": 3, "M": 1}))
     open_service(*parse(base))
     assert warmed.pop() == (4, (1, 3, 4))  # without the key: every size the rank widths allow

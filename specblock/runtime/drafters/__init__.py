@@ -263,9 +263,13 @@ def serving_settings(name: str, target, options: dict) -> dict:
 
 def over_serving(saved: dict, explicit: dict) -> dict:
     """``explicit`` options over a serving.json's ``saved`` settings: a tree rule of the user's own
-    (``policy`` or ``widths``) replaces the file's whole (the simulator's settings follow it too)."""
+    (``policy`` or ``widths``) replaces the file's whole (the simulator's settings follow it too).
+    The file's ``warm_sizes`` were measured on its own trees: any tree setting of the user's drops
+    them (the drafter's every size is warmed then)."""
     if explicit.get("policy") or explicit.get("widths"):
         saved = {k: v for k, v in saved.items() if k not in ("policy", "policy_kwargs")}
+    if any(k in explicit for k in SERVING_KEYS):
+        saved = {k: v for k, v in saved.items() if k != "warm_sizes"}
     return {**saved, **explicit}
 
 
