@@ -1,8 +1,10 @@
-"""Compiled drafters' padded rows: the new committed positions of a step padded to 8 rows always
-(``row_buckets = (8,)``, the first form) against 4 or 8 (``(4, 8)``, ``compiled/drafter.py``'s
-``ROW_BUCKETS``). Two engines per method on the one compiled target, the same prompts, calls
-interleaved with the order alternating; the median per-iteration drafting ms and tokens/s, and
-whether the two variants' outputs agree.
+"""Compiled drafters' static shapes, two variants in one run. ``--ab rows`` (the default): the new
+committed positions of a step padded to 8 rows always (``row_buckets = (8,)``, the first form)
+against 4 or 8 (``(4, 8)``, ``compiled/drafter.py``'s ``ROW_BUCKETS``). ``--ab span`` (SpecBlock):
+attention over power-of-two spans of the buffer against the whole buffer (``one_span``). Two
+engines per method on the one compiled target, the same prompts, calls interleaved with the order
+alternating (each engine's first pass over the prompts compiles the shapes they meet, untimed); the
+median per-iteration drafting ms and tokens/s, and whether the two variants' outputs agree.
 
     python experiments/drafter_rows.py --methods specblock+lookup,eagle3 --domains code,chat,math \
         --prompts 2 --runs 3 --out experiments/results/drafter_rows
@@ -29,7 +31,9 @@ from specblock.runtime.bench_config import method_options
 from specblock.runtime.cli import load_tokenizer
 from specblock.runtime.target import TargetModel
 
-VARIANTS = {"rows 8": (8,), "rows 4/8": (4, 8)}
+#: per ``--ab``: variant label -> the drafter's attribute and its value
+AB = {"rows": ("row_buckets", {"rows 8": (8,), "rows 4/8": (4, 8)}),
+      "span": ("one_span", {"spans": False, "one span": True})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ab", choices=sorted(AB), default="rows")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/drafter_rows"))
     args = ap.parse_args(argv)
+    attr, variants = AB[args.ab]
+    first, second = variants
     torch.set_num_threads(args.threads)
     path = resolve_target(args.target)
     targets = Targets(TargetModel.load(path, args.dtype, "cpu"), "whole")
@@ -55,18 +62,18 @@ def main(argv: list[str] | None = None) -> int:
         ns = argparse.Namespace(set=sets, method_options=method_options(sets, [m]), drafter_dir=None, compile=False,
                                 budget=None)
         engines = {}
-        for label, buckets in VARIANTS.items():
+        for label, value in variants.items():
             eng = build_engine(m, targets, ns, frozenset())
-            getattr(eng.drafter, "inner", eng.drafter).row_buckets = buckets
+            setattr(getattr(eng.drafter, "inner", eng.drafter), attr, value)
             for ids in prompts:  # first use compiles every shape these prompts meet
                 eng.generate(ids, args.tokens)
             engines[label] = eng
-        draft = {k: [] for k in VARIANTS}
-        tps = {k: [] for k in VARIANTS}
-        outs: dict[str, list] = {k: [] for k in VARIANTS}
+        draft = {k: [] for k in variants}
+        tps = {k: [] for k in variants}
+        outs: dict[str, list] = {k: [] for k in variants}
         for run in range(args.runs):
             for i, ids in enumerate(prompts):
-                order = list(VARIANTS) if (run + i) % 2 == 0 else list(VARIANTS)[::-1]
+                order = list(variants) if (run + i) % 2 == 0 else list(variants)[::-1]
                 for label in order:
                     t0 = time.perf_counter()
                     res = engines[label].generate(ids, args.tokens)
@@ -76,23 +83,24 @@ def main(argv: list[str] | None = None) -> int:
                     tps[label].append(len(res.token_ids) / wall)
                     if run == 0:
                         outs[label].append(res.token_ids)
-        same = outs["rows 8"] == outs["rows 4/8"]
+        same = outs[first] == outs[second]
         results[m] = {label: {"draft_ms": round(statistics.median(draft[label]), 3),
-                              "tokens_per_s": round(statistics.median(tps[label]), 2)} for label in VARIANTS}
+                              "tokens_per_s": round(statistics.median(tps[label]), 2)} for label in variants}
         results[m]["same_outputs"] = same
         print(m, results[m], flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results},
                                                         indent=1))
-    lines = [f"Compiled drafters' padded rows, compiled target, {args.dtype}, {args.threads} threads, {args.prompts} prompts x "
+    what = {"rows": "padded rows", "span": "attention spans"}[args.ab]
+    lines = [f"Compiled drafters' {what}, compiled target, {args.dtype}, {args.threads} threads, {args.prompts} prompts x "
              f"{args.domains}, {args.tokens} new tokens, {args.runs} interleaved runs, medians over calls (`python "
-             f"experiments/drafter_rows.py --methods {args.methods} --domains {args.domains} --prompts {args.prompts} "
-             f"--runs {args.runs} --out {args.out}`).", "",
-             "| method | drafting ms / iteration, rows 8 | rows 4/8 | tokens/s, rows 8 | rows 4/8 | same outputs |",
+             f"experiments/drafter_rows.py --ab {args.ab} --methods {args.methods} --domains {args.domains} --prompts {args.prompts} "
+             f"--tokens {args.tokens} --runs {args.runs} --out {args.out}`).", "",
+             f"| method | drafting ms / iteration, {first} | {second} | tokens/s, {first} | {second} | same outputs |",
              "|---|---|---|---|---|---|"]
     for m, r in results.items():
-        lines.append(f"| {m} | {r['rows 8']['draft_ms']:.2f} | {r['rows 4/8']['draft_ms']:.2f} | "
-                     f"{r['rows 8']['tokens_per_s']:.1f} | {r['rows 4/8']['tokens_per_s']:.1f} | {r['same_outputs']} |")
+        lines.append(f"| {m} | {r[first]['draft_ms']:.2f} | {r[second]['draft_ms']:.2f} | "
+                     f"{r[first]['tokens_per_s']:.1f} | {r[second]['tokens_per_s']:.1f} | {r['same_outputs']} |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

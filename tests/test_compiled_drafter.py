@@ -12,6 +12,7 @@ from specblock.policies.branching import RankBucketBranching
 from specblock.runtime.drafters.base import DraftRequest
 from specblock.runtime.drafters.lookup import LookupDrafter
 from specblock.runtime.drafters.specblock import SpecBlockDrafter
+from specblock.runtime import tree_attention
 from specblock.runtime.engine import Engine
 from test_specblock import make
 from tiny import hf_greedy
@@ -178,7 +179,8 @@ def test_warm_compiles_each_row_bucket_and_leaves_the_buffers_empty(monkeypatch,
     model, _, net = make(seed=7)
     target = StaticTarget(model, compile=True, buckets=(8,))
     static = compile_drafter(SpecBlockDrafter(net, M=1, policy=RankBucketBranching(WIDTHS)), target)
-    assert static.warm() == [(4, 256), (8, 256)] and static.cached == 0 and static._new is None
+    span = static.capacity if static.one_span else 256
+    assert static.warm() == [(4, span), (8, span)] and static.cached == 0 and static._new is None
     target.want_features = True
     target.warm(8)
     graphs = counters["stats"]["unique_graphs"]
@@ -186,3 +188,31 @@ def test_warm_compiles_each_row_bucket_and_leaves_the_buffers_empty(monkeypatch,
     b, _ = decode(target, static, prompt, n=24, budget=6)
     assert b.token_ids == hf_greedy(model, prompt, 24)
     assert counters["stats"]["unique_graphs"] == graphs and len(static.block.shapes) == 2
+
+
+@pytest.mark.skipif(not tree_attention.load(), reason="the fused attention op needs AVX512F/DQ and a compiler")
+def test_one_span_serves_every_context_once_warmed(monkeypatch, tmp_path):
+    """Where the drafter attends in the fused op, its compiled block attends over the whole buffer:
+    a decode that grows past 256 slots after ``warm`` compiles no drafter graph, with the eager
+    drafter's trees; with power-of-two spans (``one_span = False``) the same decode compiles the
+    next span mid-request (what a bench or a server paid before)."""
+    from torch._dynamo.utils import counters
+
+    from specblock.runtime.target import TargetModel
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model, _, net = make(seed=7)
+    model.config.max_position_embeddings = 512
+    target = TargetModel(model)
+    prompt = np.random.default_rng(1).integers(2, 16, 240)
+    _, trees_a = decode(target, SpecBlockDrafter(net, M=1, policy=RankBucketBranching(WIDTHS)), prompt, n=30, budget=6)
+    for one_span in (True, False):
+        static = compile_drafter(SpecBlockDrafter(net, M=1, policy=RankBucketBranching(WIDTHS)), target)
+        assert static.one_span  # fp32 on the CPU with the op: the default
+        static.one_span, static.row_buckets = one_span, (ROWS,)  # one row bucket: fewer graphs to compile
+        static.warm()
+        graphs = counters["stats"]["unique_graphs"]
+        b, trees_b = decode(target, static, prompt, n=30, budget=6)
+        assert b.token_ids == hf_greedy(model, prompt, 30)
+        assert [t[0].tolist() for t in trees_a] == [t[0].tolist() for t in trees_b]
+        assert (counters["stats"]["unique_graphs"] == graphs) is one_span

@@ -11,8 +11,10 @@ work. Here every shape is fixed, as for the target (``compiled/target.py``):
 - the new context positions (the last step's accepted path plus the bonus token: the target's
   taps there and the tokens after them) are padded to 4 or ``ROWS`` (``ROW_BUCKETS``); padded rows write to scratch
   slots past the attention span and nobody reads them;
-- attention runs over a power-of-two span of the buffer, stale slots hidden by position
-  (a row sees the slots up to its own position);
+- attention runs over a span of the buffer, stale slots hidden by position (a row sees the slots
+  up to its own position): the whole buffer where the fused op runs (``one_span``, as the compiled
+  target's: the op stops at a row's last visible slot, so one graph a row bucket serves every
+  context and a conversation never waits for a compile as it grows), else a power of two;
 - an fp32 drafter on the CPU attends in the target's fused op (``runtime/tree_attention.py``, an
   additive mask made once a step), not SDPA;
 - one graph holds the fusion of the taps (moved here from ``accept``), both layers, the shift,
@@ -96,6 +98,8 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
         self.fused_attention = (self.device.type == "cpu" and self.dtype == torch.float32 and USE_FUSED
                                 and tree_attention.load())
         self.row_buckets = ROW_BUCKETS  # (ROWS,) pads every step to 8 rows, as before (experiments/drafter_rows.py)
+        # compiled steps attend over the whole buffer (False: power-of-two spans, experiments/drafter_rows.py --ab span)
+        self.one_span = self.fused_attention
         # keys (rows, span)
         self.block = CompiledStep(self._step, self.net, self.device, {"rows": ROWS}) if compile else None
 
@@ -155,7 +159,7 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
             taps = torch.cat([taps, taps.new_zeros(rows - n, taps.shape[1])])
             toks = torch.cat([toks, toks.new_zeros(rows - n)])
         compiled = self.compiled and padded
-        span = span_of(past + taps.shape[0] + self.net.cfg.K, self.capacity)
+        span = self._span(past + taps.shape[0] + self.net.cfg.K, compiled)
         args = (taps, toks, torch.tensor(n, device=self.device), torch.tensor(past, device=self.device), span)
         hq, packed = self._run_block(rows, span, *args) if compiled else self._step(*args)
         self._packed = packed
@@ -164,14 +168,19 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
         self._new = self.pending = None
         return hq, past + n - 1
 
+    def _span(self, need: int, compiled: bool) -> int:
+        """The slots a step attends over: the whole buffer for a compiled step with ``one_span``; an
+        eager step (the first block after a prompt) keeps the power of two, its mask is per row."""
+        return self.capacity if compiled and self.one_span else span_of(need, self.capacity)
+
     @torch.no_grad()
     def warm(self) -> list[tuple]:
-        """Compile (or load) the block of every row bucket at the first span, now rather than in a
-        request (``Session.warm_compiled``, before a server listens); leaves the buffers empty.
-        Returns the shapes warmed."""
+        """Compile (or load) the block of every row bucket at the first span (with ``one_span`` the
+        only one), now rather than in a request (``Session.warm_compiled``, before a server
+        listens); leaves the buffers empty. Returns the shapes warmed."""
         if not self.compiled:
             return []
-        span = span_of(1, self.capacity)  # the first span
+        span = self._span(1, True)  # the first span
         width = len(self.net.cfg.tap_layers) * self.net.cfg.hidden_size  # the taps, concatenated
         for rows in self.row_buckets:
             self._run_block(rows, span, torch.zeros(rows, width, device=self.device, dtype=self.dtype),
