@@ -92,11 +92,11 @@ def test_fused_kernel_equals_its_parts_and_follows_them(built):
     x = torch.randn(3, 32)
     want = torch.cat([p(x) for p in parts], dim=-1)
     single, fused = (int(v) for v in built.size())
-    got = built.packed_linear_cat(x, keys, 32)
+    got = native.packed_linear_cat(x, keys, 32)
     assert torch.equal(got, want)
     assert int(built.size()[1]) == fused + 1
     one = torch.cat([p(x[:1]) for p in parts], dim=-1)  # fbgemm rounds by row count: compare like with like
-    assert torch.equal(built.packed_linear_cat(x[:1], keys, 32), one)  # built once, reused
+    assert torch.equal(native.packed_linear_cat(x[:1], keys, 32), one)  # built once, reused
     assert int(built.size()[1]) == fused + 1
     del parts[1]
     gc.collect()

@@ -39,12 +39,13 @@ class Fused:
 def _fusible() -> dict:
     """Each keyed linear op ``(x, key, out_features)`` this process has built, and its fused form."""
     ops = {}
-    try:  # packed-fp16's: the keys as an int[]
+    try:  # packed-fp16's and q4's: up to CAT_KEYS keys as plain ints, -1 for none
         lib = torch.ops.specblock_native
-        ops[lib.packed_linear.default] = Fused(lib.packed_linear_cat.default, lambda x, keys, n: (x, keys, n))
+        ops[lib.packed_linear.default] = Fused(lib.packed_linear_cat.default,
+                                               lambda x, keys, n: (x, *q4_kernel.cat_keys(keys), n), q4_kernel.CAT_KEYS)
     except (AttributeError, RuntimeError):  # not built in this process
         pass
-    try:  # q4's: up to CAT_KEYS keys as plain ints, -1 for none
+    try:
         lib = torch.ops.specblock_q4
         ops[lib.linear_key.default] = Fused(lib.linear_key_cat.default,
                                             lambda x, keys, n: (x, *q4_kernel.cat_keys(keys), n), q4_kernel.CAT_KEYS)

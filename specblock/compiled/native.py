@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from specblock.runtime import cext, packed
+from specblock.runtime import cext, packed, q4_kernel
 
 SOURCE = r"""
 #include <torch/library.h>
@@ -86,9 +86,15 @@ Packed fuse(const std::vector<int64_t>& keys) {
   return fused.emplace(keys, std::move(w)).first->second;
 }
 
-// Linears that read the same input (q/k/v, gate/up) as one GEMM: one call, one pass over x.
-at::Tensor packed_linear_cat(const at::Tensor& x, at::IntArrayRef keys, int64_t out_features) {
-  return fuse(keys.vec())->apply_dynamic(x);
+// Linears that read the same input (q/k/v, gate/up) as one GEMM: one call, one pass over x. The keys
+// are plain ints (-1: none), as q4's linear_key_cat: with an int[] inductor's C++ wrapper calls the
+// op boxed, building a list of IValues per call, and that code took g++ longer to compile.
+at::Tensor packed_linear_cat(const at::Tensor& x, int64_t k0, int64_t k1, int64_t k2, int64_t k3, int64_t out_features) {
+  std::vector<int64_t> keys;
+  for (int64_t k : {k0, k1, k2, k3}) {
+    if (k >= 0) keys.push_back(k);
+  }
+  return fuse(keys)->apply_dynamic(x);
 }
 
 // put(int key, Any packed): the ScriptObject fbgemm's prepack returned, kept under ``key``.
@@ -119,7 +125,7 @@ std::tuple<int64_t, int64_t> size() {
 TORCH_LIBRARY(specblock_native, m) {
   m.def("packed_linear(Tensor x, int key, int out_features) -> Tensor");
   m.def("put(int key, Any packed) -> ()", torch::CppFunction::makeFromBoxedFunction<&put>());
-  m.def("packed_linear_cat(Tensor x, int[] keys, int out_features) -> Tensor");
+  m.def("packed_linear_cat(Tensor x, int key0, int key1, int key2, int key3, int out_features) -> Tensor");
   m.def("drop(int key) -> ()", drop);
   m.def("size() -> (int, int)", size);
 }
@@ -146,11 +152,21 @@ def start_building() -> None:
 def _build() -> None:
     cext.build(LIBRARY, SOURCE, CFLAGS)
     torch.library.register_fake("specblock_native::packed_linear", _fake)
-    torch.library.register_fake("specblock_native::packed_linear_cat", _fake)
+    torch.library.register_fake("specblock_native::packed_linear_cat", _fake_cat)
 
 
-def _fake(x: torch.Tensor, key: int | list[int], out_features: int) -> torch.Tensor:
+def _fake(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _fake_cat(x: torch.Tensor, k0: int, k1: int, k2: int, k3: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def packed_linear_cat(x: torch.Tensor, keys: list[int], out_features: int) -> torch.Tensor:
+    """Up to ``q4_kernel.CAT_KEYS`` packed linears that read ``x`` as one GEMM, their outputs side by
+    side (what ``compiled/fuse.py`` puts in a compiled graph for q/k/v and gate/up)."""
+    return torch.ops.specblock_native.packed_linear_cat(x, *q4_kernel.cat_keys(keys), out_features)
 
 
 def _mirror(key: int, weight: object | None) -> None:

@@ -240,7 +240,7 @@ CAT_KEYS = 4
 def cat_keys(keys: list[int]) -> tuple[int, ...]:
     """``keys`` as ``linear_key_cat`` takes them: ``CAT_KEYS`` plain ints, -1 for none."""
     if not 0 < len(keys) <= CAT_KEYS:
-        raise ValueError(f"linear_key_cat takes 1 to {CAT_KEYS} keys, not {len(keys)}")
+        raise ValueError(f"a fused linear call takes 1 to {CAT_KEYS} keys, not {len(keys)}")
     return (*keys, *[-1] * (CAT_KEYS - len(keys)))
 
 
