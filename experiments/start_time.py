@@ -46,6 +46,10 @@ UNDO = {
                  "d.warm_sizes = lambda opts: opts.pop('warm_sizes', None) and None",
     "tmpheaders": "import specblock.gcstart as g; g.begin(); import specblock.compiled.precompile as p; "
                   "p.keep_headers = lambda f: None",
+    "normlast": "import specblock.gcstart as g; g.begin(); import specblock.compiled as c, specblock.runtime.exact_parts "
+                "as e; p, s = c.prebuild, e.start_building\n"
+                "def prebuild(d, v):\n e.start_building = lambda: None\n try: p(d, v)\n finally: e.start_building = s\n"
+                "c.prebuild = prebuild",
 }
 UNDONE = {"guards": "each saved graph's guards built twice at load (as before)",
           "gc": "the collector at its default thresholds through the start (as before)",
@@ -54,7 +58,9 @@ UNDONE = {"guards": "each saved graph's guards built twice at load (as before)",
           "rotaryop": "HF's rotary application (before stop 63; the library is built either way, with rotary.cpp in it)",
           "warmsizes": "every tree size the drafter can propose warmed, serving.json's warm_sizes ignored (before stop 64)",
           "tmpheaders": "precompiled headers in /tmp/torchinductor_$USER as before stop 64 (there from earlier runs: "
-                        "not built)"}
+                        "not built)",
+          "normlast": "the norm library's build queued by the load, behind the attention and packed-linear builds "
+                      "(before stop 65)"}
 
 
 def python_m(module: str, undo: str | None) -> list[str]:

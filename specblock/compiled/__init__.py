@@ -13,14 +13,18 @@ def prebuild(dtype: str, device: str) -> None:
     """Begin building the C++ libraries a compiled CPU target calls (the fused tree attention where
     the CPU runs it; the packed-linear kernel at packed-fp16) in the background, before the model
     loads: the CLI and the server call this first under ``--compile``. On a first start the two
-    builds ran one after the other after the load, on the critical path (docs/compiled.md, stop 56)."""
+    builds ran one after the other after the load, on the critical path (docs/compiled.md, stop 56).
+    The norm library the load itself waits for (``exact_parts``) is queued first: behind the other
+    two on the two build threads it finished last, and the load waited for it (stop 65's timeline)."""
     from specblock.compiled import native
-    from specblock.runtime import packed, tree_attention
+    from specblock.runtime import exact_parts, packed, tree_attention
     from specblock.runtime.target import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     if dev.type != "cpu":
         return
+    if exact_parts.wanted_for(resolve_dtype(dtype, dev)):
+        exact_parts.start_building()  # what the load's end waits for; target.load asks again, no second build
     tree_attention.start_building()
     if resolve_dtype(dtype, dev) == packed.PACKED_FP16:
         native.start_building()

@@ -70,6 +70,15 @@ def runs_here() -> bool:
     return {"avx512f", "fma"} <= cext.cpu_flags()
 
 
+def wanted_for(dtype: str) -> bool:
+    """Whether a target loaded at ``dtype`` (resolved) takes the parts: q4 always, packed-fp16 where
+    ``wanted``; other dtypes keep HF's modules."""
+    from specblock.runtime.packed import PACKED_FP16
+    from specblock.runtime.q4 import Q4
+
+    return dtype == Q4 or (dtype == PACKED_FP16 and wanted())
+
+
 def start_building() -> None:
     """``load``'s build begun in the background where it would run, so that it overlaps the
     model's load (``target.load_causal_lm``): 8 s cold on this machine, on the critical path otherwise."""

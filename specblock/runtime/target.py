@@ -276,7 +276,7 @@ def load_causal_lm(
         raise SpecBlockError(f"--dtype {dtype} is a CPU format; on {resolve_device(device).type} use bfloat16")
     if attn not in ("sdpa", "eager"):
         raise SpecBlockError(f"attention {attn!r} cannot run tree masks; use sdpa or eager")
-    parts = dtype == Q4 or (dtype == PACKED_FP16 and exact_parts.wanted())
+    parts = exact_parts.wanted_for(dtype)
     if parts:  # the norm op builds beside the load (exact_parts.py)
         exact_parts.start_building()
     try:
