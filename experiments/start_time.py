@@ -44,8 +44,6 @@ UNDO = {
     "rotaryop": "import os, specblock.gcstart as g; g.begin(); os.environ['SPECBLOCK_ROTARY_OP'] = 'off'",
     "warmsizes": "import specblock.gcstart as g; g.begin(); import specblock.runtime.drafters as d; "
                  "d.warm_sizes = lambda opts: opts.pop('warm_sizes', None) and None",
-    "vecisa": "import specblock.gcstart as g; g.begin(); import specblock.compiled.toolchain as t; "
-              "t.start_vec_isa_check = lambda d: None",
     "tmpheaders": "import specblock.gcstart as g; g.begin(); import specblock.compiled.precompile as p; "
                   "p.keep_headers = lambda f: None",
     "normlast": "import specblock.gcstart as g; g.begin(); import specblock.compiled as c, specblock.runtime.exact_parts "
@@ -59,7 +57,6 @@ UNDONE = {"guards": "each saved graph's guards built twice at load (as before)",
           "hfparts": "HF's RMSNorm and rotary on the packed-fp16 target (before stop 62; no norm library to build)",
           "rotaryop": "HF's rotary application (before stop 63; the library is built either way, with rotary.cpp in it)",
           "warmsizes": "every tree size the drafter can propose warmed, serving.json's warm_sizes ignored (before stop 64)",
-          "vecisa": "inductor's vector-ISA check after the model's load, one set at a time (as before)",
           "tmpheaders": "precompiled headers in /tmp/torchinductor_$USER as before stop 64 (there from earlier runs: "
                         "not built)",
           "normlast": "the norm library's build queued by the load, behind the attention and packed-linear builds "

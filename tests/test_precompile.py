@@ -277,49 +277,6 @@ def test_the_vector_isa_check_is_recorded_once_per_machine(tmp_path):
     assert config.cpp.vec_isa_ok is before  # restored, and readable
 
 
-def test_a_first_start_checks_vector_isas_beside_the_load_and_once(tmp_path, monkeypatch):
-    """With no record, ``prebuild`` begins the check in a background thread (a first start ran it
-    after the model's load: 9-10 s on the critical path); ``remember_vec_isa`` then waits for that
-    answer and records it instead of checking again. With a record, or a user's setting, nothing
-    begins."""
-    import functools
-    import json
-    import platform
-    import threading
-
-    from torch._inductor import config, cpu_vec_isa
-
-    from specblock.compiled import toolchain
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the check is begun on x86 only")
-    calls: list[str] = []
-    gate = threading.Event()
-
-    @functools.cache
-    def checking() -> list[str]:
-        calls.append(threading.current_thread().name)
-        gate.wait(5)  # still running when remember_vec_isa asks: it must wait, not check again
-        return ["avx512", "avx2"]
-
-    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", checking)
-    monkeypatch.setattr(toolchain, "_CHECK", None)
-    with config.patch({"cpp.vec_isa_ok": None}):
-        toolchain.start_vec_isa_check(tmp_path)
-        assert toolchain._CHECK is not None
-        threading.Timer(0.3, gate.set).start()
-        toolchain.remember_vec_isa(tmp_path)
-        assert json.loads((tmp_path / "vec_isa.json").read_text())["valid"] == ["avx512", "avx2"]
-        assert len(calls) == 1 and calls[0].startswith("specblock-vec-isa")
-        monkeypatch.setattr(toolchain, "_CHECK", None)
-        toolchain.start_vec_isa_check(tmp_path)  # on record now: a later start begins nothing
-        assert toolchain._CHECK is None
-        (tmp_path / "vec_isa.json").unlink()
-        config.cpp.vec_isa_ok = True
-        toolchain.start_vec_isa_check(tmp_path)  # the user's setting: inductor does not check
-        assert toolchain._CHECK is None and len(calls) == 1
-
-
 def test_precompiled_headers_are_built_under_the_home(tmp_path, monkeypatch):
     """Inductor keeps the headers its C++ wrapper precompiles in /tmp, outside any cache folder: a
     first start on an empty home reused an earlier run's and measured less than a fresh machine. A

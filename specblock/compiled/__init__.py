@@ -16,7 +16,7 @@ def prebuild(dtype: str, device: str) -> None:
     builds ran one after the other after the load, on the critical path (docs/compiled.md, stop 56).
     The norm library the load itself waits for (``exact_parts``) is queued first: behind the other
     two on the two build threads it finished last, and the load waited for it (stop 65's timeline)."""
-    from specblock.compiled import native, precompile, toolchain
+    from specblock.compiled import native
     from specblock.runtime import exact_parts, packed, tree_attention
     from specblock.runtime.target import resolve_device, resolve_dtype
 
@@ -26,7 +26,6 @@ def prebuild(dtype: str, device: str) -> None:
     if exact_parts.wanted_for(resolve_dtype(dtype, dev)):
         exact_parts.start_building()  # what the load's end waits for; target.load asks again, no second build
     tree_attention.start_building()
-    toolchain.start_vec_isa_check(precompile.cache_folder())  # stop 65's try: its sets side by side
     if resolve_dtype(dtype, dev) == packed.PACKED_FP16:
         native.start_building()
 

@@ -178,19 +178,12 @@ def save() -> None:
 
 def use_disk_cache() -> Path:
     """Inductor's compiled graphs (FX graph and AOT-autograd caches, on by default) go under
-    ``$SPECBLOCK_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` says otherwise (``cache_folder``).
-    Also spares later processes inductor's vector-ISA check (``compiled/toolchain.py``)."""
-    path = cache_folder()
-    remember_vec_isa(path)
-    return path
-
-
-def cache_folder() -> Path:
-    """Inductor's cache folder, set: ``$SPECBLOCK_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR``
-    names another. Why: the default ``/tmp/torchinductor_$USER`` does not survive a reboot, and a
-    warm start skips the C++ builds. Importing inductor writes that default into the environment
-    itself, so a value equal to it counts as unset (until this was checked, every artefact went to
-    /tmp). Precompiled headers go under the home either way (``toolchain.keep_headers``)."""
+    ``$SPECBLOCK_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: the default
+    ``/tmp/torchinductor_$USER`` does not survive a reboot, and a warm start skips the C++ builds.
+    Importing inductor writes that default into the environment itself, so a value equal to it
+    counts as unset (until this was checked, every artefact went to /tmp). Also spares later
+    processes inductor's vector-ISA check, and keeps its precompiled headers under the home either
+    way (``compiled/toolchain.py``)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -199,6 +192,7 @@ def cache_folder() -> Path:
     path = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     path.mkdir(parents=True, exist_ok=True)
     keep_headers(specblock_home() / "inductor" / "precompiled_headers")
+    remember_vec_isa(path)
     return path
 
 

@@ -1,22 +1,20 @@
-"""What inductor's C++ toolchain does once per machine, kept with the rest of the cache and off a
-first start's critical path: the check of the CPU's vector instruction sets, and precompiled headers.
+"""What inductor's C++ toolchain does once per machine, kept with the rest of the cache: the check
+of the CPU's vector instruction sets, and precompiled headers.
 
 Why a module: both are machine-wide facts that inductor keeps outside its cache folder (the check
-in each process's memory, the headers under ``/tmp/torchinductor_$USER``), so a fresh home was
-not a fresh machine, and a first start ran the check (9-10 s here, one g++ build and one child
-Python per set) on the critical path after the model's load (docs/compiled.md, stop 64).
+in each process's memory, the headers under ``/tmp/torchinductor_$USER``), so a fresh home was not
+a fresh machine (docs/compiled.md, stop 64). Tried and not kept: the check (9-10 s of g++ builds
+on a first start) begun beside the model's load; on 2 cores that load and two C++ builds already
+fill, the first start did not move (``first_start_ab_vecisa_s64.md``, measured at ce79e76).
 """
 
 from __future__ import annotations
 
 import json
 import platform
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-
-_CHECK: Future | None = None  # the vector-ISA check begun in the background (``start_vec_isa_check``)
 
 
 def keep_headers(folder: Path) -> None:
@@ -48,30 +46,6 @@ def _checks_here() -> bool:
     return config.cpp.vec_isa_ok is None and platform.machine() in ("x86_64", "AMD64")
 
 
-def start_vec_isa_check(cache_dir: Path) -> None:
-    """Begin inductor's vector-ISA check in a background thread where this process will run it
-    (no record in ``cache_dir`` yet: a first start), so it overlaps the model's load instead of
-    following it; ``remember_vec_isa`` waits for it. Its builds and probes are child processes."""
-    global _CHECK
-    if _CHECK is not None or not _checks_here() or _recorded(cache_dir) is not None:
-        return
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specblock-vec-isa")
-    _CHECK = pool.submit(_check_sets)
-    pool.shutdown(wait=False)
-
-
-def _check_sets() -> list:
-    """Inductor's check, its sets side by side: each set's build and probe is inductor's own,
-    cached on the set, so ``valid_vec_isa_list`` then only reads the answers."""
-    from torch._inductor import cpu_vec_isa
-
-    flags = cpu_vec_isa.x86_isa_checker()
-    sets = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
-    with ThreadPoolExecutor(max_workers=max(1, len(sets)), thread_name_prefix="specblock-vec-isa-set") as pool:
-        list(pool.map(bool, sets))  # VecISA.__bool__: the build and the probe, answer cached per set
-    return cpu_vec_isa.valid_vec_isa_list()
-
-
 def remember_vec_isa(cache_dir: Path) -> None:
     """Skip inductor's per-process check of the CPU's vector instruction sets when this machine's
     answer is on record. Why: before it loads or compiles a first graph, inductor builds a test
@@ -80,8 +54,7 @@ def remember_vec_isa(cache_dir: Path) -> None:
     does not change on one machine and torch build, so the first process records the sets that
     passed (``vec_isa.json`` beside the graphs); a later one takes every set the CPU reports as
     passing (``cpp.vec_isa_ok``) only if that gives the recorded list, and checks as before if not
-    (another CPU behind the same cache folder, a set that failed to build). A check begun by
-    ``start_vec_isa_check`` is waited for, not run twice."""
+    (another CPU behind the same cache folder, a set that failed to build)."""
     from torch._inductor import config, cpu_vec_isa
 
     if not _checks_here():
@@ -95,11 +68,6 @@ def remember_vec_isa(cache_dir: Path) -> None:
             return
         config.cpp.vec_isa_ok = None
         cpu_vec_isa.valid_vec_isa_list.cache_clear()
-    elif _CHECK is not None:
-        try:
-            _CHECK.result()  # its answer is in valid_vec_isa_list's cache now
-        except Exception:  # noqa: BLE001 - the check below runs again and says what failed
-            cpu_vec_isa.valid_vec_isa_list.cache_clear()
     from specblock.atomic import write_atomic
 
     try:
