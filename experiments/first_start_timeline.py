@@ -11,8 +11,8 @@ vector-ISA check moves); ``--undo NAME`` runs a side with one of ``start_time.py
 switches (in-process Python), interleaved with the other side.
 
     python experiments/first_start_timeline.py --runs 1 --out experiments/results/first_start_timeline_s65
-    python experiments/first_start_timeline.py --until open --undo vecisa --runs 2 \\
-        --out experiments/results/first_start_timeline_open_vecisa_s65
+    python experiments/first_start_timeline.py --until open --undo normlast --runs 2 \\
+        --out experiments/results/first_start_timeline_open_normlast_s65
 """
 
 from __future__ import annotations
