@@ -10,8 +10,10 @@ library then builds too, as ``drafters.wants_int8`` chose not to).
     python experiments/first_start_ab.py --ab int8 --pairs 2 --out experiments/results/first_start_ab_int8
 
 ``--baseline-rev REV`` instead of ``--ab``: the variant is the whole project as it stood at git
-revision ``REV`` (a temporary worktree first on the server's ``PYTHONPATH``), for a change no
-switch can undo, such as a C++ op's signature.
+revision ``REV`` (a temporary worktree, the server's working folder: ``python -m`` puts that first
+on ``sys.path``, so it imports that ``specblock``; helper processes inherit it), for a change no
+switch can undo, such as a C++ op's signature. (Its first version set ``PYTHONPATH`` only, which
+``-m`` puts behind the working folder: both sides ran this checkout.)
 """
 
 from __future__ import annotations
@@ -38,12 +40,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def first_start(model_dir: Path, name: str, undo: str | None, code: Path | None = None) -> float:
     """One first start on an empty home; ``code``: a checkout whose ``specblock`` the server runs."""
     home = Path(tempfile.mkdtemp(prefix="first_start_"))
-    env = {"SPECBLOCK_HOME": str(home)} | ({"PYTHONPATH": str(code)} if code else {})
     try:
         (home / "models").mkdir()
         (home / "models" / name).symlink_to(model_dir)
-        with mock.patch.dict(os.environ, env):  # the server's process inherits it
-            return serve_start([], undo)
+        with mock.patch.dict(os.environ, SPECBLOCK_HOME=str(home)):  # the server's process inherits it
+            return serve_start([], undo, cwd=code)
     finally:
         shutil.rmtree(home, ignore_errors=True)
 

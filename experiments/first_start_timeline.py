@@ -8,7 +8,8 @@ Each run does in-process what ``python -m specblock.serve --compile`` does befor
 uvicorn), on an empty ``SPECBLOCK_HOME`` linking only the converted model, as ``first_start_ab.py``.
 ``--until open`` stops once the session is open (before any graph compiles: the phases the
 vector-ISA check moves); ``--undo NAME`` runs a side with one of ``start_time.py``'s ``UNDO``
-switches (in-process Python), interleaved with the other side.
+switches (in-process Python), interleaved with the other side; ``--baseline-rev REV`` instead runs
+that side from a temporary worktree of the project at git revision ``REV`` (its working folder).
 
     python experiments/first_start_timeline.py --runs 1 --out experiments/results/first_start_timeline_s65
     python experiments/first_start_timeline.py --until open --undo normlast --runs 2 \\
@@ -18,6 +19,7 @@ switches (in-process Python), interleaved with the other side.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -29,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from first_start_ab import worktree  # noqa: E402
 from start_time import UNDO  # noqa: E402
 
 #: The child: wraps the functions a first start passes through, logs (seconds, event) as JSON lines.
@@ -105,12 +108,14 @@ print("EVENTS " + json.dumps(events))
 """
 
 
-def run(model_dir: Path, name: str, undo: str | None, until: str) -> list[tuple[float, str]]:
+def run(model_dir: Path, name: str, undo: str | None, until: str, code: Path | None = None) -> list[tuple[float, str]]:
+    """One first start's events; ``code``: a checkout whose ``specblock`` the child imports (its
+    working folder: ``-c`` puts that first on ``sys.path``)."""
     home = Path(tempfile.mkdtemp(prefix="first_start_tl_"))
     try:
         (home / "models").mkdir()
         (home / "models" / name).symlink_to(model_dir)
-        out = subprocess.run([sys.executable, "-c", CHILD, UNDO[undo] if undo else "", until],
+        out = subprocess.run([sys.executable, "-c", CHILD, UNDO[undo] if undo else "", until], cwd=code,
                              env=dict(os.environ, SPECBLOCK_HOME=str(home)), capture_output=True, text=True, check=True)
         line = next(ln for ln in out.stdout.splitlines() if ln.startswith("EVENTS "))
         return [tuple(e) for e in json.loads(line[len("EVENTS "):])]
@@ -139,27 +144,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=1, help="per side")
     ap.add_argument("--until", choices=("open", "warmed"), default="warmed")
-    ap.add_argument("--undo", choices=sorted(UNDO), default=None, help="a second side, interleaved")
+    second = ap.add_mutually_exclusive_group()
+    second.add_argument("--undo", choices=sorted(UNDO), default=None, help="a second side, interleaved")
+    second.add_argument("--baseline-rev", default=None, help="a second side: the project at this git revision")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/first_start_timeline"))
     args = ap.parse_args()
     from specblock.models import DEFAULT_TARGET_NAME, resolve_target
 
     model = Path(resolve_target(DEFAULT_TARGET_NAME)).resolve()
-    sides = ["now"] + ([args.undo] if args.undo else [])
+    other = args.undo or (f"at {args.baseline_rev}" if args.baseline_rev else None)
+    sides = ["now"] + ([other] if other else [])
     timelines: dict[str, list] = {s: [] for s in sides}
-    for i in range(args.runs):
-        for side in (sides if i % 2 == 0 else sides[::-1]):
-            timelines[side].append(run(model, DEFAULT_TARGET_NAME, None if side == "now" else side, args.until))
-            end = next(t for t, w in reversed(timelines[side][-1]) if not w.startswith("cpu "))
-            print(side, i, end, flush=True)
+    with worktree(args.baseline_rev) if args.baseline_rev else contextlib.nullcontext() as code:
+        for i in range(args.runs):
+            for side in (sides if i % 2 == 0 else sides[::-1]):
+                now = side == "now"
+                timelines[side].append(run(model, DEFAULT_TARGET_NAME, None if now else args.undo, args.until,
+                                           None if now else code))
+                end = next(t for t, w in reversed(timelines[side][-1]) if not w.startswith("cpu "))
+                print(side, i, end, flush=True)
+    flag = [f"--undo {args.undo}"] if args.undo else [f"--baseline-rev {args.baseline_rev}"] if args.baseline_rev else []
     cmd = " ".join(["python experiments/first_start_timeline.py", f"--runs {args.runs}", f"--until {args.until}",
-                    *([f"--undo {args.undo}"] if args.undo else []), f"--out {args.out}"])
+                    *flag, f"--out {args.out}"])
     md = [f"First starts of the default compiled server as timelines (`{cmd}`), each on an empty home linking only "
           f"the converted model, sides interleaved; seconds from the child's start (imports included).", ""]
     for side, runs in timelines.items():
         last = "session open" if args.until == "open" else "warmed"
         ends = [next(t for t, w in tl if w == last) for tl in runs]
-        label = "now" if side == "now" else f"undone: {side}"
+        label = "now" if side == "now" else side if args.baseline_rev else f"undone: {side}"
         md.append(f"## {label}: '{last}' at {', '.join(f'{e:.1f}' for e in ends)} s (median {statistics.median(ends):.1f})")
         md.append("")
         for j, tl in enumerate(runs):

@@ -77,10 +77,12 @@ def cli_start(extra: list[str], undo: str | None = None) -> float:
     return time.perf_counter() - t0
 
 
-def serve_start(extra: list[str], undo: str | None = None) -> float:
+def serve_start(extra: list[str], undo: str | None = None, cwd: Path | None = None) -> float:
+    """Seconds until the server listens; ``cwd``: a checkout whose ``specblock`` it runs (``-m`` and
+    ``-c`` put the working folder first on ``sys.path``, ahead of ``PYTHONPATH``)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([*python_m("specblock.serve", undo), "--compile", "--port", "0", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=cwd)
     try:
         for line in proc.stdout:
             if "listening on" in line:
