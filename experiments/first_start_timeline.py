@@ -92,7 +92,7 @@ def load(cls, *a, **k):
     finally:
         log("end load")
 TargetModel.load = classmethod(load)
-if hasattr(toolchain, "_check_sets"):
+if hasattr(toolchain, "_check_sets"):  # only at 96a499e (stop 65's try, reverted): --baseline-rev 96a499e
     wrap(toolchain, "_check_sets", "vector-ISA check (background)")
 wrap(precompile, "remember_vec_isa", "remember_vec_isa")
 wrap(drafters, "build", "drafter")

@@ -36,21 +36,22 @@ class Fused:
     most: int | None = None
 
 
+def _plain_keys(x, keys: list[int], n: int) -> tuple:
+    """Both fused ops' arguments: up to ``CAT_KEYS`` keys as plain ints, -1 for none (an ``int[]``
+    made inductor's C++ wrapper call the op boxed, and compile slower: docs/compiled.md)."""
+    return (x, *q4_kernel.cat_keys(keys), n)
+
+
 def _fusible() -> dict:
     """Each keyed linear op ``(x, key, out_features)`` this process has built, and its fused form."""
     ops = {}
-    try:  # packed-fp16's and q4's: up to CAT_KEYS keys as plain ints, -1 for none
-        lib = torch.ops.specblock_native
-        ops[lib.packed_linear.default] = Fused(lib.packed_linear_cat.default,
-                                               lambda x, keys, n: (x, *q4_kernel.cat_keys(keys), n), q4_kernel.CAT_KEYS)
-    except (AttributeError, RuntimeError):  # not built in this process
-        pass
-    try:
-        lib = torch.ops.specblock_q4
-        ops[lib.linear_key.default] = Fused(lib.linear_key_cat.default,
-                                            lambda x, keys, n: (x, *q4_kernel.cat_keys(keys), n), q4_kernel.CAT_KEYS)
-    except (AttributeError, RuntimeError):
-        pass
+    for lib_name, single, fused in (("specblock_native", "packed_linear", "packed_linear_cat"),  # packed-fp16's
+                                    ("specblock_q4", "linear_key", "linear_key_cat")):  # q4's
+        try:
+            lib = getattr(torch.ops, lib_name)
+            ops[getattr(lib, single).default] = Fused(getattr(lib, fused).default, _plain_keys, q4_kernel.CAT_KEYS)
+        except (AttributeError, RuntimeError):  # not built in this process
+            pass
     return ops
 
 

@@ -5,7 +5,9 @@ Why a module: both are machine-wide facts that inductor keeps outside its cache 
 in each process's memory, the headers under ``/tmp/torchinductor_$USER``), so a fresh home was not
 a fresh machine (docs/compiled.md, stop 64). Tried and not kept: the check (9-10 s of g++ builds
 on a first start) begun beside the model's load; on 2 cores that load and two C++ builds already
-fill, the first start did not move (``first_start_ab_vecisa_s64.md``, measured at ce79e76).
+fill, the first start did not move (``first_start_ab_vecisa_s64.md``, measured at ce79e76); nor,
+tried again with the sets checked side by side, did the session open sooner
+(``first_start_timeline_open_vecisa_s65.md``, measured at 96a499e).
 """
 
 from __future__ import annotations
