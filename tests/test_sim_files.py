@@ -99,12 +99,40 @@ def test_trace_out_checked_first_and_kept_when_the_run_fails(tmp_path, capsys):
     assert all("tree_size" in json.loads(x) for x in t.read_text().splitlines())
 
 
-def test_ctrl_c_during_a_sweep_is_one_line_and_keeps_finished_configs(tmp_path):
+# CPython 3.11's ProcessPoolExecutor: at exit `_python_exit` checks the manager thread's wakeup pipe is
+# open, then writes to it; the manager thread closes that pipe once it finds its workers dead. A CI run
+# once caught the two at the same moment (an OSError traceback under the one-line message). This
+# sitecustomize widens both ends of that window, so the test sees the race whenever the manager thread
+# is still running at exit: it failed 6 runs in 6 before `sweep._stop` joined that thread, and passed 8 in 8 after.
+WIDEN_EXIT_RACE = """
+import time, concurrent.futures.process as p
+_close = p._ThreadWakeup.close
+def close(self):
+    time.sleep(0.2)
+    _close(self)
+def wakeup(self):
+    if not self._closed:
+        if p._global_shutdown:  # the exit hook's call
+            time.sleep(0.4)
+        self._writer.send_bytes(b"")
+p._ThreadWakeup.close, p._ThreadWakeup.wakeup = close, wakeup
+"""
+
+
+@pytest.mark.parametrize("widen", [False, True], ids=["plain", "exit-race-widened"])
+def test_ctrl_c_during_a_sweep_is_one_line_and_keeps_finished_configs(tmp_path, widen):
     # ~2 s per configuration: 11 still running when the first lands, so a starved test process on a
     # busy CI machine cannot see the sweep end between its check and the signal (CI saw that at 6 requests)
     g = _grid(tmp_path, ks=(2, 3, 4, 5, 6, 7), requests=32, tokens=128)
     cache = tmp_path / "out" / "cache"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if widen:
+        import concurrent.futures.process as cfp
+        if not all(hasattr(cfp, a) for a in ("_ThreadWakeup", "_global_shutdown")):
+            pytest.skip("this Python's ProcessPoolExecutor has no _ThreadWakeup to widen")
+        (tmp_path / "site").mkdir()
+        (tmp_path / "site" / "sitecustomize.py").write_text(WIDEN_EXIT_RACE)
+        env["PYTHONPATH"] = f"{tmp_path / 'site'}{os.pathsep}{ROOT}"
     # Ctrl-C's default disposition in the sweep, whatever this test inherited: a shell without job
     # control starts background jobs (CI runners, `make test &`) with SIGINT ignored, their children
     # inherit that, and Python keeps an inherited SIG_IGN; the sweep then finished every configuration

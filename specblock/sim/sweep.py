@@ -151,6 +151,23 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _stop(ex: ProcessPoolExecutor) -> None:
+    """Stop the workers now and wait for the executor's manager thread to see them gone.
+    Why wait: on CPython 3.11 the interpreter's exit hook (`_python_exit`) wakes that thread through
+    a pipe the thread closes when it finds its workers dead; if the thread is still running at exit
+    the two race and the exit prints an `OSError` traceback under the one-line message (seen once in
+    CI; `tests/test_sim_files.py` widens that race, and failed 6 runs in 6 without this join)."""
+    manager = getattr(ex, "_executor_manager_thread", None)  # shutdown() forgets it
+    for proc in list((getattr(ex, "_processes", None) or {}).values()):
+        proc.terminate()
+    ex.shutdown(wait=False, cancel_futures=True)
+    if manager is not None:
+        try:
+            manager.join(timeout=30)
+        except KeyboardInterrupt:  # a second Ctrl-C: leave now, as the first one asked
+            pass
+
+
 def cache_key(cfg: SimConfig) -> str:
     """The config's hash plus a digest of the files it reads (acceptance traces, the latency JSON,
     a user's policy modules). Why: the config names files, not their contents, so re-tracing a
@@ -214,9 +231,7 @@ def sweep(path: str | Path, workers: int | None = None, out: str | None = None, 
             for f in as_completed(futs):
                 done(futs[f], f.result())
         except BaseException:  # Ctrl-C or a failed configuration: what finished stays cached
-            for proc in list((getattr(ex, "_processes", None) or {}).values()):
-                proc.terminate()
-            ex.shutdown(wait=False, cancel_futures=True)
+            _stop(ex)
             raise
         ex.shutdown()
     bar.close()
