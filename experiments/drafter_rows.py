@@ -1,7 +1,9 @@
 """Compiled drafters' static shapes, two variants in one run. ``--ab rows`` (the default): the new
 committed positions of a step padded to 8 rows always (``row_buckets = (8,)``, the first form)
-against 4 or 8 (``(4, 8)``, ``compiled/drafter.py``'s ``ROW_BUCKETS``). ``--ab span`` (SpecBlock):
-attention over power-of-two spans of the buffer against the whole buffer (``one_span``). Two
+against 4 or 8 (``(4, 8)``, ``compiled/drafter.py``'s ``ROW_BUCKETS``). ``--ab span``: attention
+over power-of-two spans of the buffer against the whole buffer (``one_span``). ``--ab attention``:
+SDPA over power-of-two spans (EAGLE-3's compiled steps until stop 66) against the fused op over the
+whole buffer. Two
 engines per method on the one compiled target, the same prompts, calls interleaved with the order
 alternating (each engine's first pass over the prompts compiles the shapes they meet, untimed); the
 median per-iteration drafting ms and tokens/s, and whether the two variants' outputs agree.
@@ -31,9 +33,11 @@ from specblock.runtime.bench_config import method_options
 from specblock.runtime.cli import load_tokenizer
 from specblock.runtime.target import TargetModel
 
-#: per ``--ab``: variant label -> the drafter's attribute and its value
-AB = {"rows": ("row_buckets", {"rows 8": (8,), "rows 4/8": (4, 8)}),
-      "span": ("one_span", {"spans": False, "one span": True})}
+#: per ``--ab``: variant label -> the drafter's attributes and their values
+AB = {"rows": {"rows 8": {"row_buckets": (8,)}, "rows 4/8": {"row_buckets": (4, 8)}},
+      "span": {"spans": {"one_span": False}, "one span": {"one_span": True}},
+      "attention": {"SDPA, spans": {"fused_attention": False, "one_span": False},
+                    "fused op, one span": {"fused_attention": True, "one_span": True}}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ab", choices=sorted(AB), default="rows")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/drafter_rows"))
     args = ap.parse_args(argv)
-    attr, variants = AB[args.ab]
+    variants = AB[args.ab]
     first, second = variants
     torch.set_num_threads(args.threads)
     path = resolve_target(args.target)
@@ -62,9 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         ns = argparse.Namespace(set=sets, method_options=method_options(sets, [m]), drafter_dir=None, compile=False,
                                 budget=None)
         engines = {}
-        for label, value in variants.items():
+        for label, attrs in variants.items():
             eng = build_engine(m, targets, ns, frozenset())
-            setattr(getattr(eng.drafter, "inner", eng.drafter), attr, value)
+            drafter = getattr(eng.drafter, "inner", eng.drafter)
+            for attr, value in attrs.items():
+                if not hasattr(drafter, attr):
+                    raise SystemExit(f"error: {m}'s compiled drafter has no {attr!r}: --ab {args.ab} does not apply to it")
+                setattr(drafter, attr, value)
             for ids in prompts:  # first use compiles every shape these prompts meet
                 eng.generate(ids, args.tokens)
             engines[label] = eng
@@ -91,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "results": results},
                                                         indent=1))
-    what = {"rows": "padded rows", "span": "attention spans"}[args.ab]
+    what = {"rows": "padded rows", "span": "attention spans", "attention": "attention (op and spans)"}[args.ab]
     lines = [f"Compiled drafters' {what}, compiled target, {args.dtype}, {args.threads} threads, {args.prompts} prompts x "
              f"{args.domains}, {args.tokens} new tokens, {args.runs} interleaved runs, medians over calls (`python "
              f"experiments/drafter_rows.py --ab {args.ab} --methods {args.methods} --domains {args.domains} --prompts {args.prompts} "

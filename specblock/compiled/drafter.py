@@ -49,6 +49,11 @@ ROW_BUCKETS: tuple[int, ...] = (4, ROWS)
 USE_FUSED = True
 
 
+def fused_attention_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a static drafter attends in the fused op: an fp32 drafter on the CPU, where it builds."""
+    return device.type == "cpu" and dtype == torch.float32 and USE_FUSED and tree_attention.load()
+
+
 def pad_rows(n: int, buckets: tuple[int, ...] = ROW_BUCKETS) -> int | None:
     """The smallest bucket holding ``n`` new positions; None past the largest (an unpadded step)."""
     return next((b for b in buckets if n <= b), None)
@@ -75,6 +80,14 @@ def _layer(layer: DecoderLayer, x: torch.Tensor, cs, kb: torch.Tensor, vb: torch
     return x + layer.down(F.silu(gate) * up)
 
 
+def attention_mask(visible: torch.Tensor, dtype: torch.dtype, fused: bool) -> torch.Tensor:
+    """``_layer``'s mask from bool ``[n, span]`` (True: visible): as it is for SDPA, or the fused
+    op's additive ``[1, 1, n, span]`` (0 visible, the dtype's min hidden: the op skips those slots)."""
+    if not fused:
+        return visible
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+
+
 def _rope(pos: torch.Tensor, layer: DecoderLayer, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``rope_cos_sin`` without its module-level table: a saved graph's guard on that dict's entry
     failed to load in a fresh process, where the table is still empty (the graph folds the
@@ -95,8 +108,7 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
         super().__init__(drafter.net, drafter.M, drafter.policy, drafter.seed_policy, drafter.max_seeds)
         self.compiled = compile
         # fp32 on CPU: attention in the target's fused op (two SDPA calls were about a tenth of the step)
-        self.fused_attention = (self.device.type == "cpu" and self.dtype == torch.float32 and USE_FUSED
-                                and tree_attention.load())
+        self.fused_attention = fused_attention_applies(self.device, self.dtype)
         self.row_buckets = ROW_BUCKETS  # (ROWS,) pads every step to 8 rows, as before (experiments/drafter_rows.py)
         # compiled steps attend over the whole buffer (False: power-of-two spans, experiments/drafter_rows.py --ab span)
         self.one_span = self.fused_attention
@@ -134,9 +146,8 @@ class StaticSpecBlockDrafter(SpecBlockDrafter):
         pos_q = past + n_new + torch.arange(k, device=g.device)
         pos = torch.cat([past + i, pos_q])
         slots = torch.cat([torch.where(i < n_new, past + i, self.capacity + i), pos_q])
-        mask = torch.arange(span, device=g.device)[None, :] <= pos[:, None]  # [P+K, span]
-        if self.fused_attention:  # the additive form, made once for both layers
-            mask = torch.zeros(mask.shape, dtype=x.dtype, device=g.device).masked_fill(~mask, torch.finfo(x.dtype).min)[None, None]
+        # [P+K, span]; the fused op's additive form is made once for both layers
+        mask = attention_mask(torch.arange(span, device=g.device)[None, :] <= pos[:, None], x.dtype, self.fused_attention)
         cs = _rope(pos[None, None, None], net.layers[0], x.dtype)
         for j, layer in enumerate(net.layers):
             x = _layer(layer, x, cs, self._kb[j], self._vb[j], slots, mask, span)

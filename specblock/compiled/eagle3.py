@@ -1,18 +1,21 @@
-"""EAGLE-3's step on static shapes, compiled per attention span (issue 16, item 2): the compiled
-comparison with SpecBlock made fair, since SpecBlock's block already runs compiled
-(``compiled/drafter.py``).
+"""EAGLE-3's step on static shapes, compiled (issue 16, item 2): the compiled comparison with
+SpecBlock made fair, since SpecBlock's block already runs compiled (``compiled/drafter.py``).
 
 The same scheme as SpecBlock's block (read that module first), for EAGLE-3's two kinds of forward:
 
 - the flush: the new committed positions (taps and next tokens, fused inside the graph) padded to
   4 or ``ROWS`` rows, written at their own slots, plus the LM head and top-k at the last real one: one graph
-  per span, one host copy;
+  per row count (and span), one host copy;
 - each depth: the frontier's rows, padded to a power of two, each reading the committed slots,
   its drafted ancestors' slots and its own (the visibility is built on the host from the tree,
   a few hundred booleans), written after the committed ones; the head and top-k in the same graph.
   Drafted slots are stale once the step is over, and the next flush overwrites them.
 
-Padded rows write to scratch slots past every span and nobody reads them. A flush of more than
+Where the drafter attends in the fused op (fp32 on the CPU) a compiled step's span is the whole
+buffer (``one_span``, as SpecBlock's block and the compiled target): the op skips hidden slots and
+stops at a row's last visible one, so one graph per row count serves every context; elsewhere
+spans are powers of two, each its own graph. Padded rows write to scratch slots past every span
+and nobody reads them. A flush of more than
 ``ROWS`` positions (after a prompt, or a long accepted chain) runs the same function eagerly,
 unpadded. Trees equal the eager drafter's up to float rounding (tests hold them equal at fp32).
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specblock.compiled.drafter import ROW_BUCKETS, ROWS, _layer, _rope, pad_rows
+from specblock.compiled.drafter import ROW_BUCKETS, ROWS, _layer, _rope, attention_mask, fused_attention_applies, pad_rows
 from specblock.compiled.step import CompiledStep
 from specblock.compiled.target import bucket_of, span_of
 from specblock.policies.branching import expand, rerank_limits
@@ -45,6 +48,11 @@ class StaticEagle3Drafter(Eagle3Drafter):
         self.max_rows = bucket_of(self.top_k, WIDTHS)  # a frontier never exceeds top_k (rerank_limits)
         self.capacity = max_context + ROWS + self.depth * self.max_rows  # committed + drafted slots
         self.compiled = compile
+        # fp32 on CPU: attention in the fused op, so compiled steps attend over the whole buffer (one
+        # graph per row count for every context: a request never waits for a compile as it grows);
+        # False keeps power-of-two spans (SDPA's bool mask reads every slot of its span)
+        self.fused_attention = fused_attention_applies(self.device, self.dtype)
+        self.one_span = self.fused_attention
         self.row_buckets = ROW_BUCKETS  # flushes padded to 4 or 8 rows, as SpecBlock's block
         # keys (rows, span) for the flush, (frontier rows, span) for a depth step
         self.flush = CompiledStep(self._flush_step, self.net, self.device, {"rows": ROWS, "fn": "flush"}) if compile else None
@@ -89,7 +97,7 @@ class StaticEagle3Drafter(Eagle3Drafter):
         if not self.compiled:
             return []
         dev, h = self.device, self.net.cfg.hidden_size
-        span = span_of(1, self.capacity)  # the first span
+        span = self._span(1, True)  # the first span (with ``one_span`` the only one)
         taps_width = len(self.net.cfg.tap_layers) * h  # the taps, concatenated
         for rows in self.row_buckets:
             self.flush((rows, span), f"EAGLE-3's flush of {rows} positions over {span} slots",
@@ -103,6 +111,11 @@ class StaticEagle3Drafter(Eagle3Drafter):
                             torch.tensor(1, device=dev), self.capacity + torch.arange(w, device=dev), visible, span)
         self.reset()
         return sorted(("flush", *k) for k in self.flush.shapes) + sorted(("depth", *k) for k in self.depth_step.shapes)
+
+    def _span(self, need: int, compiled: bool) -> int:
+        """The slots a step attends over: the whole buffer for a compiled step with ``one_span``, else
+        the power of two holding ``need`` (an eager step's mask is per row)."""
+        return self.capacity if compiled and self.one_span else span_of(need, self.capacity)
 
     # ---------------------------------------------------------------- the two steps
     def _top_packed(self, states: torch.Tensor) -> torch.Tensor:
@@ -119,8 +132,8 @@ class StaticEagle3Drafter(Eagle3Drafter):
         i = torch.arange(p, device=taps.device)
         pos = past + i
         slots = torch.where(i < n_new, pos, self.capacity + i)
-        mask = torch.arange(span, device=taps.device)[None, :] <= pos[:, None]
         x = net.g_from_taps(taps, toks)[None, None]
+        mask = attention_mask(torch.arange(span, device=taps.device)[None, :] <= pos[:, None], x.dtype, self.fused_attention)
         x = _layer(net.layer, x, _rope(pos[None, None, None], net.layer, x.dtype), self._kb, self._vb, slots, mask, span)
         state = x[0, 0].index_select(0, (n_new - 1).clamp(min=0)[None])
         return state, self._top_packed(state)
@@ -132,7 +145,7 @@ class StaticEagle3Drafter(Eagle3Drafter):
         net = self.net
         x = net.g(feats, toks)[None, None]
         cs = _rope(pos.expand(toks.shape[0])[None, None, None], net.layer, x.dtype)
-        x = _layer(net.layer, x, cs, self._kb, self._vb, slots, visible, span)[0, 0]
+        x = _layer(net.layer, x, cs, self._kb, self._vb, slots, attention_mask(visible, x.dtype, self.fused_attention), span)[0, 0]
         return x, self._top_packed(x)
 
     def _flush_static(self) -> tuple[torch.Tensor, np.ndarray, np.ndarray] | None:
@@ -145,7 +158,7 @@ class StaticEagle3Drafter(Eagle3Drafter):
         if padded:
             taps = torch.cat([taps, taps.new_zeros(rows - n, taps.shape[1])])
             toks = torch.cat([toks, toks.new_zeros(rows - n)])
-        span = span_of(past + taps.shape[0], self.capacity)
+        span = self._span(past + taps.shape[0], self.compiled and padded)
         args = (taps, toks, torch.tensor(n, device=self.device), torch.tensor(past, device=self.device), span)
         if self.compiled and padded:
             state, packed = self.flush((rows, span), f"EAGLE-3's flush of {rows} positions over {span} slots", *args)
@@ -190,7 +203,7 @@ class StaticEagle3Drafter(Eagle3Drafter):
             w = bucket_of(s, WIDTHS)
             slot_of = np.concatenate([slot_of, np.full(tree.size - slot_of.size, -1, dtype=np.int64)])
             slot_of[frontier] = self.cached + drafted + np.arange(s)
-            span = span_of(self.cached + drafted + s, self.capacity)
+            span = self._span(self.cached + drafted + s, self.compiled)
             slots = np.concatenate([slot_of[frontier], self.capacity + np.arange(w - s)])
             visible = np.zeros((w, span), dtype=bool)
             visible[:, : self.cached] = True
