@@ -196,23 +196,32 @@ def test_one_span_serves_every_context_once_warmed(monkeypatch, tmp_path):
     a decode that grows past 256 slots after ``warm`` compiles no drafter graph, with the eager
     drafter's trees; with power-of-two spans (``one_span = False``) the same decode compiles the
     next span mid-request (what a bench or a server paid before)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model, _, net = make(seed=7)
+    check_one_span(model, lambda: SpecBlockDrafter(net, M=1, policy=RankBucketBranching(WIDTHS)), budget=6)
+
+
+def check_one_span(model, new_drafter, budget: int) -> None:
+    """A 240-token prompt decoded 30 tokens past 256 slots on a 512-position target, by the eager
+    drafter and by its compiled form warmed with one span and with power-of-two spans (one row
+    bucket each: fewer graphs to compile): plain greedy's tokens and the eager trees either way,
+    and no drafter graph compiled after ``warm`` exactly when the span is the whole buffer."""
     from torch._dynamo.utils import counters
 
     from specblock.runtime.target import TargetModel
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    model, _, net = make(seed=7)
     model.config.max_position_embeddings = 512
     target = TargetModel(model)
     prompt = np.random.default_rng(1).integers(2, 16, 240)
-    _, trees_a = decode(target, SpecBlockDrafter(net, M=1, policy=RankBucketBranching(WIDTHS)), prompt, n=30, budget=6)
+    _, trees_a = decode(target, new_drafter(), prompt, n=30, budget=budget)
     for one_span in (True, False):
-        static = compile_drafter(SpecBlockDrafter(net, M=1, policy=RankBucketBranching(WIDTHS)), target)
+        static = compile_drafter(new_drafter(), target)
         assert static.one_span  # fp32 on the CPU with the op: the default
-        static.one_span, static.row_buckets = one_span, (ROWS,)  # one row bucket: fewer graphs to compile
+        static.one_span, static.row_buckets = one_span, (ROWS,)
         static.warm()
         graphs = counters["stats"]["unique_graphs"]
-        b, trees_b = decode(target, static, prompt, n=30, budget=6)
+        b, trees_b = decode(target, static, prompt, n=30, budget=budget)
         assert b.token_ids == hf_greedy(model, prompt, 30)
         assert [t[0].tolist() for t in trees_a] == [t[0].tolist() for t in trees_b]
+        assert max(len(t[0]) for t in trees_b) > 1
         assert (counters["stats"]["unique_graphs"] == graphs) is one_span

@@ -13,7 +13,7 @@ from specblock.runtime.drafters.eagle3 import Eagle3Drafter
 from specblock.runtime import tree_attention
 from specblock.runtime.drafters.lookup_branch import LookupBranch
 from test_baseline_eagle3 import make
-from test_compiled_drafter import decode
+from test_compiled_drafter import check_one_span, decode
 from tiny import hf_greedy
 
 
@@ -140,24 +140,6 @@ def test_one_span_serves_every_context_once_warmed(monkeypatch, tmp_path):
     whole buffer: a decode that grows past 256 slots after ``warm`` compiles no drafter graph, with
     the eager drafter's trees; with power-of-two spans (``one_span = False``) the same decode
     compiles the next span's steps mid-request (what a server paid before)."""
-    from torch._dynamo.utils import counters
-
-    from specblock.runtime.target import TargetModel
-
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     model, _, net = make(seed=7, noise=0.5)
-    model.config.max_position_embeddings = 512
-    target = TargetModel(model)
-    prompt = np.random.default_rng(1).integers(2, 16, 240)
-    _, trees_a = decode(target, Eagle3Drafter(net, depth=3, top_k=2), prompt, n=30, budget=4)
-    for one_span in (True, False):
-        static = compile_drafter(Eagle3Drafter(net, depth=3, top_k=2), target)
-        assert static.one_span  # fp32 on the CPU with the op: the default
-        static.one_span, static.row_buckets = one_span, (ROWS,)  # one flush bucket: fewer graphs to compile
-        static.warm()
-        graphs = counters["stats"]["unique_graphs"]
-        b, trees_b = decode(target, static, prompt, n=30, budget=4)
-        assert b.token_ids == hf_greedy(model, prompt, 30)
-        assert [t[0].tolist() for t in trees_a] == [t[0].tolist() for t in trees_b]
-        assert max(len(t[0]) for t in trees_b) > 2
-        assert (counters["stats"]["unique_graphs"] == graphs) is one_span
+    check_one_span(model, lambda: Eagle3Drafter(net, depth=3, top_k=2), budget=4)
