@@ -229,6 +229,24 @@ def time_decoding(eager: TargetModel, compiled: dict[str, StaticTarget], prompt:
     return rows
 
 
+def with_fp16_kernel(target: StaticTarget) -> StaticTarget:
+    """This target's forwards on the fp16 kernel (``compiled/native.py``; a process-wide switch, so it
+    is turned on for the length of each of its calls and off after): the other targets keep fbgemm."""
+    from specblock.compiled import native
+
+    if not native.use_native_kernel():
+        raise SystemExit("error: --fp16-kernel-variant needs the C++ packed-linear library, which did not build")
+    for name in ("prefill", "tree_forward", "warm"):
+        def switched(*a, _fn=getattr(target, name), **k):
+            native.set_fp16_kernel(True)
+            try:
+                return _fn(*a, **k)
+            finally:
+                native.set_fp16_kernel(False)
+        setattr(target, name, switched)
+    return target
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Tokens two greedy decodings share before the first difference (bf16 rounds each kernel
     choice differently, so near-ties can flip; fp32 identity is what the tests check)."""
@@ -302,7 +320,7 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
                 for m in args.mode_list}
 
     def second(dtype: str = args.dtype, fp16_head: bool = False, hf_parts: bool = False, exact_parts: bool = False,
-               **kw) -> StaticTarget:  # a second copy: attention, kernel and options are per copy
+               fp16_kernel: bool = False, **kw) -> StaticTarget:  # a second copy: attention, kernel and options are per copy
         with mock.patch.object(exact_parts_module, "use_exact_parts", lambda model, prompts=True: (0, 0)) \
                 if hf_parts else contextlib.nullcontext():
             t = TargetModel.load(path, dtype, args.device)
@@ -310,7 +328,8 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
             exact_parts_module.use_exact_parts(t.model)
         if fp16_head:
             packed_fp16_head(t.model)
-        return StaticTarget.wrap(t, compile=True, **kw)
+        static = StaticTarget.wrap(t, compile=True, **kw)
+        return with_fp16_kernel(static) if fp16_kernel else static
 
     variants = {  # label: (asked for, StaticTarget arguments)
         "repeat_kv": (args.repeat_kv_baseline, {"gqa": False}),
@@ -325,6 +344,7 @@ def measure_target(name: str, args, compile_s: dict | None) -> dict:
         "HF's norms and rotary": (args.hf_parts_baseline, {"hf_parts": True}),  # before exact_parts (q4, packed-fp16)
         "exact parts": (args.exact_parts_variant, {"exact_parts": True}),  # q4's norms and rotary on another dtype
         "power-of-two spans": (args.spans_baseline, {"one_span": False}),  # before one_span (fused op)
+        "fp16 kernel": (args.fp16_kernel_variant, {"fp16_kernel": True}),  # SPECBLOCK_FP16_KERNEL=ours for this copy
         str(args.also_dtype): (args.also_dtype, {"dtype": args.also_dtype}),  # e.g. q4 beside packed-fp16
     }
     compiled.update({f"compiled whole, {label}": second(**kw) for label, (asked, kw) in variants.items() if asked})
@@ -377,6 +397,7 @@ def markdown(results: list[dict], args) -> str:
              f"{' --hf-parts-baseline' if args.hf_parts_baseline else ''}"
              f"{' --exact-parts-variant' if args.exact_parts_variant else ''}"
              f"{' --spans-baseline' if args.spans_baseline else ''}"
+             f"{' --fp16-kernel-variant' if args.fp16_kernel_variant else ''}"
              f"{' --frozen-variant' if args.frozen_variant else ''}"
              f"{' --unfrozen-variant' if args.unfrozen_variant else ''}"
              f"{' --dynamic-variant' if args.dynamic_variant else ''}"
@@ -466,6 +487,8 @@ def main() -> None:
                          "table); packed-fp16 has them since stop 62, so there --hf-parts-baseline is the comparison")
     ap.add_argument("--spans-baseline", action="store_true",
                     help="also time a compiled target on power-of-two spans where the fused op allows the whole buffer")
+    ap.add_argument("--fp16-kernel-variant", action="store_true",
+                    help="also time a compiled copy whose packed linears run the fp16 kernel (SPECBLOCK_FP16_KERNEL=ours)")
     ap.add_argument("--also-dtype", choices=DTYPE_CHOICES, help="also time a compiled copy of the target in this dtype")
     ap.add_argument("--hf-also-dtypes", default="",
                     help="HF generate also on copies of the model in these dtypes (e.g. bfloat16: the issue's reference)")

@@ -1,5 +1,6 @@
 """The C++ kernel of compiled packed linears (``specblock/compiled/native.py``): the same numbers as
-the Python kernel, a weight table that follows the modules, and a fallback when it cannot be built."""
+the Python kernel, a weight table that follows the modules, a fallback when it cannot be built, and
+the opt-in fp16 kernel (rows independent, within fp32 rounding of fbgemm's, fbgemm past its reach)."""
 
 import gc
 import warnings
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from specblock.compiled import native
-from specblock.runtime import packed
+from specblock.runtime import cext, packed
 
 pytestmark = pytest.mark.skipif(not packed.available(), reason="torch has no fbgemm on this machine")
 
@@ -174,3 +175,65 @@ def test_a_build_begun_in_the_background_is_waited_for_not_run_again(monkeypatch
     cext.start_build("specblock_y", "broken", [])
     with pytest.raises(RuntimeError, match="no compiler"):
         cext.build("specblock_y", "broken", [])
+
+
+FP16_KERNEL_CPU = {"avx512f", "avx512bw", "fma"} <= cext.cpu_flags()
+needs_avx512 = pytest.mark.skipif(not FP16_KERNEL_CPU, reason="the fp16 kernel needs AVX512F/BW and FMA")
+
+
+@pytest.fixture
+def fp16_kernel(built):
+    native.set_fp16_kernel(True)
+    yield built
+    native.set_fp16_kernel(False)
+
+
+@needs_avx512
+@pytest.mark.parametrize("bias", [True, False])
+def test_fp16_kernel_rows_are_their_own_and_agree_with_fbgemm(fp16_kernel, bias):
+    """Up to 16 rows on the fp16 kernel: each row the same bits as its own one-row call (fbgemm's
+    depend on the row count), every value within fp32 rounding of fbgemm's, bias added."""
+    torch.manual_seed(2)
+    lin = packed.PackedLinear(torch.nn.Linear(576, 96, bias=bias).requires_grad_(False))
+    for shape in [(1, 576), (5, 576), (2, 3, 576), (16, 576)]:
+        x = torch.randn(*shape)
+        got = fp16_kernel.packed_linear(x, lin._key, 96)
+        rows = x.reshape(-1, 576)
+        alone = torch.cat([fp16_kernel.packed_linear(rows[i:i + 1], lin._key, 96) for i in range(rows.shape[0])])
+        assert got.shape == (*shape[:-1], 96) and torch.equal(got.reshape(-1, 96), alone)
+        native.set_fp16_kernel(False)
+        want = fp16_kernel.packed_linear(x, lin._key, 96)
+        native.set_fp16_kernel(True)
+        assert not torch.equal(got, want) or shape[0] == 1  # a different kernel, not fbgemm's call again
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_avx512
+def test_fp16_kernel_leaves_long_calls_and_other_shapes_to_fbgemm(fp16_kernel):
+    """More than 16 rows (a prompt), or a weight whose inputs are not a multiple of 32: fbgemm's
+    call, bit for bit."""
+    torch.manual_seed(3)
+    wide = packed.PackedLinear(torch.nn.Linear(64, 8).requires_grad_(False))
+    odd = packed.PackedLinear(torch.nn.Linear(40, 8).requires_grad_(False))
+    for lin, x in ((wide, torch.randn(17, 64)), (odd, torch.randn(3, 40))):
+        got = fp16_kernel.packed_linear(x, lin._key, 8)
+        assert torch.equal(got, packed.packed_linear(x, lin._key, 8))
+
+
+@needs_avx512
+def test_fp16_kernel_fused_call_equals_its_parts(fp16_kernel):
+    torch.manual_seed(4)
+    parts = [packed.PackedLinear(torch.nn.Linear(64, n).requires_grad_(False)) for n in (32, 8, 8)]
+    x = torch.randn(4, 64)
+    got = native.packed_linear_cat(x, [p._key for p in parts], 48)
+    assert torch.equal(got, torch.cat([fp16_kernel.packed_linear(x, p._key, p.out_features) for p in parts], -1))
+
+
+def test_fp16_kernel_switch_reads_its_variable(monkeypatch):
+    monkeypatch.setenv(native.FP16_KERNEL_ENV, "fbgemm")
+    assert not native.fp16_kernel_wanted()
+    monkeypatch.setenv(native.FP16_KERNEL_ENV, "ours")
+    assert native.fp16_kernel_wanted() == FP16_KERNEL_CPU
+    monkeypatch.setenv(native.FP16_KERNEL_ENV, "fastest")
+    with pytest.warns(UserWarning, match="neither 'fbgemm' nor 'ours'"):
+        assert not native.fp16_kernel_wanted()

@@ -14,10 +14,21 @@ headers it uses, and ``no_implicit_headers`` keeps ``load_inline`` from adding
 ``torch/extension.h`` (all of libtorch's C++ API and pybind11): 7.1 s instead of 26.9 s here
 (``python experiments/native_build_time.py``). Where it cannot be built, the compiled path keeps
 the Python kernel and says so once: slower, same results.
+
+The library also holds an fp16 kernel of our own, opt-in (``SPECBLOCK_FP16_KERNEL=ours``): for calls
+of up to 16 fp32 rows it reads a copy of the weights in its own layout (fp16, a block's four output
+features interleaved per 32 inputs, made from fbgemm's on first use), widens them exactly and sums
+in fp32, the blocks split over the threads with the next one prefetched. Why: fbgemm's fp16 GEMM
+reads a forward's weights at about two thirds of this CPU's bandwidth at a few rows (``linear_streams.md``),
+and the same kernel as a probe took 11.97 against 17.87 ms for one forward's linears at one row
+(``experiments/fp16_kernel_probe.py``, stop 66). Each row's result is the same bits whatever the
+rows beside it (fbgemm's depend on the row count), and agrees with fbgemm's to fp32 rounding, not
+bit for bit: so it is opt-in, and eager forwards keep fbgemm (``compiled_speed.py`` measures it).
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -28,10 +39,14 @@ SOURCE = r"""
 #include <torch/library.h>
 #include <ATen/core/stack.h>
 #include <ATen/native/quantized/PackedParams.h>
+#include <ATen/Parallel.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <immintrin.h>
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <shared_mutex>
 #include <unordered_map>
 #include <vector>
@@ -41,6 +56,92 @@ using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 std::shared_mutex mu;
 std::unordered_map<int64_t, Packed> table;
 std::map<std::vector<int64_t>, Packed> fused;  // keys of the parts -> their rows packed as one matrix
+
+// ---- the fp16 streaming kernel (opt-in: set_fp16_kernel; the Python module says why) ----
+constexpr int NB = 4;             // output features a block
+constexpr int64_t MAX_ROWS = 16;  // more rows (a prompt) go to fbgemm
+bool ours_on = false;
+struct Ours {
+  at::Tensor w;                 // fp16 [N/4, K/32, 4, 32]: a block's features interleaved per 32 inputs
+  std::optional<at::Tensor> b;  // fp32 [N]
+};
+std::unordered_map<int64_t, Ours> ours_single;
+std::map<std::vector<int64_t>, Ours> ours_fused;
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,fma")))
+
+// R rows against one block's 4 features: per group of 32 inputs each feature's 32 fp16 weights
+// widened exactly, two fmas per row and feature, one horizontal sum at the end: the same operations
+// for a row whatever R, so a row's result does not depend on the rows beside it.
+template <int R>
+AVX512 void block_rows(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N) {
+  const int64_t G = K / 32;
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 wl[NB], wh[NB];
+    const uint16_t* q = w + g * 32 * NB;
+    for (int j = 0; j < NB; ++j) {
+      wl[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * j)));
+      wh[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * j + 16)));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xl = _mm512_loadu_ps(x + r * K + g * 32), xh = _mm512_loadu_ps(x + r * K + g * 32 + 16);
+      for (int j = 0; j < NB; ++j) {
+        acc[r][j] = _mm512_fmadd_ps(wl[j], xl, acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(wh[j], xh, acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) y[r * N + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+using RowsFn = void (*)(const float*, int64_t, const uint16_t*, float*, int64_t);
+const RowsFn ROWS_FN[5] = {nullptr, block_rows<1>, block_rows<2>, block_rows<3>, block_rows<4>};
+
+// x [M, K] fp32 contiguous -> [M, N]: blocks split over the threads, the next block prefetched.
+at::Tensor ours_linear(const at::Tensor& x, const Ours& o) {
+  const int64_t M = x.size(0), K = x.size(1), N = o.w.size(0) * NB, G = K / 32;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const uint16_t*>(o.w.data_ptr());
+  float* yp = y.data_ptr<float>();
+  const int64_t bytes = G * 32 * NB * 2;
+  at::parallel_for(0, N / NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint16_t* q = wp + b * G * 32 * NB;
+      if (b + 1 < b1) {
+        const char* p = reinterpret_cast<const char*>(q) + bytes;
+        for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+      }
+      for (int64_t r = 0; r < M; r += 4)
+        ROWS_FN[std::min<int64_t>(4, M - r)](xp + r * K, K, q, yp + r * N + b * NB, N);
+    }
+  });
+  if (o.b) y.add_(*o.b);
+  return y;
+}
+
+// The parts' fp16 values (fbgemm's unpack gives them exactly, in fp32) in the kernel's layout; none
+// where the shape does not fit it (K a multiple of 32, N of 4).
+std::optional<Ours> make_ours(const std::vector<Packed>& parts) {
+  std::vector<at::Tensor> ws, bs;
+  bool bias = false;
+  for (const auto& w : parts) {
+    auto [wt, b] = w->unpack();
+    ws.push_back(wt.to(at::kFloat));
+    bs.push_back(b.has_value() ? b->to(at::kFloat) : at::zeros({wt.size(0)}, wt.options().dtype(at::kFloat)));
+    bias = bias || b.has_value();
+  }
+  at::Tensor w = at::cat(ws, 0);
+  const int64_t N = w.size(0), K = w.size(1);
+  if (K % 32 != 0 || N % NB != 0) return std::nullopt;
+  Ours o;
+  o.w = w.to(at::kHalf).reshape({N / NB, NB, K / 32, 32}).transpose(1, 2).contiguous();
+  if (bias) o.b = at::cat(bs, 0).contiguous();
+  return o;
+}
 
 Packed unbox(const c10::IValue& obj, const char* who) {
   TORCH_CHECK(obj.isObject(), who, ": expected a packed linear weight");
@@ -57,8 +158,44 @@ Packed find(int64_t key) {
   return it->second;
 }
 
+// The fp16 kernel's copy of ``keys``' rows, made on first use and kept beside fbgemm's (null where the
+// shape does not fit the kernel).
+const Ours* ours_for(const std::vector<int64_t>& keys) {
+  {
+    std::shared_lock<std::shared_mutex> lock(mu);
+    if (keys.size() == 1) {
+      auto it = ours_single.find(keys[0]);
+      if (it != ours_single.end()) return it->second.w.defined() ? &it->second : nullptr;
+    } else {
+      auto it = ours_fused.find(keys);
+      if (it != ours_fused.end()) return it->second.w.defined() ? &it->second : nullptr;
+    }
+  }
+  std::vector<Packed> parts;
+  for (int64_t k : keys) parts.push_back(find(k));
+  Ours o = make_ours(parts).value_or(Ours{});
+  std::unique_lock<std::shared_mutex> lock(mu);
+  Ours& kept = keys.size() == 1 ? ours_single.emplace(keys[0], std::move(o)).first->second
+                                : ours_fused.emplace(keys, std::move(o)).first->second;
+  return kept.w.defined() ? &kept : nullptr;
+}
+
+// fbgemm's fp16 GEMM, or the fp16 kernel above where it is on and the call has a few fp32 rows.
+at::Tensor apply(const at::Tensor& x, const std::vector<int64_t>& keys, const Packed& fallback) {
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
+  if (ours_on && x.scalar_type() == at::kFloat && M >= 1 && M <= MAX_ROWS) {
+    if (const Ours* o = ours_for(keys)) {
+      at::Tensor y = ours_linear(x.reshape({M, K}).contiguous(), *o);
+      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+      shape.back() = y.size(1);
+      return y.view(shape);
+    }
+  }
+  return fallback->apply_dynamic(x);
+}
+
 at::Tensor packed_linear(const at::Tensor& x, int64_t key, int64_t out_features) {
-  return find(key)->apply_dynamic(x);
+  return ours_on ? apply(x, {key}, find(key)) : find(key)->apply_dynamic(x);
 }
 
 // The parts' rows stacked and packed once, on first use: unpacking gives their fp16 values
@@ -94,8 +231,10 @@ at::Tensor packed_linear_cat(const at::Tensor& x, int64_t k0, int64_t k1, int64_
   for (int64_t k : {k0, k1, k2, k3}) {
     if (k >= 0) keys.push_back(k);
   }
-  return fuse(keys)->apply_dynamic(x);
+  return ours_on ? apply(x, keys, fuse(keys)) : fuse(keys)->apply_dynamic(x);
 }
+
+void set_fp16_kernel(bool on) { ours_on = on; }
 
 // put(int key, Any packed): the ScriptObject fbgemm's prepack returned, kept under ``key``.
 void put(const c10::OperatorHandle&, torch::jit::Stack* stack) {
@@ -106,13 +245,20 @@ void put(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   table[key] = std::move(w);
 }
 
-void drop(int64_t key) {  // and every fused matrix holding its rows
+template <class Map>
+void erase_holding(Map& m, int64_t key) {
+  for (auto it = m.begin(); it != m.end();) {
+    bool has = std::find(it->first.begin(), it->first.end(), key) != it->first.end();
+    it = has ? m.erase(it) : std::next(it);
+  }
+}
+
+void drop(int64_t key) {  // and every fused matrix holding its rows, and the fp16 kernel's copies
   std::unique_lock<std::shared_mutex> lock(mu);
   table.erase(key);
-  for (auto it = fused.begin(); it != fused.end();) {
-    bool has = std::find(it->first.begin(), it->first.end(), key) != it->first.end();
-    it = has ? fused.erase(it) : std::next(it);
-  }
+  ours_single.erase(key);
+  erase_holding(fused, key);
+  erase_holding(ours_fused, key);
 }
 
 // How many weights the tables hold: (single, fused).
@@ -128,6 +274,7 @@ TORCH_LIBRARY(specblock_native, m) {
   m.def("packed_linear_cat(Tensor x, int key0, int key1, int key2, int key3, int out_features) -> Tensor");
   m.def("drop(int key) -> ()", drop);
   m.def("size() -> (int, int)", size);
+  m.def("set_fp16_kernel(bool on) -> ()", set_fp16_kernel);
 }
 
 TORCH_LIBRARY_IMPL(specblock_native, CPU, m) {
@@ -140,17 +287,20 @@ _STATE: dict[str, object] = {}
 
 
 #: The library's name and compiler flags (``_build`` and ``start_building`` build the same).
-LIBRARY, CFLAGS = "specblock_native", ["-O2"]
+LIBRARY, CFLAGS, LDFLAGS = "specblock_native", ["-O2", "-fopenmp"], ["-fopenmp"]  # OpenMP: the fp16 kernel's threads
+#: ``SPECBLOCK_FP16_KERNEL``: ``fbgemm`` (the default) or ``ours`` (compiled packed linears of up to 16
+#: rows on the fp16 kernel above, where the CPU has AVX512; the module's last paragraph says why).
+FP16_KERNEL_ENV = "SPECBLOCK_FP16_KERNEL"
 
 
 def start_building() -> None:
     """``use_native_kernel``'s build begun in the background where it would run (``compiled.prebuild``)."""
     if packed.available():
-        cext.start_build(LIBRARY, SOURCE, CFLAGS)
+        cext.start_build(LIBRARY, SOURCE, CFLAGS, LDFLAGS)
 
 
 def _build() -> None:
-    cext.build(LIBRARY, SOURCE, CFLAGS)
+    cext.build(LIBRARY, SOURCE, CFLAGS, LDFLAGS)
     torch.library.register_fake("specblock_native::packed_linear", _fake)
     torch.library.register_fake("specblock_native::packed_linear_cat", _fake_cat)
 
@@ -186,12 +336,30 @@ def use_native_kernel() -> bool:
             _build()
             packed.use_compiled_op(torch.ops.specblock_native.packed_linear, _mirror)
             _STATE["ok"] = True
+            set_fp16_kernel(fp16_kernel_wanted())
         except Exception as exc:  # a missing compiler or headers: slower, not wrong
             _STATE["ok"] = False
             warnings.warn(f"specblock: the C++ packed-linear kernel could not be built ({type(exc).__name__}: "
                           f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}); compiled "
                           "packed-fp16 graphs call the Python kernel instead (slower, same results)", stacklevel=2)
     return bool(_STATE["ok"])
+
+
+def fp16_kernel_wanted() -> bool:
+    """``SPECBLOCK_FP16_KERNEL=ours`` on a CPU the kernel runs on (AVX512F/BW and FMA)."""
+    value = os.environ.get(FP16_KERNEL_ENV, "fbgemm").strip().lower() or "fbgemm"
+    if value not in ("fbgemm", "ours"):
+        warnings.warn(f"specblock: {FP16_KERNEL_ENV}={value!r} is neither 'fbgemm' nor 'ours'; fbgemm's kernel runs",
+                      stacklevel=2)
+        return False
+    return value == "ours" and {"avx512f", "avx512bw", "fma"} <= cext.cpu_flags()
+
+
+def set_fp16_kernel(on: bool) -> None:
+    """Compiled packed linears of up to 16 fp32 rows on the fp16 kernel (True) or on fbgemm (False),
+    from the next call on; needs the library (``use_native_kernel``). Graphs call the same op either
+    way, so saved graphs serve both."""
+    torch.ops.specblock_native.set_fp16_kernel(bool(on))
 
 
 def pin_python_kernel(model: torch.nn.Module) -> None:
