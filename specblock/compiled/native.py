@@ -287,7 +287,9 @@ _STATE: dict[str, object] = {}
 
 
 #: The library's name and compiler flags (``_build`` and ``start_building`` build the same).
-LIBRARY, CFLAGS, LDFLAGS = "specblock_native", ["-O2", "-fopenmp"], ["-fopenmp"]  # OpenMP: the fp16 kernel's threads
+#: -O3 for the fp16 kernel (at -O2 it ran slower than fbgemm: fp16_kernel_forward_s66 against
+#: fp16_kernel_forward_o3_s66), OpenMP for its threads.
+LIBRARY, CFLAGS, LDFLAGS = "specblock_native", ["-O3", "-fopenmp"], ["-fopenmp"]
 #: ``SPECBLOCK_FP16_KERNEL``: ``fbgemm`` (the default) or ``ours`` (compiled packed linears of up to 16
 #: rows on the fp16 kernel above, where the CPU has AVX512; the module's last paragraph says why).
 FP16_KERNEL_ENV = "SPECBLOCK_FP16_KERNEL"
