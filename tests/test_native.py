@@ -86,7 +86,15 @@ def test_a_failed_build_warns_once_and_keeps_the_python_kernel(monkeypatch):
     assert packed.PackedLinear.compiled_op is packed.packed_linear
 
 
-def test_fused_kernel_equals_its_parts_and_follows_them(built):
+@pytest.fixture
+def fbgemm_kernel(built):
+    native.set_fp16_kernel(False)
+    yield built
+    native.set_fp16_kernel(native.fp16_kernel_wanted())  # as the process had it
+
+
+def test_fused_kernel_equals_its_parts_and_follows_them(fbgemm_kernel):
+    built = fbgemm_kernel
     torch.manual_seed(2)
     parts = [packed.PackedLinear(torch.nn.Linear(32, w, bias=b).requires_grad_(False)) for w, b in ((16, False), (8, True), (8, False))]
     keys = [p._key for p in parts]
@@ -185,7 +193,7 @@ needs_avx512 = pytest.mark.skipif(not FP16_KERNEL_CPU, reason="the fp16 kernel n
 def fp16_kernel(built):
     native.set_fp16_kernel(True)
     yield built
-    native.set_fp16_kernel(False)
+    native.set_fp16_kernel(native.fp16_kernel_wanted())  # as the process had it
 
 
 @needs_avx512
@@ -230,10 +238,12 @@ def test_fp16_kernel_fused_call_equals_its_parts(fp16_kernel):
 
 
 def test_fp16_kernel_switch_reads_its_variable(monkeypatch):
+    monkeypatch.delenv(native.FP16_KERNEL_ENV, raising=False)
+    assert native.fp16_kernel_wanted() == FP16_KERNEL_CPU  # the default where it runs
     monkeypatch.setenv(native.FP16_KERNEL_ENV, "fbgemm")
     assert not native.fp16_kernel_wanted()
     monkeypatch.setenv(native.FP16_KERNEL_ENV, "ours")
     assert native.fp16_kernel_wanted() == FP16_KERNEL_CPU
     monkeypatch.setenv(native.FP16_KERNEL_ENV, "fastest")
-    with pytest.warns(UserWarning, match="neither 'fbgemm' nor 'ours'"):
+    with pytest.warns(UserWarning, match="neither 'ours' nor 'fbgemm'"):
         assert not native.fp16_kernel_wanted()

@@ -15,15 +15,17 @@ headers it uses, and ``no_implicit_headers`` keeps ``load_inline`` from adding
 (``python experiments/native_build_time.py``). Where it cannot be built, the compiled path keeps
 the Python kernel and says so once: slower, same results.
 
-The library also holds an fp16 kernel of our own, opt-in (``SPECBLOCK_FP16_KERNEL=ours``): for calls
-of up to 16 fp32 rows it reads a copy of the weights in its own layout (fp16, a block's four output
-features interleaved per 32 inputs, made from fbgemm's on first use), widens them exactly and sums
-in fp32, the blocks split over the threads with the next one prefetched. Why: fbgemm's fp16 GEMM
-reads a forward's weights at about two thirds of this CPU's bandwidth at a few rows (``linear_streams.md``),
-and the same kernel as a probe took 11.97 against 17.87 ms for one forward's linears at one row
-(``experiments/fp16_kernel_probe.py``, stop 66). Each row's result is the same bits whatever the
-rows beside it (fbgemm's depend on the row count), and agrees with fbgemm's to fp32 rounding, not
-bit for bit: so it is opt-in, and eager forwards keep fbgemm (``compiled_speed.py`` measures it).
+The library also holds an fp16 kernel of our own, the default where the CPU has AVX512
+(``SPECBLOCK_FP16_KERNEL=fbgemm`` turns it off): for calls of up to 16 fp32 rows it reads a copy of
+the weights in its own layout (fp16, a block's four output features interleaved per 32 inputs, made
+from fbgemm's on first use), widens them exactly and sums in fp32, the blocks split over the threads
+with the next one prefetched. Why: on the real model's own weights, one forward's linears in the
+order a compiled graph calls them took 12.38 / 15.67 / 20.02 ms at 1 / 4 / 8 rows against fbgemm's
+14.96 / 18.88 / 22.43 (``experiments/fp16_kernel_forward.py``, ``fp16_kernel_forward_o3_s66.md``),
+and the compiled T(1) 14.64 against 16.50 ms (``compiled_speed_fp16_kernel_o3_s66.md``; at -O2 it had
+lost, its accumulators spilled). Each row's result is the same bits whatever the rows beside it
+(fbgemm's depend on the row count), and agrees with fbgemm's to fp32 rounding, not bit for bit.
+Eager forwards keep fbgemm, and prompts past 16 rows too.
 """
 
 from __future__ import annotations
@@ -290,8 +292,8 @@ _STATE: dict[str, object] = {}
 #: -O3 for the fp16 kernel (at -O2 it ran slower than fbgemm: fp16_kernel_forward_s66 against
 #: fp16_kernel_forward_o3_s66), OpenMP for its threads.
 LIBRARY, CFLAGS, LDFLAGS = "specblock_native", ["-O3", "-fopenmp"], ["-fopenmp"]
-#: ``SPECBLOCK_FP16_KERNEL``: ``fbgemm`` (the default) or ``ours`` (compiled packed linears of up to 16
-#: rows on the fp16 kernel above, where the CPU has AVX512; the module's last paragraph says why).
+#: ``SPECBLOCK_FP16_KERNEL``: ``ours`` (the default: compiled packed linears of up to 16 rows on the fp16
+#: kernel above, where the CPU has AVX512; the module's last paragraph says why) or ``fbgemm``.
 FP16_KERNEL_ENV = "SPECBLOCK_FP16_KERNEL"
 
 
@@ -348,10 +350,10 @@ def use_native_kernel() -> bool:
 
 
 def fp16_kernel_wanted() -> bool:
-    """``SPECBLOCK_FP16_KERNEL=ours`` on a CPU the kernel runs on (AVX512F/BW and FMA)."""
-    value = os.environ.get(FP16_KERNEL_ENV, "fbgemm").strip().lower() or "fbgemm"
+    """The fp16 kernel on a CPU it runs on (AVX512F/BW and FMA), unless ``SPECBLOCK_FP16_KERNEL=fbgemm``."""
+    value = os.environ.get(FP16_KERNEL_ENV, "ours").strip().lower() or "ours"
     if value not in ("fbgemm", "ours"):
-        warnings.warn(f"specblock: {FP16_KERNEL_ENV}={value!r} is neither 'fbgemm' nor 'ours'; fbgemm's kernel runs",
+        warnings.warn(f"specblock: {FP16_KERNEL_ENV}={value!r} is neither 'ours' nor 'fbgemm'; fbgemm's kernel runs",
                       stacklevel=2)
         return False
     return value == "ours" and {"avx512f", "avx512bw", "fma"} <= cext.cpu_flags()
