@@ -22,10 +22,10 @@ from fbgemm's on first use), widens them exactly and sums in fp32, the blocks sp
 with the next one prefetched. Why: on the real model's own weights, one forward's linears in the
 order a compiled graph calls them took 12.38 / 15.67 / 20.02 ms at 1 / 4 / 8 rows against fbgemm's
 14.96 / 18.88 / 22.43 (``experiments/fp16_kernel_forward.py``, ``fp16_kernel_forward_o3_s66.md``),
-and the compiled T(1) 14.64 against 16.50 ms (``compiled_speed_fp16_kernel_o3_s66.md``; at -O2 it had
-lost, its accumulators spilled). Each row's result is the same bits whatever the rows beside it
-(fbgemm's depend on the row count), and agrees with fbgemm's to fp32 rounding, not bit for bit.
-Eager forwards keep fbgemm, and prompts past 16 rows too.
+and the compiled T(1) 14.64 against 16.50 ms (``compiled_speed_fp16_kernel_o3_s66.md``; built at -O2,
+which does not unroll its loops over rows and features, it had lost). Each row's result is the same
+bits whatever the rows beside it (fbgemm's depend on the row count), and agrees with fbgemm's to
+fp32 rounding, not bit for bit. Eager forwards keep fbgemm, and prompts past 16 rows too.
 """
 
 from __future__ import annotations
