@@ -42,6 +42,7 @@ UNDO = {
             "d.wants_int8 = lambda t: True; b = d.start_int8_build; d.start_int8_build = lambda t, v, c: b(t, v, False)",
     "hfparts": "import os, specblock.gcstart as g; g.begin(); os.environ['SPECBLOCK_EXACT_PARTS'] = 'off'",
     "rotaryop": "import os, specblock.gcstart as g; g.begin(); os.environ['SPECBLOCK_ROTARY_OP'] = 'off'",
+    "fp16kernel": "import os, specblock.gcstart as g; g.begin(); os.environ['SPECBLOCK_FP16_KERNEL'] = 'fbgemm'",
     "warmsizes": "import specblock.gcstart as g; g.begin(); import specblock.runtime.drafters as d; "
                  "d.warm_sizes = lambda opts: opts.pop('warm_sizes', None) and None",
     "tmpheaders": "import specblock.gcstart as g; g.begin(); import specblock.compiled.precompile as p; "
