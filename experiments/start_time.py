@@ -57,6 +57,7 @@ UNDONE = {"guards": "each saved graph's guards built twice at load (as before)",
           "int8": "drafters' linears on the int8 kernel beside the compiled packed-fp16 target too (stop 57's first try)",
           "hfparts": "HF's RMSNorm and rotary on the packed-fp16 target (before stop 62; no norm library to build)",
           "rotaryop": "HF's rotary application (before stop 63; the library is built either way, with rotary.cpp in it)",
+          "fp16kernel": "fbgemm's fp16 GEMM in compiled graphs (before stop 66's fp16 kernel)",
           "warmsizes": "every tree size the drafter can propose warmed, serving.json's warm_sizes ignored (before stop 64)",
           "tmpheaders": "precompiled headers in /tmp/torchinductor_$USER as before stop 64 (there from earlier runs: "
                         "not built)",
