@@ -247,3 +247,22 @@ def test_fp16_kernel_switch_reads_its_variable(monkeypatch):
     monkeypatch.setenv(native.FP16_KERNEL_ENV, "fastest")
     with pytest.warns(UserWarning, match="neither 'ours' nor 'fbgemm'"):
         assert not native.fp16_kernel_wanted()
+
+
+@needs_avx512
+def test_fp16_kernel_follows_a_repack(fp16_kernel):
+    """The kernel lays its copy out from the module's own fp32 tensors; a repack (an adapting
+    drafter's update) drops that copy, and the stacked ones holding the key, so calls read the new weights."""
+    torch.manual_seed(5)
+    lin = packed.PackedLinear(torch.nn.Linear(64, 8).requires_grad_(False))
+    other = packed.PackedLinear(torch.nn.Linear(64, 8).requires_grad_(False))
+    x = torch.randn(2, 64)
+    before = fp16_kernel.packed_linear(x, lin._key, 8)
+    fused_before = native.packed_linear_cat(x, [lin._key, other._key], 16)
+    with torch.no_grad():
+        lin.weight.mul_(-2.0)
+    lin.repack()
+    after = fp16_kernel.packed_linear(x, lin._key, 8)
+    torch.testing.assert_close(after, -2.0 * (before - lin.bias) + lin.bias, rtol=1e-5, atol=1e-5)
+    assert torch.equal(native.packed_linear_cat(x, [lin._key, other._key], 16)[:, :8], after)
+    assert torch.equal(native.packed_linear_cat(x, [lin._key, other._key], 16)[:, 8:], fused_before[:, 8:])

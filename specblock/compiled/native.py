@@ -50,6 +50,7 @@ SOURCE = r"""
 #include <map>
 #include <optional>
 #include <shared_mutex>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -69,6 +70,9 @@ struct Ours {
 };
 std::unordered_map<int64_t, Ours> ours_single;
 std::map<std::vector<int64_t>, Ours> ours_fused;
+// The modules' own fp32 weight and bias by key (put_dense): the layout is made from them, as
+// reading fbgemm's copy back (unpack) cost six times the layout itself.
+std::unordered_map<int64_t, std::pair<at::Tensor, std::optional<at::Tensor>>> dense;
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,fma")))
 
@@ -127,11 +131,22 @@ at::Tensor ours_linear(const at::Tensor& x, const Ours& o) {
 
 // The parts' fp16 values (fbgemm's unpack gives them exactly, in fp32) in the kernel's layout; none
 // where the shape does not fit it (K a multiple of 32, N of 4).
-std::optional<Ours> make_ours(const std::vector<Packed>& parts) {
+std::optional<Ours> make_ours(const std::vector<int64_t>& keys, const std::vector<Packed>& parts) {
   std::vector<at::Tensor> ws, bs;
   bool bias = false;
-  for (const auto& w : parts) {
-    auto [wt, b] = w->unpack();
+  for (size_t i = 0; i < keys.size(); ++i) {
+    at::Tensor wt;
+    std::optional<at::Tensor> b;
+    {
+      std::shared_lock<std::shared_mutex> lock(mu);
+      auto it = dense.find(keys[i]);
+      if (it != dense.end()) std::tie(wt, b) = it->second;
+    }
+    if (!wt.defined()) {  // no module's tensors: fbgemm's copy read back (the same fp16 values)
+      auto [w, ub] = parts[i]->unpack();
+      wt = w;
+      if (ub.has_value()) b = *ub;
+    }
     ws.push_back(wt.to(at::kFloat));
     bs.push_back(b.has_value() ? b->to(at::kFloat) : at::zeros({wt.size(0)}, wt.options().dtype(at::kFloat)));
     bias = bias || b.has_value();
@@ -175,7 +190,7 @@ const Ours* ours_for(const std::vector<int64_t>& keys) {
   }
   std::vector<Packed> parts;
   for (int64_t k : keys) parts.push_back(find(k));
-  Ours o = make_ours(parts).value_or(Ours{});
+  Ours o = make_ours(keys, parts).value_or(Ours{});
   std::unique_lock<std::shared_mutex> lock(mu);
   Ours& kept = keys.size() == 1 ? ours_single.emplace(keys[0], std::move(o)).first->second
                                 : ours_fused.emplace(keys, std::move(o)).first->second;
@@ -238,15 +253,6 @@ at::Tensor packed_linear_cat(const at::Tensor& x, int64_t k0, int64_t k1, int64_
 
 void set_fp16_kernel(bool on) { ours_on = on; }
 
-// put(int key, Any packed): the ScriptObject fbgemm's prepack returned, kept under ``key``.
-void put(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  c10::IValue obj = torch::jit::pop(*stack);
-  int64_t key = torch::jit::pop(*stack).toInt();
-  Packed w = unbox(obj, "specblock_native::put");
-  std::unique_lock<std::shared_mutex> lock(mu);
-  table[key] = std::move(w);
-}
-
 template <class Map>
 void erase_holding(Map& m, int64_t key) {
   for (auto it = m.begin(); it != m.end();) {
@@ -255,12 +261,35 @@ void erase_holding(Map& m, int64_t key) {
   }
 }
 
-void drop(int64_t key) {  // and every fused matrix holding its rows, and the fp16 kernel's copies
-  std::unique_lock<std::shared_mutex> lock(mu);
-  table.erase(key);
+// Every stacked or laid-out copy holding ``key``'s rows (the caller holds the lock).
+void forget_copies(int64_t key) {
   ours_single.erase(key);
   erase_holding(fused, key);
   erase_holding(ours_fused, key);
+}
+
+// put(int key, Any packed): the ScriptObject fbgemm's prepack returned, kept under ``key``.
+void put(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  c10::IValue obj = torch::jit::pop(*stack);
+  int64_t key = torch::jit::pop(*stack).toInt();
+  Packed w = unbox(obj, "specblock_native::put");
+  std::unique_lock<std::shared_mutex> lock(mu);
+  table[key] = std::move(w);
+  forget_copies(key);  // a repack: copies of the old weights go
+}
+
+// put_dense(int key, Tensor weight, Tensor? bias): the module's fp32 tensors (kept, not copied).
+void put_dense(int64_t key, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  std::unique_lock<std::shared_mutex> lock(mu);
+  dense[key] = {weight, bias};
+  forget_copies(key);
+}
+
+void drop(int64_t key) {  // and every fused matrix holding its rows, and the fp16 kernel's copies
+  std::unique_lock<std::shared_mutex> lock(mu);
+  table.erase(key);
+  dense.erase(key);
+  forget_copies(key);
 }
 
 // How many weights the tables hold: (single, fused).
@@ -277,6 +306,7 @@ TORCH_LIBRARY(specblock_native, m) {
   m.def("drop(int key) -> ()", drop);
   m.def("size() -> (int, int)", size);
   m.def("set_fp16_kernel(bool on) -> ()", set_fp16_kernel);
+  m.def("put_dense(int key, Tensor weight, Tensor? bias) -> ()", put_dense);
 }
 
 TORCH_LIBRARY_IMPL(specblock_native, CPU, m) {
@@ -326,8 +356,10 @@ def packed_linear_cat(x: torch.Tensor, keys: list[int], out_features: int) -> to
 def _mirror(key: int, weight: object | None) -> None:
     if weight is None:
         torch.ops.specblock_native.drop(key)
-    else:
-        torch.ops.specblock_native.put(key, weight)
+        return
+    torch.ops.specblock_native.put(key, weight)
+    if (fp32 := packed.dense(key)) is not None:  # the fp16 kernel lays its copy out from these
+        torch.ops.specblock_native.put_dense(key, fp32[0].detach(), None if fp32[1] is None else fp32[1].detach())
 
 
 def use_native_kernel() -> bool:
