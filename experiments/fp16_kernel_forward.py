@@ -2,8 +2,10 @@
 weights, one forward's linears in order as a compiled graph calls them (q/k/v and gate/up as one
 fused call each, o, down, the head), interleaved in one process; median ms over reps.
 
-Why: ``fp16_kernel_probe.py`` timed bare unfused calls on random weights (ours 11.97 against fbgemm
-17.87 ms at one row), yet the compiled forward on the kernel was slower (``compiled_speed_fp16_kernel_s66.md``).
+Why: ``fp16_kernel_probe.py`` times bare unfused calls on random weights with a library of its own
+(built at -O3), yet the compiled forward on the native library's kernel was slower at first
+(``compiled_speed_fp16_kernel_s66.md``): this isolates the linears, as the graph calls them
+(``fp16_kernel_forward_s66.md`` at -O2, ``fp16_kernel_forward_o3_s66.md`` at -O3).
 
     python experiments/fp16_kernel_forward.py --rows 1,4,8 --reps 12 --out experiments/results/fp16_kernel_forward_s66
 """
