@@ -18,7 +18,7 @@ the Python kernel and says so once: slower, same results.
 The library also holds an fp16 kernel of our own, the default where the CPU has AVX512
 (``SPECBLOCK_FP16_KERNEL=fbgemm`` turns it off): for calls of up to 16 fp32 rows it reads a copy of
 the weights in its own layout (fp16, a block's four output features interleaved per 32 inputs, made
-from fbgemm's on first use), widens them exactly and sums in fp32, the blocks split over the threads
+on first use from the modules' fp32 tensors), widens them exactly and sums in fp32, the blocks split over the threads
 with the next one prefetched. Why: on the real model's own weights, one forward's linears in the
 order a compiled graph calls them took 12.38 / 15.67 / 20.02 ms at 1 / 4 / 8 rows against fbgemm's
 14.96 / 18.88 / 22.43 (``experiments/fp16_kernel_forward.py``, ``fp16_kernel_forward_o3_s66.md``),
@@ -47,6 +47,7 @@ SOURCE = r"""
 #include <ATen/ops/zeros.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <optional>
 #include <shared_mutex>
@@ -60,10 +61,11 @@ std::shared_mutex mu;
 std::unordered_map<int64_t, Packed> table;
 std::map<std::vector<int64_t>, Packed> fused;  // keys of the parts -> their rows packed as one matrix
 
-// ---- the fp16 streaming kernel (opt-in: set_fp16_kernel; the Python module says why) ----
+// ---- the fp16 kernel (switched by set_fp16_kernel: on by default where the CPU runs it; the Python
+// module says why) ----
 constexpr int NB = 4;             // output features a block
 constexpr int64_t MAX_ROWS = 16;  // more rows (a prompt) go to fbgemm
-bool ours_on = false;
+std::atomic<bool> ours_on{false};
 struct Ours {
   at::Tensor w;                 // fp16 [N/4, K/32, 4, 32]: a block's features interleaved per 32 inputs
   std::optional<at::Tensor> b;  // fp32 [N]
@@ -129,8 +131,9 @@ at::Tensor ours_linear(const at::Tensor& x, const Ours& o) {
   return y;
 }
 
-// The parts' fp16 values (fbgemm's unpack gives them exactly, in fp32) in the kernel's layout; none
-// where the shape does not fit it (K a multiple of 32, N of 4).
+// The parts' fp16 values in the kernel's layout, from the modules' fp32 tensors (or, without them,
+// fbgemm's copy read back: the same values); none where the shape does not fit it (K a multiple of
+// 32, N of 4).
 std::optional<Ours> make_ours(const std::vector<int64_t>& keys, const std::vector<Packed>& parts) {
   std::vector<at::Tensor> ws, bs;
   bool bias = false;
@@ -175,33 +178,35 @@ Packed find(int64_t key) {
   return it->second;
 }
 
-// The fp16 kernel's copy of ``keys``' rows, made on first use and kept beside fbgemm's (null where the
-// shape does not fit the kernel).
-const Ours* ours_for(const std::vector<int64_t>& keys) {
+// The fp16 kernel's copy of ``keys``' rows, made on first use and kept beside fbgemm's; none where the
+// shape does not fit the kernel. Returned by value (two tensor handles): a repack on another thread
+// may drop the kept one meanwhile.
+std::optional<Ours> ours_for(const std::vector<int64_t>& keys) {
+  auto usable = [](const Ours& o) { return o.w.defined() ? std::optional<Ours>(o) : std::nullopt; };
   {
     std::shared_lock<std::shared_mutex> lock(mu);
     if (keys.size() == 1) {
       auto it = ours_single.find(keys[0]);
-      if (it != ours_single.end()) return it->second.w.defined() ? &it->second : nullptr;
+      if (it != ours_single.end()) return usable(it->second);
     } else {
       auto it = ours_fused.find(keys);
-      if (it != ours_fused.end()) return it->second.w.defined() ? &it->second : nullptr;
+      if (it != ours_fused.end()) return usable(it->second);
     }
   }
   std::vector<Packed> parts;
   for (int64_t k : keys) parts.push_back(find(k));
   Ours o = make_ours(keys, parts).value_or(Ours{});
   std::unique_lock<std::shared_mutex> lock(mu);
-  Ours& kept = keys.size() == 1 ? ours_single.emplace(keys[0], std::move(o)).first->second
-                                : ours_fused.emplace(keys, std::move(o)).first->second;
-  return kept.w.defined() ? &kept : nullptr;
+  const Ours& kept = keys.size() == 1 ? ours_single.emplace(keys[0], std::move(o)).first->second
+                                      : ours_fused.emplace(keys, std::move(o)).first->second;
+  return usable(kept);
 }
 
 // fbgemm's fp16 GEMM, or the fp16 kernel above where it is on and the call has a few fp32 rows.
 at::Tensor apply(const at::Tensor& x, const std::vector<int64_t>& keys, const Packed& fallback) {
   const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
   if (ours_on && x.scalar_type() == at::kFloat && M >= 1 && M <= MAX_ROWS) {
-    if (const Ours* o = ours_for(keys)) {
+    if (std::optional<Ours> o = ours_for(keys)) {
       at::Tensor y = ours_linear(x.reshape({M, K}).contiguous(), *o);
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
       shape.back() = y.size(1);
