@@ -73,7 +73,7 @@ struct Ours {
 std::unordered_map<int64_t, Ours> ours_single;
 std::map<std::vector<int64_t>, Ours> ours_fused;
 // The modules' own fp32 weight and bias by key (put_dense): the layout is made from them, as
-// reading fbgemm's copy back (unpack) cost six times the layout itself.
+// reading fbgemm's copy back (unpack) was most of the work of making it.
 std::unordered_map<int64_t, std::pair<at::Tensor, std::optional<at::Tensor>>> dense;
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,fma")))

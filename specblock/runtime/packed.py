@@ -125,8 +125,8 @@ PackedLinear.compiled_op = packed_linear
 #: its own (``specblock/compiled/native.py``).
 _MIRRORS: list[Callable[[int, object | None], None]] = []
 #: Each packed weight's fp32 ``weight`` and ``bias`` (the module's own tensors, not copies), for a
-#: mirror that lays the weights out its own way: reading them back from fbgemm's packed copy took
-#: 221 ms for the real model's head against 35 for the layout itself.
+#: mirror that lays the weights out its own way: reading them back from fbgemm's packed copy
+#: (``unpack``) was most of that work (later starts 8.70 against 8.27 s, ``start_time_fp16kernel*_s66.md``).
 _DENSE: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
 
