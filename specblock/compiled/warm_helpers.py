@@ -89,7 +89,10 @@ class Helper:
             cmd.append("--trust-remote-code")
         if target.want_features:
             cmd.append("--features")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log)
+        # fbgemm's GEMM in the helper's own warm-up forwards: the graphs are the same code either way, and
+        # with the fp16 kernel there a first start's warm-up took about 8 s longer (docs/compiled.md, stop 66)
+        env = dict(os.environ, SPECBLOCK_FP16_KERNEL="fbgemm")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log, env=env)
 
     def wait(self, timeout: float = TIMEOUT_S) -> bool:
         """True when the helper compiled and saved every bucket; a warning otherwise (a helper still
