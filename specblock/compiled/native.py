@@ -131,38 +131,6 @@ at::Tensor ours_linear(const at::Tensor& x, const Ours& o) {
   return y;
 }
 
-// The parts' fp16 values in the kernel's layout, from the modules' fp32 tensors (or, without them,
-// fbgemm's copy read back: the same values); none where the shape does not fit it (K a multiple of
-// 32, N of 4).
-std::optional<Ours> make_ours(const std::vector<int64_t>& keys, const std::vector<Packed>& parts) {
-  std::vector<at::Tensor> ws, bs;
-  bool bias = false;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    at::Tensor wt;
-    std::optional<at::Tensor> b;
-    {
-      std::shared_lock<std::shared_mutex> lock(mu);
-      auto it = dense.find(keys[i]);
-      if (it != dense.end()) std::tie(wt, b) = it->second;
-    }
-    if (!wt.defined()) {  // no module's tensors: fbgemm's copy read back (the same fp16 values)
-      auto [w, ub] = parts[i]->unpack();
-      wt = w;
-      if (ub.has_value()) b = *ub;
-    }
-    ws.push_back(wt.to(at::kFloat));
-    bs.push_back(b.has_value() ? b->to(at::kFloat) : at::zeros({wt.size(0)}, wt.options().dtype(at::kFloat)));
-    bias = bias || b.has_value();
-  }
-  at::Tensor w = at::cat(ws, 0);
-  const int64_t N = w.size(0), K = w.size(1);
-  if (K % 32 != 0 || N % NB != 0) return std::nullopt;
-  Ours o;
-  o.w = w.to(at::kHalf).reshape({N / NB, NB, K / 32, 32}).transpose(1, 2).contiguous();
-  if (bias) o.b = at::cat(bs, 0).contiguous();
-  return o;
-}
-
 Packed unbox(const c10::IValue& obj, const char* who) {
   TORCH_CHECK(obj.isObject(), who, ": expected a packed linear weight");
   auto o = obj.toObject();
@@ -176,6 +144,46 @@ Packed find(int64_t key) {
   auto it = table.find(key);
   TORCH_CHECK(it != table.end(), "specblock_native::packed_linear: no packed weight under key ", key);
   return it->second;
+}
+
+// ``keys``' rows stacked in fp32, and their biases (none where no part has one): from the modules'
+// own tensors where ``put_dense`` gave them, else fbgemm's copy read back (the same fp16 values,
+// exactly, but most of the work). fbgemm's stacked copy and the fp16 kernel's are both made from it.
+std::pair<at::Tensor, std::optional<at::Tensor>> stacked(const std::vector<int64_t>& keys) {
+  std::vector<at::Tensor> ws, bs;
+  bool bias = false;
+  for (int64_t k : keys) {
+    at::Tensor w;
+    std::optional<at::Tensor> b;
+    {
+      std::shared_lock<std::shared_mutex> lock(mu);
+      auto it = dense.find(k);
+      if (it != dense.end()) std::tie(w, b) = it->second;
+    }
+    if (!w.defined()) {
+      auto [uw, ub] = find(k)->unpack();
+      w = uw;
+      if (ub.has_value()) b = *ub;
+    }
+    ws.push_back(w.to(at::kFloat));
+    bs.push_back(b.has_value() ? b->to(at::kFloat) : at::zeros({w.size(0)}, w.options().dtype(at::kFloat)));
+    bias = bias || b.has_value();
+  }
+  std::optional<at::Tensor> b;
+  if (bias) b = at::cat(bs, 0).contiguous();
+  return {at::cat(ws, 0).contiguous(), b};
+}
+
+// ``keys``' rows in the fp16 kernel's layout; none where the shape does not fit it (K a multiple of
+// 32, N of 4).
+std::optional<Ours> make_ours(const std::vector<int64_t>& keys) {
+  auto [w, b] = stacked(keys);
+  const int64_t N = w.size(0), K = w.size(1);
+  if (K % 32 != 0 || N % NB != 0) return std::nullopt;
+  Ours o;
+  o.w = w.to(at::kHalf).reshape({N / NB, NB, K / 32, 32}).transpose(1, 2).contiguous();
+  o.b = b;
+  return o;
 }
 
 // The fp16 kernel's copy of ``keys``' rows, made on first use and kept beside fbgemm's; none where the
@@ -193,17 +201,17 @@ std::optional<Ours> ours_for(const std::vector<int64_t>& keys) {
       if (it != ours_fused.end()) return usable(it->second);
     }
   }
-  std::vector<Packed> parts;
-  for (int64_t k : keys) parts.push_back(find(k));
-  Ours o = make_ours(keys, parts).value_or(Ours{});
+  Ours o = make_ours(keys).value_or(Ours{});
   std::unique_lock<std::shared_mutex> lock(mu);
   const Ours& kept = keys.size() == 1 ? ours_single.emplace(keys[0], std::move(o)).first->second
                                       : ours_fused.emplace(keys, std::move(o)).first->second;
   return usable(kept);
 }
 
-// fbgemm's fp16 GEMM, or the fp16 kernel above where it is on and the call has a few fp32 rows.
-at::Tensor apply(const at::Tensor& x, const std::vector<int64_t>& keys, const Packed& fallback) {
+// The fp16 kernel where it is on and the call has a few fp32 rows, else fbgemm's fp16 GEMM on
+// ``fbgemm()``'s weight (looked up, or stacked on first use, only then).
+template <class Fbgemm>
+at::Tensor apply(const at::Tensor& x, const std::vector<int64_t>& keys, Fbgemm fbgemm) {
   const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
   if (ours_on && x.scalar_type() == at::kFloat && M >= 1 && M <= MAX_ROWS) {
     if (std::optional<Ours> o = ours_for(keys)) {
@@ -213,36 +221,28 @@ at::Tensor apply(const at::Tensor& x, const std::vector<int64_t>& keys, const Pa
       return y.view(shape);
     }
   }
-  return fallback->apply_dynamic(x);
+  return fbgemm()->apply_dynamic(x);
 }
 
 at::Tensor packed_linear(const at::Tensor& x, int64_t key, int64_t out_features) {
-  return ours_on ? apply(x, {key}, find(key)) : find(key)->apply_dynamic(x);
+  return apply(x, {key}, [&] { return find(key); });
 }
 
-// The parts' rows stacked and packed once, on first use: unpacking gives their fp16 values
-// exactly (in fp32), so packing the stack again loses nothing.
+// The parts' rows stacked and packed once, on first use: packing their fp32 rows again gives the
+// same fp16 values, so the stack loses nothing.
 Packed fuse(const std::vector<int64_t>& keys) {
   {
     std::shared_lock<std::shared_mutex> lock(mu);
     auto it = fused.find(keys);
     if (it != fused.end()) return it->second;
   }
-  std::vector<at::Tensor> ws, bs;
-  bool bias = false;
-  for (int64_t k : keys) {
-    auto [w, b] = find(k)->unpack();
-    ws.push_back(w.to(at::kFloat));
-    bs.push_back(b.has_value() ? b->to(at::kFloat) : at::zeros({w.size(0)}, w.options().dtype(at::kFloat)));
-    bias = bias || b.has_value();
-  }
+  auto [w, b] = stacked(keys);
   static auto prepack = c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_prepack_fp16", "");
-  torch::jit::Stack st{c10::IValue(at::cat(ws, 0).contiguous()),
-                       bias ? c10::IValue(at::cat(bs, 0).contiguous()) : c10::IValue()};
+  torch::jit::Stack st{c10::IValue(w), b ? c10::IValue(*b) : c10::IValue()};
   prepack.callBoxed(&st);
-  Packed w = unbox(st.at(0), "specblock_native::packed_linear_cat");
+  Packed packed = unbox(st.at(0), "specblock_native::packed_linear_cat");
   std::unique_lock<std::shared_mutex> lock(mu);
-  return fused.emplace(keys, std::move(w)).first->second;
+  return fused.emplace(keys, std::move(packed)).first->second;
 }
 
 // Linears that read the same input (q/k/v, gate/up) as one GEMM: one call, one pass over x. The keys
@@ -253,7 +253,7 @@ at::Tensor packed_linear_cat(const at::Tensor& x, int64_t k0, int64_t k1, int64_
   for (int64_t k : {k0, k1, k2, k3}) {
     if (k >= 0) keys.push_back(k);
   }
-  return ours_on ? apply(x, keys, fuse(keys)) : fuse(keys)->apply_dynamic(x);
+  return apply(x, keys, [&] { return fuse(keys); });
 }
 
 void set_fp16_kernel(bool on) { ours_on = on; }
@@ -393,7 +393,7 @@ def fp16_kernel_wanted() -> bool:
         warnings.warn(f"specblock: {FP16_KERNEL_ENV}={value!r} is neither 'ours' nor 'fbgemm'; fbgemm's kernel runs",
                       stacklevel=2)
         return False
-    return value == "ours" and {"avx512f", "avx512bw", "fma"} <= cext.cpu_flags()
+    return value == "ours" and q4_kernel.cpu_supports()  # the same instructions as q4's kernel (AVX512F/BW, FMA)
 
 
 def set_fp16_kernel(on: bool) -> None:
