@@ -140,3 +140,40 @@ def test_every_shipped_drafter_is_lossless_at_q4(real_q4, method):
         budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
         res = Engine(target, drafters.build(method, target, opts), budget=budget, eos_ids=stops).generate(ids, 48)
         assert res.token_ids == plain.token_ids, (method, q)
+
+
+@pytest.fixture(scope="module")
+def real_packed_q4(real):
+    from specblock.runtime import q4_kernel
+
+    if not (q4_kernel.cpu_supports() and q4_kernel.load()):
+        pytest.skip("packed-q4 runs on our fp32 q4 kernel (AVX512F/AVX512BW)")
+    path, target32, tok, stops = real
+    return TargetModel.load(path, "packed-q4", "cpu"), target32, tok, stops
+
+
+def test_packed_q4_reads_the_checkpoints_weights_bit_for_bit(real_packed_q4):
+    """The first layer's linears and the tied head, through the kernel (an identity input), equal the
+    fp32 load of the bf16 checkpoint; the load itself checks the first rows of every linear."""
+    from specblock.runtime import q4
+
+    target, target32, _, _ = real_packed_q4
+    assert target.dtype_name == "packed-q4"
+    ref = dict(target32.model.named_modules())
+    checked = 0
+    for name, mod in target.model.named_modules():
+        if isinstance(mod, (q4.Int4Linear, q4.Int8Linear)) and (".layers.0." in name or name == "lm_head"):
+            assert mod.bf16 and torch.equal(mod(torch.eye(mod.in_features)).t(), ref[name].weight), name
+            checked += 1
+    assert checked == 8
+
+
+@pytest.mark.parametrize("method", SHIPPED)
+def test_every_shipped_drafter_is_lossless_at_packed_q4(real_packed_q4, method):
+    target, _, tok, stops = real_packed_q4
+    ids = chat.encode(tok, chat.ChatRequest(prompt=QUESTIONS[1]))
+    plain = Engine(target, drafters.build("ar", target, {}), eos_ids=stops).generate(ids, 32)
+    opts = drafters.serving_settings(method, target, {})
+    budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
+    res = Engine(target, drafters.build(method, target, opts), budget=budget, eos_ids=stops).generate(ids, 32)
+    assert res.token_ids == plain.token_ids, method

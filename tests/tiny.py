@@ -117,6 +117,33 @@ def save_tiny_q4(path, head: bool = True, **kw):
     return path
 
 
+def save_tiny_packed_q4(path, **kw):
+    """``save_tiny_q4``'s model with its checkpoint rewritten as ``models/convert.py`` writes one from
+    a GGUF: each linear the Q4_1 file holds (and the Q8_0 head) dequantized and rounded to bf16,
+    saved in bf16 (what ``--dtype packed-q4`` needs)."""
+    from safetensors.torch import load_file
+
+    from specblock.q4file import Q4_FILE, dequantize_q4_1, dequantize_q8_0
+    from specblock.runtime.target import TargetModel
+
+    save_tiny_q4(path, **kw)
+    model = TargetModel.load(path, "float32", "cpu").model
+    stored = load_file(str(path / Q4_FILE))
+    mods = dict(model.named_modules())
+    with torch.no_grad():
+        for key in stored:
+            name, kind = key.rsplit(".", 1)
+            if kind == "qs":
+                w = dequantize_q4_1(stored[key], stored[f"{name}.d"], stored[f"{name}.m"])
+            elif kind == "q8":
+                w = dequantize_q8_0(stored[key], stored[f"{name}.d8"])
+            else:
+                continue
+            mods[name].weight.copy_(w.bfloat16().float())
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
 def hf_greedy(model, prompt, n: int) -> list[int]:
     """The reference every lossless test compares against: HF generate(do_sample=False)."""
     out = model.generate(torch.tensor(prompt)[None], max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)

@@ -50,10 +50,13 @@ import torch
 from torch import nn
 
 from specblock.errors import SpecBlockError
-from specblock.q4file import GROUP, Q4_FILE, dequantize_q8_0, quantize_q4_1, quantize_q8_0, unpack_nibbles
+from specblock.q4file import GROUP, Q4_FILE, dequantize_q4_1, dequantize_q8_0, quantize_q4_1, quantize_q8_0, unpack_nibbles
 from specblock.runtime import q4_kernel
 
 Q4 = "q4"
+#: The bf16 checkpoint's own weights read from the 4-bit codes they were dequantized from (see
+#: ``use_q4_linears``'s ``bf16``): the fp32 kernel, each weight rounded to bf16 as the converter did.
+PACKED_Q4 = "packed-q4"
 KERNELS = ("int8", "fp32", "bf16")
 OURS = ("int8", "fp32")  # the kernels of ``runtime/q4_kernel.py``
 
@@ -96,6 +99,7 @@ class _OursLinear(nn.Module):
     (ours) unless a subclass runs another."""
 
     kernel = "fp32"
+    bf16 = False  # weights rounded to bf16 in the kernel (--dtype packed-q4; fp32 kernel only)
     out_features: int
     _q4: tuple[torch.Tensor, torch.Tensor]
 
@@ -107,11 +111,11 @@ class _OursLinear(nn.Module):
         elif self.kernel == "int8":
             y = q4_kernel.linear8(x2, *self._q4)
         else:
-            y = q4_kernel.linear(x2, *self._q4)
+            y = q4_kernel.linear(x2, *self._q4, self.bf16)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def _register(self) -> None:
-        self._key = q4_kernel.register(self._q4, self)
+        self._key = q4_kernel.register(self._q4, self, bf16=self.bf16)
 
     def __setstate__(self, state: dict) -> None:
         """A copy (deepcopy, pickle) gets a key of its own, as ``PackedLinear``'s does; one without
@@ -134,7 +138,8 @@ class Int4Linear(_OursLinear):
     reads only the kernel's own weights (``_q4``, kept by key for compiled graphs; or the
     ``qweight``/``scale_zero`` buffers of torch's kernel)."""
 
-    def __init__(self, lin: nn.Linear, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kernel: str | None = None) -> None:
+    def __init__(self, lin: nn.Linear, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kernel: str | None = None,
+                 bf16: bool = False) -> None:
         super().__init__()
         n, k = lin.out_features, lin.in_features
         if lin.bias is not None:
@@ -148,6 +153,9 @@ class Int4Linear(_OursLinear):
         self.kernel = kernel or default_kernel()
         if self.kernel not in KERNELS:
             raise SpecBlockError(f"unknown q4 kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
+        if bf16 and self.kernel != "fp32":
+            raise SpecBlockError(f"bf16-rounded Q4_1 weights run on the fp32 kernel, not {self.kernel!r}")
+        self.bf16 = bf16
         if self.kernel in OURS:
             if not q4_kernel.load() or (self.kernel == "int8" and not q4_kernel.vnni_supports()):
                 raise SpecBlockError(f"the {self.kernel} q4 kernel cannot run here; use kernel='bf16'")
@@ -175,7 +183,8 @@ class Int4Linear(_OursLinear):
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scale_zero))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 q4_1, {self.kernel} kernel"
+        rounded = ", rounded to bf16" if self.bf16 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 q4_1{rounded}, {self.kernel} kernel"
 
 
 class Int8Linear(_OursLinear):
@@ -183,7 +192,7 @@ class Int8Linear(_OursLinear):
     the GGUF's LM head. ``weight`` stays for code that reads weights (drafters copy the target's
     head), holding the same exact values the kernel multiplies by."""
 
-    def __init__(self, lin: nn.Linear, q: torch.Tensor, d: torch.Tensor, kernel: str = "fp32") -> None:
+    def __init__(self, lin: nn.Linear, q: torch.Tensor, d: torch.Tensor, kernel: str = "fp32", bf16: bool = False) -> None:
         super().__init__()
         n, k = lin.out_features, lin.in_features
         if lin.bias is not None:
@@ -191,12 +200,14 @@ class Int8Linear(_OursLinear):
         if tuple(q.shape) != (n, k) or tuple(d.shape) != (n, k // GROUP) or not fits(n, k):
             raise SpecBlockError(f"Q8_0 weights of shape {tuple(q.shape)} do not fit a {k} -> {n} linear")
         self.in_features, self.out_features = k, n
-        self.weight = lin.weight
-        with torch.no_grad():
-            self.weight.copy_(dequantize_q8_0(q, d))  # exact (and a tied embedding with it)
         if kernel not in OURS:
             raise SpecBlockError(f"a Q8_0 head runs on our kernels ({', '.join(OURS)}), not {kernel!r}")
-        self.kernel = kernel
+        if bf16 and kernel != "fp32":
+            raise SpecBlockError(f"bf16-rounded Q8_0 weights run on the fp32 kernel, not {kernel!r}")
+        self.kernel, self.bf16 = kernel, bf16
+        self.weight = lin.weight
+        with torch.no_grad():  # the values the kernel multiplies by (and a tied embedding with them)
+            self.weight.copy_(self._values(q, d))
         self._q4 = self._layout(q, d)
         self._register()
 
@@ -208,16 +219,22 @@ class Int8Linear(_OursLinear):
         the new values under the same key, so compiled graphs that name it read them too."""
         q, d = quantize_q8_0(self.weight)
         with torch.no_grad():
-            self.weight.copy_(dequantize_q8_0(q, d))
+            self.weight.copy_(self._values(q, d))
         self._q4 = self._layout(q, d)
-        q4_kernel.register(self._q4, self, self._key)
+        q4_kernel.register(self._q4, self, self._key, bf16=self.bf16)
+
+    def _values(self, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """``d * q`` (exact in fp32), rounded to bf16 where the kernel rounds it."""
+        w = dequantize_q8_0(q, d)
+        return w.bfloat16().float() if self.bf16 else w
 
     def _layout(self, q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The kernel's weights: the fp32 kernel's ``(qb, dm)`` or the int8 kernel's ``(w,)``."""
         return q4_kernel.layout_q8(q, d) if self.kernel == "fp32" else (q4_kernel.layout8_q8(q, d),)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 q8_0, {self.kernel} kernel"
+        rounded = ", rounded to bf16" if self.bf16 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 q8_0{rounded}, {self.kernel} kernel"
 
 
 def int8_kernel_of(model: nn.Module) -> bool:
@@ -250,20 +267,34 @@ def use_int8_linears(model: nn.Module, bits: int = 8) -> int:
     return len(found)
 
 
-def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None) -> int:
+def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None, bf16: bool = False) -> int:
     """Replace each ``nn.Linear`` of an fp32 CPU model that ``path/q4_1.safetensors`` holds; returns
-    how many. ``kernel`` None: :func:`default_kernel`."""
+    how many. ``kernel`` None: :func:`default_kernel`.
+
+    ``bf16`` (``--dtype packed-q4``): the model keeps its checkpoint's weights, bit for bit. Where the
+    checkpoint is the GGUF's dequantization rounded to bf16 (``models/convert.py``), each weight is
+    ``bf16(d * q + m)`` (``bf16(d * q)`` for the head), so the fp32 kernel reads the 4-bit codes and
+    rounds each weight as the converter did: the bytes of q4, the values of the checkpoint, fp32
+    arithmetic. Each linear's first rows are checked against the checkpoint at load (a file that
+    does not match is refused: use packed-fp16)."""
     from safetensors import safe_open
 
-    if not available():
+    name_ = PACKED_Q4 if bf16 else Q4
+    if bf16:
+        if kernel not in (None, "fp32"):
+            raise SpecBlockError(f"--dtype {PACKED_Q4} runs on the fp32 q4 kernel, not {kernel!r}")
+        kernel = "fp32"
+        if not q4_kernel.load():
+            raise SpecBlockError(f"--dtype {PACKED_Q4} needs our q4 kernel (AVX512F/BW, a C++ compiler); use packed-fp16")
+    elif not available():
         raise SpecBlockError(f"--dtype {Q4} needs torch's CPU int4 kernel (torch >= 2.6); use packed-fp16")
     f = Path(path) / Q4_FILE
     if not f.is_file():
-        raise SpecBlockError(f"{path} has no {Q4_FILE} (--dtype {Q4} serves a model's own Q4_1 GGUF weights; "
+        raise SpecBlockError(f"{path} has no {Q4_FILE} (--dtype {name_} reads a model's own Q4_1 GGUF weights; "
                              "`python -m specblock.runtime models --build NAME` writes it for a named model); use packed-fp16")
     p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype != torch.float32:
-        raise SpecBlockError(f"--dtype {Q4} runs on an fp32 CPU model (loaded as {p.dtype} on {p.device.type}); use bfloat16 on CUDA")
+        raise SpecBlockError(f"--dtype {name_} runs on an fp32 CPU model (loaded as {p.dtype} on {p.device.type}); use bfloat16 on CUDA")
     kernel = kernel or default_kernel()
     with safe_open(str(f), framework="pt") as st:
         names = {k.rsplit(".", 1)[0] for k in st.keys() if k.endswith(".qs")}
@@ -278,12 +309,28 @@ def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None) -> i
             owner = mods[parent] if parent else model
             lin = getattr(owner, attr)
             lin.weight.requires_grad_(False)
-            setattr(owner, attr, Int4Linear(lin, st.get_tensor(f"{name}.qs"), st.get_tensor(f"{name}.d"),
-                                            st.get_tensor(f"{name}.m"), kernel))
+            qs, d, m = st.get_tensor(f"{name}.qs"), st.get_tensor(f"{name}.d"), st.get_tensor(f"{name}.m")
+            if bf16:
+                _check_rounding(name, dequantize_q4_1(qs[:CHECK_ROWS], d[:CHECK_ROWS], m[:CHECK_ROWS]), lin.weight, f)
+            setattr(owner, attr, Int4Linear(lin, qs, d, m, kernel, bf16=bf16))
         for name in sorted(q8):  # torch's int4 kernel has no Q8_0: there the head is packed fp16
             parent, _, attr = name.rpartition(".")
             owner = mods[parent] if parent else model
             lin = getattr(owner, attr)
             lin.weight.requires_grad_(False)
-            setattr(owner, attr, Int8Linear(lin, st.get_tensor(f"{name}.q8"), st.get_tensor(f"{name}.d8"), kernel))
+            q, d = st.get_tensor(f"{name}.q8"), st.get_tensor(f"{name}.d8")
+            if bf16:
+                _check_rounding(name, dequantize_q8_0(q[:CHECK_ROWS], d[:CHECK_ROWS]), lin.weight, f)
+            setattr(owner, attr, Int8Linear(lin, q, d, kernel, bf16=bf16))
     return len(names) + len(q8)
+
+
+#: Rows of each linear ``packed-q4`` checks against the checkpoint at load (all of them cost about
+#: a second; ``tests/test_real_model.py`` checks every weight of the real model).
+CHECK_ROWS = 16
+
+
+def _check_rounding(name: str, values: torch.Tensor, weight: torch.Tensor, f: Path) -> None:
+    if not torch.equal(values.bfloat16().float(), weight[:values.shape[0]]):
+        raise SpecBlockError(f"{f}: {name}'s 4-bit weights rounded to bf16 are not this checkpoint's "
+                             f"(--dtype {PACKED_Q4} needs the checkpoint a Q4_1 GGUF was converted to); use packed-fp16")

@@ -37,6 +37,37 @@ struct Q8_0 {  // 32 signed bytes in order and d: d * q (exact in fp32)
   }
 };
 
+// The bf16 checkpoint's weights from the same bytes (--dtype packed-q4): each d * q + m (d * q)
+// rounded to bf16, ties to even, as torch rounds a float (the converter's last step; finite
+// values only, which these are). Then widened back: exact in fp32.
+SPECBLOCK_AVX512 static inline __m512 round_bf16(__m512 w) {
+  const __m512i b = _mm512_castps_si512(w);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd);
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+// Q4_1's 16 values per feature and group as a table (one multiply-add and one rounding per 32
+// weights), each weight looked up by its nibble: the lookup reads an index's low 4 bits only, so
+// the low nibbles need no mask.
+struct Q4_1B {
+  static constexpr int QB = 16, SB = 2;
+  SPECBLOCK_AVX512 static inline void decode(const uint8_t* q, const float* s, __m512& lo, __m512& hi) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 t = round_bf16(_mm512_fmadd_ps(iota, _mm512_set1_ps(s[0]), _mm512_set1_ps(s[1])));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    lo = _mm512_permutexvar_ps(b, t);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t);
+  }
+};
+struct Q8_0B {
+  static constexpr int QB = 32, SB = 1;
+  SPECBLOCK_AVX512 static inline void decode(const uint8_t* q, const float* s, __m512& lo, __m512& hi) {
+    Q8_0::decode(q, s, lo, hi);
+    lo = round_bf16(lo);
+    hi = round_bf16(hi);
+  }
+};
+
 // Rows [0, R) of x against NJ consecutive features of a block (qb, dm already offset to the
 // first). Each output: acc = fma(w_lo, x_lo, acc); acc = fma(w_hi, x_hi, acc) per group in
 // order, then one horizontal sum: the same operations whatever R, NJ or the call's row count.
@@ -123,24 +154,31 @@ bool check_weights(const at::Tensor& qb, const at::Tensor& dm) {
   return q8;
 }
 
+// One linear's weights: the fp32 kernel's (qb, dm) and whether they stand for their bf16 roundings
+// (Q4_1B, Q8_0B); the int8 kernel's are qb alone (3-D, dm empty).
+struct Weights {
+  at::Tensor qb, dm;
+  bool bf16 = false;
+};
+
 // x [M, K] fp32 times one weight (see check_weights) -> [M, N] fp32.
-at::Tensor run_fp32(const at::Tensor& x, const std::vector<std::pair<at::Tensor, at::Tensor>>& ws);
-at::Tensor linear(const at::Tensor& x, const at::Tensor& qb, const at::Tensor& dm) { return run_fp32(x, {{qb, dm}}); }
+at::Tensor run_fp32(const at::Tensor& x, const std::vector<Weights>& ws);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& qb, const at::Tensor& dm, bool bf16) { return run_fp32(x, {{qb, dm, bf16}}); }
 
 // @include q4_int8.cpp
 
 // The fp32 kernel over several weights at once, as run8.
-at::Tensor run_fp32(const at::Tensor& x, const std::vector<std::pair<at::Tensor, at::Tensor>>& ws) {
+at::Tensor run_fp32(const at::Tensor& x, const std::vector<Weights>& ws) {
   TORCH_CHECK(cpu_ok(), "specblock_q4::linear needs AVX512F, AVX512BW and FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "specblock_q4::linear: x must be 2-D float32");
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<int64_t> starts;
   int64_t blocks = 0;
   for (const auto& w : ws) {
-    check_weights(w.first, w.second);
-    TORCH_CHECK(K == w.first.size(1) * 32, "specblock_q4::linear: x has ", K, " inputs, the weights ", w.first.size(1) * 32);
+    check_weights(w.qb, w.dm);
+    TORCH_CHECK(K == w.qb.size(1) * 32, "specblock_q4::linear: x has ", K, " inputs, the weights ", w.qb.size(1) * 32);
     starts.push_back(blocks);
-    blocks += w.first.size(0);
+    blocks += w.qb.size(0);
   }
   const int64_t N = blocks * NB;
   const at::Tensor xc = x.contiguous();
@@ -150,11 +188,13 @@ at::Tensor run_fp32(const at::Tensor& x, const std::vector<std::pair<at::Tensor,
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (size_t i = 0; i < ws.size(); ++i) {
-      const int64_t n = ws[i].first.size(0), lo = std::max(b0, starts[i]) - starts[i], hi = std::min(b1, starts[i] + n) - starts[i];
+      const int64_t n = ws[i].qb.size(0), lo = std::max(b0, starts[i]) - starts[i], hi = std::min(b1, starts[i] + n) - starts[i];
       if (lo >= hi) continue;
-      const auto* qp = static_cast<const uint8_t*>(ws[i].first.data_ptr());
-      const float* dp = ws[i].second.data_ptr<float>();
-      (ws[i].first.scalar_type() == at::kChar ? run_blocks<Q8_0> : run_blocks<Q4_1>)(xp, M, K, qp, dp, lo, hi, yp + starts[i] * NB, N);
+      const auto* qp = static_cast<const uint8_t*>(ws[i].qb.data_ptr());
+      const float* dp = ws[i].dm.data_ptr<float>();
+      const bool q8 = ws[i].qb.scalar_type() == at::kChar;
+      const auto run = ws[i].bf16 ? (q8 ? run_blocks<Q8_0B> : run_blocks<Q4_1B>) : (q8 ? run_blocks<Q8_0> : run_blocks<Q4_1>);
+      run(xp, M, K, qp, dp, lo, hi, yp + starts[i] * NB, N);
     }
   });
   return y;
@@ -163,11 +203,11 @@ at::Tensor run_fp32(const at::Tensor& x, const std::vector<std::pair<at::Tensor,
 // Weights by key, for compiled graphs: a graph that holds an int instead of two tensors per
 // linear leaves dynamo 420 fewer tensors to guard on every call.
 std::shared_mutex mu;
-std::unordered_map<int64_t, std::pair<at::Tensor, at::Tensor>> table;
+std::unordered_map<int64_t, Weights> table;
 
-void put(int64_t key, const at::Tensor& qb, const at::Tensor& dm) {
+void put(int64_t key, const at::Tensor& qb, const at::Tensor& dm, bool bf16) {
   std::unique_lock<std::shared_mutex> lock(mu);
-  table[key] = {qb, dm};
+  table[key] = {qb, dm, bf16};
 }
 
 void drop(int64_t key) {
@@ -175,7 +215,7 @@ void drop(int64_t key) {
   table.erase(key);
 }
 
-std::pair<at::Tensor, at::Tensor> find(int64_t key) {
+Weights find(int64_t key) {
   std::shared_lock<std::shared_mutex> lock(mu);
   auto it = table.find(key);
   TORCH_CHECK(it != table.end(), "specblock_q4::linear_key: no weights under key ", key);
@@ -187,19 +227,19 @@ std::pair<at::Tensor, at::Tensor> find(int64_t key) {
 // as its own call's).
 at::Tensor run_keys(const at::Tensor& x, const std::vector<int64_t>& keys, int64_t out_features) {
   TORCH_CHECK(!keys.empty(), "specblock_q4::linear_key: no keys");
-  std::vector<std::pair<at::Tensor, at::Tensor>> ws;
+  std::vector<Weights> ws;
   int64_t n = 0;
   for (const int64_t key : keys) {
     ws.push_back(find(key));
-    n += ws.back().first.size(0) * (ws.back().first.dim() == 3 ? NF : NB);
+    n += ws.back().qb.size(0) * (ws.back().qb.dim() == 3 ? NF : NB);
   }
   TORCH_CHECK(n == out_features, "specblock_q4::linear_key: keys hold ", n, " outputs, not ", out_features);
-  const bool int8 = ws[0].first.dim() == 3;
+  const bool int8 = ws[0].qb.dim() == 3;
   for (const auto& w : ws)
-    TORCH_CHECK((w.first.dim() == 3) == int8, "specblock_q4::linear_key_cat: keys of both kernels in one call");
+    TORCH_CHECK((w.qb.dim() == 3) == int8, "specblock_q4::linear_key_cat: keys of both kernels in one call");
   if (!int8) return run_fp32(x, ws);
   std::vector<at::Tensor> w8;
-  for (const auto& w : ws) w8.push_back(w.first);
+  for (const auto& w : ws) w8.push_back(w.qb);
   return run8(x, w8);
 }
 
@@ -220,10 +260,10 @@ at::Tensor linear_key(const at::Tensor& x, int64_t key, int64_t out_features) {
 }  // namespace
 
 TORCH_LIBRARY(specblock_q4, m) {
-  m.def("linear(Tensor x, Tensor qb, Tensor dm) -> Tensor");
+  m.def("linear(Tensor x, Tensor qb, Tensor dm, bool bf16=False) -> Tensor");
   m.def("linear_key(Tensor x, int key, int out_features) -> Tensor");
   m.def("linear_key_cat(Tensor x, int key0, int key1, int key2, int key3, int out_features) -> Tensor");
-  m.def("put(int key, Tensor qb, Tensor dm) -> ()", put);
+  m.def("put(int key, Tensor qb, Tensor dm, bool bf16=False) -> ()", put);
   m.def("drop(int key) -> ()", drop);
   m.def("set_prefetch(int blocks) -> ()", [](int64_t n) { prefetch_ahead.store(std::max<int64_t>(n, 0)); });
   m.def("linear8(Tensor x, Tensor w) -> Tensor");

@@ -80,7 +80,7 @@ def vnni_supports() -> bool:
     return cpu_supports() and "avx512_vnni" in cext.cpu_flags()
 
 
-def _fake(x: torch.Tensor, qb: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+def _fake(x: torch.Tensor, qb: torch.Tensor, dm: torch.Tensor, bf16: bool = False) -> torch.Tensor:
     return x.new_empty((x.shape[0], qb.shape[0] * NB))
 
 
@@ -201,22 +201,26 @@ def linear8(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.specblock_q4.linear8(x, w)
 
 
-def linear(x: torch.Tensor, qb: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    """``x [M, K]`` fp32 times Q4_1 weights (``layout``) or Q8_0 ones (``layout_q8``): ``[M, N]`` fp32."""
-    return torch.ops.specblock_q4.linear(x, qb, dm)
+def linear(x: torch.Tensor, qb: torch.Tensor, dm: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """``x [M, K]`` fp32 times Q4_1 weights (``layout``) or Q8_0 ones (``layout_q8``): ``[M, N]`` fp32.
+    ``bf16``: each weight rounded to bf16 first (``--dtype packed-q4``: the checkpoint's values)."""
+    return torch.ops.specblock_q4.linear(x, qb, dm, bf16)
 
 
 _KEYS = itertools.count()
 
 
-def register(weights: tuple[torch.Tensor, ...], owner: object, key: int | None = None) -> int:
+def register(weights: tuple[torch.Tensor, ...], owner: object, key: int | None = None, bf16: bool = False) -> int:
     """Keep a linear's weights (the fp32 kernel's ``(qb, dm)`` or the int8 kernel's ``(w,)``) under
     a new key until ``owner`` is collected: what a compiled graph calls ``linear_key`` with (ints
-    are cheap to guard, tensors are not). ``key``: replace the weights under ``owner``'s own key."""
+    are cheap to guard, tensors are not). ``key``: replace the weights under ``owner``'s own key.
+    ``bf16``: as ``linear``'s (fp32 kernel only)."""
     new = key is None
     key = next(_KEYS) if new else key
     qb, dm = weights if len(weights) == 2 else (weights[0], torch.empty(0))
-    torch.ops.specblock_q4.put(key, qb, dm)
+    if bf16 and len(weights) != 2:
+        raise ValueError("bf16 weights run on the fp32 kernel, not the int8 one")
+    torch.ops.specblock_q4.put(key, qb, dm, bf16)
     if new:
         weakref.finalize(owner, _drop, key)
     return key

@@ -130,8 +130,8 @@ def pack_for(drafter: Drafter, target, int8: bool | None = None) -> int:
 
 
 def wants_int8(target) -> bool:
-    """The default: int8 drafter linears beside an eager packed target and beside a q4 target on the
-    int8 kernel, not beside a compiled packed-fp16 one.
+    """The default: int8 drafter linears beside an eager packed target and beside a target on our q4
+    kernels (q4, packed-q4), not beside a compiled packed-fp16 one.
 
     Why: a drafter's forward is a dozen linears over a few rows, where fbgemm's fp16 call costs
     1.7-4x the int8 kernel's (``experiments/drafter_linears.py``), and a drafter's precision moves
@@ -141,29 +141,29 @@ def wants_int8(target) -> bool:
     (``bench_smollm2_compiled_int8_drafters.md``), but the kernel's library is one more C++ build
     before a first start's first compile: the default server's first start took 111.1 and 120.9 s
     with it against 106.1 and 114.1 s without (``first_start_ab_int8.md``), and issue 16 asks for
-    under 2 minutes. Beside a q4 target on that kernel the library is built anyway."""
+    under 2 minutes. Beside a target on our q4 kernels (the same library) it is built anyway."""
     if not INT8_DRAFTERS:
         return False
     if not getattr(target, "compiled", False):
         return True
-    from specblock.runtime.q4 import int8_kernel_of
+    from specblock.runtime.q4 import keyed_q4
 
     model = getattr(target, "model", None)
-    return model is not None and int8_kernel_of(model)
+    return model is not None and keyed_q4(model)
 
 
 def start_int8_build(dtype: str, device: str, compiled: bool) -> None:
     """The int8 kernel's library starts building in the background now, beside the target's load,
     where the process will load it: a drafter on it by default beside an eager packed-fp16 target
-    (``wants_int8``), and any q4 target (its own kernels are that library). A CPU with AVX512-VNNI."""
+    (``wants_int8``), and any q4 or packed-q4 target (its own kernels are that library). A CPU with AVX512-VNNI."""
     from specblock.runtime import q4_kernel
-    from specblock.runtime.target import PACKED_FP16, Q4, resolve_device, resolve_dtype
+    from specblock.runtime.target import PACKED_FP16, PACKED_Q4, Q4, resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     if not (INT8_DRAFTERS and dev.type == "cpu" and q4_kernel.vnni_supports()):
         return
     dtype = resolve_dtype(dtype, dev)
-    if dtype == Q4 or (dtype == PACKED_FP16 and not compiled):
+    if dtype in (Q4, PACKED_Q4) or (dtype == PACKED_FP16 and not compiled):
         q4_kernel.start_building()
 
 
