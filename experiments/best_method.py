@@ -10,7 +10,11 @@ The highest mean Spd over the bench's domains among the methods the CLI can run 
 ``--compiled`` reads a compiled-against-eager bench instead (``real_drafters.sh compiled``: each
 method as ``METHOD@c`` on the compiled target) and records its fastest ``@c`` method under
 ``"compiled"`` in the same file, what ``--method auto --compile`` runs; the rest is kept, as a new eager
-record keeps the ``"compiled"`` one.
+record keeps the ``"compiled"`` one. A bench in another dtype than the file's record goes under
+``"other_dtypes"`` (its eager record, or with ``--compiled`` its ``"compiled"`` one), e.g. packed-q4's:
+
+    python experiments/best_method.py experiments/results/bench_smollm2_compiled_packed_q4_s67.json --compiled \
+        --write specblock/assets/drafters/smollm2-135m-instruct
 """
 
 from __future__ import annotations
@@ -56,15 +60,21 @@ def main(argv: list[str]) -> int:
                        + ", ".join(f"{m}{'@c' if args.compiled else ''} {v:.2f}x"
                                    for m, v in sorted(means.items(), key=lambda kv: -kv[1]))}
     out = args.write / "best.json"
-    if args.compiled:
-        if not out.is_file():
+    base = json.loads(out.read_text()) if out.is_file() else {}
+    if base and base.get("dtype") not in (None, rec["dtype"]):  # another dtype: its own entry, the rest kept
+        others = dict(base.get("other_dtypes") or {})
+        entry = dict(others.get(rec["dtype"]) or {})
+        if args.compiled:
+            entry["compiled"] = rec
+        else:
+            entry.update({k: v for k, v in rec.items() if k != "dtype"})
+        rec = {**base, "other_dtypes": {**others, rec["dtype"]: entry}}
+    elif args.compiled:
+        if not base:
             raise SystemExit(f"{out} does not exist: record the eager table first (without --compiled)")
-        base = json.loads(out.read_text())
-        if base.get("dtype") not in (None, rec["dtype"]):
-            raise SystemExit(f"{out} was measured in {base['dtype']}, this bench in {rec['dtype']}: measure both in one dtype")
         rec = {**base, "compiled": rec}
-    elif out.is_file() and "compiled" in (base := json.loads(out.read_text())):
-        rec["compiled"] = base["compiled"]  # a new eager table leaves the compiled record (its own dtype) alone
+    else:  # a new eager table leaves the compiled record and the other dtypes' alone
+        rec.update({k: base[k] for k in ("compiled", "other_dtypes") if k in base})
     write_atomic(out, json.dumps(rec, indent=1) + "\n")
     print(json.dumps(rec))
     return 0

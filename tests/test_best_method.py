@@ -39,6 +39,12 @@ def test_auto_falls_back_to_lookup_then_follows_the_record(fake_target):
     assert registry.best_method("fake", "packed-fp16") == "eagle3"
     assert RunConfig(target="fake", method="auto", dtype="packed-fp16", compile=True).method == "ar"
     assert RunConfig(target="fake", method="auto", dtype="bfloat16", compile=True).method == "lookup"
+    # another dtype's own record (best_method.py writes it under other_dtypes): compiled only here
+    (fake_target / "best.json").write_text(json.dumps({**compiled, "other_dtypes": {"packed-q4": {"compiled": {"method": "medusa"}}}}))
+    assert registry.best_method("fake", "packed-q4", compiled=True) == "medusa"
+    assert registry.best_method("fake", "packed-q4") == "lookup"  # no eager record in that dtype
+    assert registry.best_method("fake", "packed-fp16", compiled=True) == "ar"
+    assert registry.best_method("fake", "bfloat16", compiled=True) == "lookup"
     # q4: plain decoding measured fastest there (and on torch's kernel it is the one exact method)
     assert RunConfig(target="fake", method="auto", dtype="q4").method == "ar"
     assert RunConfig(target="fake", method="lookup", dtype="q4").method == "lookup"  # an explicit choice stays
@@ -99,3 +105,14 @@ def test_best_method_script_records_the_compiled_winner_beside_the_eager_one(tmp
     assert bm.main([str(f), "--write", str(tmp_path)]) == 0  # a new eager table keeps the compiled record
     rec = json.loads((tmp_path / "best.json").read_text())
     assert rec["method"] == "medusa" and rec["compiled"]["method"] == "ar"
+    # a bench in another dtype: its own entry under other_dtypes, the packed-fp16 records kept
+    f.write_text(json.dumps({**bench, "config": {"dtype": "packed-q4"},
+                             "rows": [row("ar", 1.0), row("ar@c", 1.7), row("eagle3@c", 1.9)]}))
+    assert bm.main([str(f), "--write", str(tmp_path), "--compiled"]) == 0
+    rec = json.loads((tmp_path / "best.json").read_text())
+    assert (rec["method"], rec["dtype"], rec["compiled"]["method"]) == ("medusa", "packed-fp16", "ar")
+    assert rec["other_dtypes"]["packed-q4"]["compiled"]["method"] == "eagle3"
+    assert bm.main([str(f), "--write", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "best.json").read_text())
+    assert rec["other_dtypes"]["packed-q4"]["method"] == "ar" and rec["other_dtypes"]["packed-q4"]["compiled"]
+    assert rec["method"] == "medusa"

@@ -148,7 +148,9 @@ def best_method(target: str | Path | None, dtype: str | None = None, compiled: b
     prompt lookup. A record measured in another dtype than ``dtype`` (the one that will run) does
     not count: which method wins depends on what a tree costs in that dtype. ``compiled``
     (``--compile``): the record's ``"compiled"`` entry where it has one, measured on the compiled
-    target, where a tree costs relatively more than eager. Reads no model."""
+    target, where a tree costs relatively more than eager. A record's ``"other_dtypes"`` holds the
+    same for other dtypes (``{"packed-q4": {"compiled": {...}}}``), each with its eager ``"method"``
+    and/or its ``"compiled"`` entry. Reads no model."""
     spec = MODELS.get(str(target or DEFAULT_TARGET_NAME))
     if spec is None and target is not None and Path(target).is_dir():
         spec = spec_for(Path(target))
@@ -161,7 +163,10 @@ def best_method(target: str | Path | None, dtype: str | None = None, compiled: b
     except (OSError, ValueError, KeyError, TypeError):
         raise SpecBlockError(f"{f} is not a valid best-method record; rerun experiments/best_method.py or delete it") from None
     if dtype is not None and rec.get("dtype") not in (None, dtype):
-        return FALLBACK_METHOD
+        other = (rec.get("other_dtypes") or {}).get(dtype) if isinstance(rec.get("other_dtypes"), dict) else None
+        if not isinstance(other, dict):
+            return FALLBACK_METHOD
+        rec, method = other, other.get("method", FALLBACK_METHOD)  # compiled only: eager runs fall back
     if compiled and isinstance(rec.get("compiled"), dict) and "method" in rec["compiled"]:
         return str(rec["compiled"]["method"])
     return str(method)

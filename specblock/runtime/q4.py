@@ -39,6 +39,13 @@ other linear the file does not hold is packed fp16.
 
 Where the weights come from: ``models/convert.py`` writes ``q4_1.safetensors`` (``specblock/q4file.py``)
 beside the converted checkpoint when it builds a named model from its GGUF.
+
+``packed-q4`` (``PACKED_Q4``) reads the same file for another model: the bf16 checkpoint itself. The
+converter rounded each ``d * q + m`` (each ``d * q`` of the head) to bf16, so the fp32 kernel, told
+to (``bf16``), rounds each weight the same way after decoding it and multiplies by exactly the
+checkpoint's values, with fp32 sums: the float32 model's arithmetic up to the order of its sums,
+at q4's bytes. A checkpoint that is not that rounding (any model not converted from its GGUF, or a
+bf16 release) is refused at load, where each linear's first rows are compared.
 """
 
 from __future__ import annotations

@@ -20,7 +20,10 @@ exact in fp32), goes through the same passes with 128 bytes and one ``d`` per bl
 (``layout_q8``). Up to 4 rows go through a block in one pass, more go 8 at a time over half a
 block; while a block is computed the next one is prefetched (``experiments/q4_prefetch.py``:
 compiled T(1) 14.05 -> 10.30 ms, T(4) 24.18 -> 14.84 on a Xeon). From a few rows on it is bound by
-fp32 multiply-adds.
+fp32 multiply-adds. With ``bf16`` (``--dtype packed-q4``: a weight's flag, kept with it under its key)
+each weight is rounded to bf16, ties to even, as the converter rounded the checkpoint: a Q4_1 weight
+is then looked up by its nibble in a 16-entry table made once per feature and group (one
+multiply-add and one rounding per 32 weights), a Q8_0 one rounded where it is decoded.
 
 int8 (``layout8``): each row's groups of 32 are rounded to int8 as ggml's Q8_1 does (``dx = amax /
 127``, ``round(x / dx)``, ties to even), each group's integer dot products with the 4-bit (or
