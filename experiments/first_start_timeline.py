@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -38,7 +39,7 @@ from start_time import UNDO  # noqa: E402
 CHILD = r"""
 import functools, json, sys, threading, time
 T0 = time.perf_counter()
-undo, until = sys.argv[1], sys.argv[2]
+undo, until, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 events = []
 def log(what):
     events.append((round(time.perf_counter() - T0, 2), what))
@@ -98,7 +99,7 @@ wrap(precompile, "remember_vec_isa", "remember_vec_isa")
 wrap(drafters, "build", "drafter")
 wrap(StaticTarget, "warm", "target warm")
 wrap(StaticSpecBlockDrafter, "warm", "drafter graphs")
-cfg, _ = parse(["--compile", "--port", "0"])
+cfg, _ = parse(["--compile", "--port", "0", *extra])
 s = Session.open(cfg, None)
 log("session open")
 if until != "open":
@@ -108,14 +109,15 @@ print("EVENTS " + json.dumps(events))
 """
 
 
-def run(model_dir: Path, name: str, undo: str | None, until: str, code: Path | None = None) -> list[tuple[float, str]]:
+def run(model_dir: Path, name: str, undo: str | None, until: str, code: Path | None = None,
+        extra: list[str] | None = None) -> list[tuple[float, str]]:
     """One first start's events; ``code``: a checkout whose ``specblock`` the child imports (its
-    working folder: ``-c`` puts that first on ``sys.path``)."""
+    working folder: ``-c`` puts that first on ``sys.path``); ``extra``: more server flags."""
     home = Path(tempfile.mkdtemp(prefix="first_start_tl_"))
     try:
         (home / "models").mkdir()
         (home / "models" / name).symlink_to(model_dir)
-        out = subprocess.run([sys.executable, "-c", CHILD, UNDO[undo] if undo else "", until], cwd=code,
+        out = subprocess.run([sys.executable, "-c", CHILD, UNDO[undo] if undo else "", until, json.dumps(extra or [])], cwd=code,
                              env=dict(os.environ, SPECBLOCK_HOME=str(home)), capture_output=True, text=True, check=True)
         line = next(ln for ln in out.stdout.splitlines() if ln.startswith("EVENTS "))
         return [tuple(e) for e in json.loads(line[len("EVENTS "):])]
@@ -147,8 +149,10 @@ def main() -> None:
     second = ap.add_mutually_exclusive_group()
     second.add_argument("--undo", choices=sorted(UNDO), default=None, help="a second side, interleaved")
     second.add_argument("--baseline-rev", default=None, help="a second side: the project at this git revision")
+    ap.add_argument("--serve-args", default="", help="more flags for the server, both sides (e.g. '--dtype packed-q4')")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/first_start_timeline"))
     args = ap.parse_args()
+    extra = shlex.split(args.serve_args)
     from specblock.models import DEFAULT_TARGET_NAME, resolve_target
 
     model = Path(resolve_target(DEFAULT_TARGET_NAME)).resolve()
@@ -160,13 +164,13 @@ def main() -> None:
             for side in (sides if i % 2 == 0 else sides[::-1]):
                 now = side == "now"
                 timelines[side].append(run(model, DEFAULT_TARGET_NAME, None if now else args.undo, args.until,
-                                           None if now else code))
+                                           None if now else code, extra))
                 end = next(t for t, w in reversed(timelines[side][-1]) if not w.startswith("cpu "))
                 print(side, i, end, flush=True)
     flag = [f"--undo {args.undo}"] if args.undo else [f"--baseline-rev {args.baseline_rev}"] if args.baseline_rev else []
     cmd = " ".join(["python experiments/first_start_timeline.py", f"--runs {args.runs}", f"--until {args.until}",
-                    *flag, f"--out {args.out}"])
-    md = [f"First starts of the default compiled server as timelines (`{cmd}`), each on an empty home linking only "
+                    *flag, *([f"--serve-args '{args.serve_args}'"] if extra else []), f"--out {args.out}"])
+    md = [f"First starts of the {'compiled server with ' + args.serve_args if extra else 'default compiled server'} as timelines (`{cmd}`), each on an empty home linking only "
           f"the converted model, sides interleaved; seconds from the child's start (imports included).", ""]
     for side, runs in timelines.items():
         last = "session open" if args.until == "open" else "warmed"
