@@ -15,18 +15,24 @@ def prebuild(dtype: str, device: str) -> None:
     loads: the CLI and the server call this first under ``--compile``. On a first start the two
     builds ran one after the other after the load, on the critical path (docs/compiled.md, stop 56).
     The norm library the load itself waits for (``exact_parts``) is queued first: behind the other
-    two on the two build threads it finished last, and the load waited for it (stop 65's timeline)."""
+    two on the two build threads it finished last, and the load waited for it (stop 65's timeline).
+    So is q4's kernel library where the target's linears run on it (q4, packed-q4): the load
+    needs it too (stop 67's timeline had it built after the other two, the load waiting 9 s)."""
     from specblock.compiled import native
-    from specblock.runtime import exact_parts, packed, tree_attention
+    from specblock.runtime import exact_parts, packed, q4_kernel, tree_attention
+    from specblock.runtime.q4 import PACKED_Q4, Q4
     from specblock.runtime.target import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     if dev.type != "cpu":
         return
-    if exact_parts.wanted_for(resolve_dtype(dtype, dev)):
+    dtype = resolve_dtype(dtype, dev)
+    if exact_parts.wanted_for(dtype):
         exact_parts.start_building()  # what the load's end waits for; target.load asks again, no second build
+    if dtype in (Q4, PACKED_Q4):
+        q4_kernel.start_building()  # where it cannot run this starts nothing; the load says why
     tree_attention.start_building()
-    if resolve_dtype(dtype, dev) == packed.PACKED_FP16:
+    if dtype == packed.PACKED_FP16:
         native.start_building()
 
 

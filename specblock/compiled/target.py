@@ -50,6 +50,7 @@ from specblock.compiled.regions import RegionFns, check_regional, embed, head, l
 from specblock.compiled.static_cache import TreeStaticCache
 from specblock.errors import SpecBlockError
 from specblock.policies.tree import DraftTree
+from specblock.runtime.packed import PackedLinear
 from specblock.runtime.q4 import keyed_q4
 from specblock.runtime.target import TargetModel, TargetOutput
 
@@ -153,8 +154,10 @@ class StaticTarget(TargetModel):
             self.gqa = gqa and use_gqa_attention(model, gqa_kernel)  # grouped heads read in place (compiled/gqa.py)
             self.one_span = (one_span and self.gqa and not regions and self.dtype == torch.float32
                              and model.config._attn_implementation == FUSED_NAME)
-            self.native = self.packed and native and use_native_kernel()  # packed linears in C++ (compiled/native.py)
-            if self.packed and not native:
+            # packed linears in C++ (compiled/native.py); a packed-q4 target has none to build it for
+            has_packed = any(isinstance(m, PackedLinear) for m in model.modules())
+            self.native = has_packed and native and use_native_kernel()
+            if has_packed and not native:
                 pin_python_kernel(model)
             self._install_output_hooks()
             if self.mode is not None:
