@@ -168,6 +168,16 @@ def test_packed_q4_reads_the_checkpoints_weights_bit_for_bit(real_packed_q4):
     assert checked == 8
 
 
+def test_packed_fp16_holds_this_checkpoints_weights_exactly_too(real):
+    """Every matrix of this checkpoint fits fp16 exactly (no weight below fp16's normal range), so
+    packed-fp16 and packed-q4 multiply by the same values: they differ in bytes read and in the
+    order of their sums, not in the model."""
+    _, target32, _, _ = real
+    mats = [p for p in target32.model.parameters() if p.dim() == 2]
+    assert len(mats) == 30 * 7 + 1  # the decoder's linears and the tied embedding
+    assert all(torch.equal(p.half().float(), p) for p in mats)
+
+
 @pytest.mark.parametrize("method", SHIPPED)
 def test_every_shipped_drafter_is_lossless_at_packed_q4(real_packed_q4, method):
     target, _, tok, stops = real_packed_q4
