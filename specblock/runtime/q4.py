@@ -286,7 +286,7 @@ def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None, bf16
     does not match is refused: use packed-fp16)."""
     from safetensors import safe_open
 
-    name_ = PACKED_Q4 if bf16 else Q4
+    dtype_name = PACKED_Q4 if bf16 else Q4
     if bf16:
         if kernel not in (None, "fp32"):
             raise SpecBlockError(f"--dtype {PACKED_Q4} runs on the fp32 q4 kernel, not {kernel!r}")
@@ -297,11 +297,11 @@ def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None, bf16
         raise SpecBlockError(f"--dtype {Q4} needs torch's CPU int4 kernel (torch >= 2.6); use packed-fp16")
     f = Path(path) / Q4_FILE
     if not f.is_file():
-        raise SpecBlockError(f"{path} has no {Q4_FILE} (--dtype {name_} reads a model's own Q4_1 GGUF weights; "
+        raise SpecBlockError(f"{path} has no {Q4_FILE} (--dtype {dtype_name} reads a model's own Q4_1 GGUF weights; "
                              "`python -m specblock.runtime models --build NAME` writes it for a named model); use packed-fp16")
     p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype != torch.float32:
-        raise SpecBlockError(f"--dtype {name_} runs on an fp32 CPU model (loaded as {p.dtype} on {p.device.type}); use bfloat16 on CUDA")
+        raise SpecBlockError(f"--dtype {dtype_name} runs on an fp32 CPU model (loaded as {p.dtype} on {p.device.type}); use bfloat16 on CUDA")
     kernel = kernel or default_kernel()
     with safe_open(str(f), framework="pt") as st:
         names = {k.rsplit(".", 1)[0] for k in st.keys() if k.endswith(".qs")}
