@@ -108,13 +108,19 @@ def test_every_shipped_drafter_is_lossless_on_the_real_model_at_its_serving_sett
     """fp32, the chat template, each drafter as a user gets it (its serving.json), against plain
     decoding; a trained drafter also gets drafts accepted on the target's own kind of answer."""
     path, target, tok, stops = real
-    ids = chat.encode(tok, chat.ChatRequest(prompt=QUESTIONS[1]))
-    plain = Engine(target, drafters.build("ar", target, {}), eos_ids=stops).generate(ids, 24)
-    opts = drafters.serving_settings(method, target, {})
-    budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
-    res = Engine(target, drafters.build(method, target, opts), budget=budget, eos_ids=stops).generate(ids, 24)
+    plain, res = plain_and_served(target, tok, stops, method, QUESTIONS[1], 24)
     assert res.token_ids == plain.token_ids, method
     assert max(res.stats.accepted) > 0, method
+
+
+def plain_and_served(target, tok, stops, method: str, question: str, n: int):
+    """Plain decoding's and ``method``'s answers to ``question`` (``n`` tokens at most), the method at
+    its serving settings (its serving.json) as a user gets it."""
+    ids = chat.encode(tok, chat.ChatRequest(prompt=question))
+    plain = Engine(target, drafters.build("ar", target, {}), eos_ids=stops).generate(ids, n)
+    opts = drafters.serving_settings(method, target, {})
+    budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
+    return plain, Engine(target, drafters.build(method, target, opts), budget=budget, eos_ids=stops).generate(ids, n)
 
 
 @pytest.fixture(scope="module")
@@ -134,11 +140,7 @@ def test_every_shipped_drafter_is_lossless_at_q4(real_q4, method):
     same runs part at near-ties (README)."""
     target, tok, stops = real_q4
     for q in QUESTIONS:
-        ids = chat.encode(tok, chat.ChatRequest(prompt=q))
-        plain = Engine(target, drafters.build("ar", target, {}), eos_ids=stops).generate(ids, 48)
-        opts = drafters.serving_settings(method, target, {})
-        budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
-        res = Engine(target, drafters.build(method, target, opts), budget=budget, eos_ids=stops).generate(ids, 48)
+        plain, res = plain_and_served(target, tok, stops, method, q, 48)
         assert res.token_ids == plain.token_ids, (method, q)
 
 
@@ -180,10 +182,8 @@ def test_packed_fp16_holds_this_checkpoints_weights_exactly_too(real):
 
 @pytest.mark.parametrize("method", SHIPPED)
 def test_every_shipped_drafter_is_lossless_at_packed_q4(real_packed_q4, method):
+    """packed-q4 is fp32 arithmetic with row-independent linears: each shipped drafter at its serving
+    settings equals plain decoding there."""
     target, _, tok, stops = real_packed_q4
-    ids = chat.encode(tok, chat.ChatRequest(prompt=QUESTIONS[1]))
-    plain = Engine(target, drafters.build("ar", target, {}), eos_ids=stops).generate(ids, 32)
-    opts = drafters.serving_settings(method, target, {})
-    budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
-    res = Engine(target, drafters.build(method, target, opts), budget=budget, eos_ids=stops).generate(ids, 32)
+    plain, res = plain_and_served(target, tok, stops, method, QUESTIONS[1], 32)
     assert res.token_ids == plain.token_ids, method
