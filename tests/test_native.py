@@ -153,6 +153,36 @@ def test_a_build_folder_per_source_and_torch_installation():
     assert build_name("specblock_x", "int f();").startswith("specblock_x_")
 
 
+def test_a_library_is_loaded_once_a_process_whatever_the_home_or_flags(monkeypatch, tmp_path):
+    """A second copy of a library in one process would register its ``TORCH_LIBRARY`` namespace again
+    and abort: once loaded, a library is not built or loaded again, from another home, with other
+    flags or from two threads at once."""
+    import threading
+
+    from specblock.runtime import cext
+    from torch.utils import cpp_extension
+
+    loads = []
+
+    def fake_load_inline(name, **kw):
+        loads.append((name, kw["build_directory"], tuple(kw["extra_cflags"])))
+        threading.Event().wait(0.2)  # a build takes a while: a second thread arrives meanwhile
+
+    monkeypatch.setattr(cpp_extension, "load_inline", fake_load_inline)
+    monkeypatch.setattr(cext, "_LOADED", {})
+    monkeypatch.setenv("SPECBLOCK_HOME", str(tmp_path / "a"))
+    threads = [threading.Thread(target=cext._build_now, args=("specblock_z", "int f();", ["-O2"])) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.setenv("SPECBLOCK_HOME", str(tmp_path / "b"))
+    cext._build_now("specblock_z", "int f();", ["-O3"])
+    assert len(loads) == 1 and loads[0][1].startswith(str(tmp_path / "a"))
+    cext._build_now("specblock_w", "int g();", ["-O2"])  # another library still builds
+    assert len(loads) == 2
+
+
 def test_a_build_begun_in_the_background_is_waited_for_not_run_again(monkeypatch):
     """``cext.start_build`` runs the build in a thread; ``build`` of the same library and flags then
     waits for it (one build), raises what it raised, and another flag set builds on its own."""

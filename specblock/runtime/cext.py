@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import subprocess
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -65,16 +66,33 @@ def build(prefix: str, source: str, cflags: list[str], ldflags: list[str] | None
     _build_now(prefix, source, list(cflags), list(ldflags or ()))  # copies, as in start_build
 
 
+#: The libraries this process has loaded (build name -> folder), and a lock per name. Why: a library
+#: registers its ops with ``TORCH_LIBRARY``, and a second copy of it in one process registers the
+#: same namespace again, which aborts the process (no exception). A second load of the same file is
+#: harmless, but the folder follows ``$SPECBLOCK_HOME`` at build time, and another flag set makes
+#: torch build a renamed copy; a background build (``start_build``) after a synchronous one found no
+#: record of it. A CI worker aborted so in stop 67, loading a library in a build thread mid-test.
+_LOADED: dict[str, str] = {}
+_NAME_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_LOCK = threading.Lock()
+
+
 def _build_now(prefix: str, source: str, cflags: list[str], ldflags: list[str] | None = None) -> None:
     from torch.utils.cpp_extension import load_inline
 
     from specblock.models.registry import specblock_home
 
     name = build_name(prefix, source)
-    where = specblock_home() / "extensions" / name
-    where.mkdir(parents=True, exist_ok=True)
-    load_inline(name, cpp_sources=[source], is_python_module=False, build_directory=str(where),
-                extra_cflags=cflags, extra_ldflags=ldflags or [], verbose=False, no_implicit_headers=True)
+    with _LOCKS_LOCK:
+        lock = _NAME_LOCKS.setdefault(name, threading.Lock())
+    with lock:  # one build and load of a library at a time; other libraries build beside it
+        if name in _LOADED:
+            return
+        where = specblock_home() / "extensions" / name
+        where.mkdir(parents=True, exist_ok=True)
+        load_inline(name, cpp_sources=[source], is_python_module=False, build_directory=str(where),
+                    extra_cflags=cflags, extra_ldflags=ldflags or [], verbose=False, no_implicit_headers=True)
+        _LOADED[name] = str(where)
 
 
 def build_or_why(prefix: str, source: str, fakes: dict[str, Callable]) -> str | None:
