@@ -123,7 +123,7 @@ def test_compiled_packed_q4_matches_its_greedy(tmp_path):
         assert Engine(target, drafter, budget=7).generate(prompt, 16).token_ids == ref, drafter.name
 
 
-def test_refusals_are_one_line(tmp_path):
+def test_refusals_are_one_line(tmp_path, monkeypatch):
     # q4_1.safetensors made from the fp32 weights, the checkpoint not their rounding: another model
     path = save_tiny_q4(tmp_path / "other", layers=1)
     with pytest.raises(SpecBlockError, match="not this checkpoint's.*use packed-fp16") as e:
@@ -132,5 +132,9 @@ def test_refusals_are_one_line(tmp_path):
     (path / Q4_FILE).unlink()
     with pytest.raises(SpecBlockError, match=f"no {Q4_FILE}.*packed-q4.*use packed-fp16"):
         TargetModel.load(path, "packed-q4", "cpu")
+    monkeypatch.setenv("SPECBLOCK_Q4_KERNEL", "bf16")  # q4's choice of torch's kernel: named, not a build failure
+    with pytest.raises(SpecBlockError, match="SPECBLOCK_Q4_KERNEL=bf16.*unset it"):
+        TargetModel.load(save_tiny_packed_q4(tmp_path / "t", layers=1), "packed-q4", "cpu")
+    monkeypatch.delenv("SPECBLOCK_Q4_KERNEL")
     with pytest.raises(SpecBlockError, match="fp32 kernel"):
         q4.Int4Linear(torch.nn.Linear(64, 16, bias=False), *quantize_q4_1(torch.randn(16, 64)), "bf16", bf16=True)

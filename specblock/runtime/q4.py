@@ -291,6 +291,9 @@ def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None, bf16
         if kernel not in (None, "fp32"):
             raise SpecBlockError(f"--dtype {PACKED_Q4} runs on the fp32 q4 kernel, not {kernel!r}")
         kernel = "fp32"
+        if os.environ.get("SPECBLOCK_Q4_KERNEL") == "bf16":  # it keeps our library from loading in this process
+            raise SpecBlockError(f"--dtype {PACKED_Q4} runs on our fp32 q4 kernel, and SPECBLOCK_Q4_KERNEL=bf16 asks "
+                                 "for torch's (a --dtype q4 setting): unset it")
         if not q4_kernel.load():
             raise SpecBlockError(f"--dtype {PACKED_Q4} needs our q4 kernel (AVX512F/BW, a C++ compiler); use packed-fp16")
     elif not available():
