@@ -163,7 +163,8 @@ def best_method(target: str | Path | None, dtype: str | None = None, compiled: b
     except (OSError, ValueError, KeyError, TypeError):
         raise SpecBlockError(f"{f} is not a valid best-method record; rerun experiments/best_method.py or delete it") from None
     if dtype is not None and rec.get("dtype") not in (None, dtype):
-        other = (rec.get("other_dtypes") or {}).get(dtype) if isinstance(rec.get("other_dtypes"), dict) else None
+        others = rec.get("other_dtypes")
+        other = others.get(dtype) if isinstance(others, dict) else None
         if not isinstance(other, dict):
             return FALLBACK_METHOD
         rec, method = other, other.get("method", FALLBACK_METHOD)  # compiled only: eager runs fall back

@@ -315,19 +315,13 @@ def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None, bf16
             raise SpecBlockError(f"{f} holds weights for {unknown[0]}, which is no linear of this model "
                                  f"({len(unknown)} such); rebuild the model or use packed-fp16")
         for name in sorted(names):
-            parent, _, attr = name.rpartition(".")
-            owner = mods[parent] if parent else model
-            lin = getattr(owner, attr)
-            lin.weight.requires_grad_(False)
+            owner, attr, lin = _frozen_linear(model, mods, name)
             qs, d, m = st.get_tensor(f"{name}.qs"), st.get_tensor(f"{name}.d"), st.get_tensor(f"{name}.m")
             if bf16:
                 _check_rounding(name, dequantize_q4_1(qs[:CHECK_ROWS], d[:CHECK_ROWS], m[:CHECK_ROWS]), lin.weight, f)
             setattr(owner, attr, Int4Linear(lin, qs, d, m, kernel, bf16=bf16))
         for name in sorted(q8):  # torch's int4 kernel has no Q8_0: there the head is packed fp16
-            parent, _, attr = name.rpartition(".")
-            owner = mods[parent] if parent else model
-            lin = getattr(owner, attr)
-            lin.weight.requires_grad_(False)
+            owner, attr, lin = _frozen_linear(model, mods, name)
             q, d = st.get_tensor(f"{name}.q8"), st.get_tensor(f"{name}.d8")
             if bf16:
                 _check_rounding(name, dequantize_q8_0(q[:CHECK_ROWS], d[:CHECK_ROWS]), lin.weight, f)
@@ -335,8 +329,18 @@ def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None, bf16
     return len(names) + len(q8)
 
 
-#: Rows of each linear ``packed-q4`` checks against the checkpoint at load (all of them cost about
-#: a second; ``tests/test_real_model.py`` checks every weight of the real model).
+def _frozen_linear(model: nn.Module, mods: dict[str, nn.Module], name: str) -> tuple[nn.Module, str, nn.Linear]:
+    """The linear ``name`` (its weight frozen), its parent and its attribute there, to replace it."""
+    parent, _, attr = name.rpartition(".")
+    owner = mods[parent] if parent else model
+    lin = getattr(owner, attr)
+    lin.weight.requires_grad_(False)
+    return owner, attr, lin
+
+
+#: Rows of each linear ``packed-q4`` checks against the checkpoint at load (a wrong file differs from
+#: its first rows on; every row would dequantize the whole model at each load).
+#: ``tests/test_real_model.py`` checks every weight of the real model's file.
 CHECK_ROWS = 16
 
 

@@ -311,11 +311,9 @@ def load_causal_lm(
     model = model.to(resolve_device(device))
     if dtype in (Q4, PACKED_Q4):
         use_q4_linears(model, path, bf16=dtype == PACKED_Q4)  # before packing: what it does not hold is packed below
-        if int8_kernel_of(model):  # its int8 rounding turns inductor's last bits into steps: exact_parts.py
-            exact_parts.use_exact_parts(model)
-        elif dtype == PACKED_Q4 and parts:  # for speed, as packed-fp16's below
-            exact_parts.use_exact_parts(model, prompts=False)
-    elif parts:  # for speed: 6-11% off each eager forward (exact_parts.py, stop 62)
+    if int8_kernel_of(model):  # its int8 rounding turns inductor's last bits into steps: exact_parts.py
+        exact_parts.use_exact_parts(model)
+    elif parts and dtype != Q4:  # for speed: 6-11% off an eager forward (exact_parts.py, stop 62); q4 on fp32 keeps HF's
         exact_parts.use_exact_parts(model, prompts=False)
     if packed:
         pack_linears(model)
