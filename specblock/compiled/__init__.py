@@ -20,7 +20,7 @@ def prebuild(dtype: str, device: str) -> None:
     needs it too (stop 67's timeline had it built after the other two, the load waiting 9 s)."""
     from specblock.compiled import native
     from specblock.runtime import exact_parts, packed, q4_kernel, tree_attention
-    from specblock.runtime.q4 import PACKED_Q4, Q4
+    from specblock.runtime.q4 import PACKED_Q4, PACKED_Q4_AMX, Q4
     from specblock.runtime.target import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
@@ -29,7 +29,7 @@ def prebuild(dtype: str, device: str) -> None:
     dtype = resolve_dtype(dtype, dev)
     if exact_parts.wanted_for(dtype):
         exact_parts.start_building()  # what the load's end waits for; target.load asks again, no second build
-    if dtype in (Q4, PACKED_Q4):
+    if dtype in (Q4, PACKED_Q4, PACKED_Q4_AMX):
         q4_kernel.start_building()  # where it cannot run this starts nothing; the load says why
     tree_attention.start_building()
     if dtype == packed.PACKED_FP16:

@@ -36,7 +36,7 @@ class RunConfig(BaseModel):
     seed: int = Field(0, ge=0, lt=2**63)  # numpy and torch generators take 0 .. 2^63 - 1
     json_out: bool = False
     compare: Literal["ar"] | None = None
-    dtype: Literal["auto", "bfloat16", "float32", "packed-fp16", "packed-q4", "q4"] = "auto"  # auto: runtime.target.resolve_dtype, at load
+    dtype: Literal["auto", "bfloat16", "float32", "packed-fp16", "packed-q4", "packed-q4-amx", "q4"] = "auto"  # auto: runtime.target.resolve_dtype, at load
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attn: Literal["sdpa", "eager"] = "sdpa"
     budget: int | None = Field(None, ge=0, le=256)  # None: the drafter's serving.json, else 24

@@ -71,12 +71,12 @@ def runs_here() -> bool:
 
 
 def wanted_for(dtype: str) -> bool:
-    """Whether a target loaded at ``dtype`` (resolved) takes the parts: q4 always, packed-fp16 and
-    packed-q4 where ``wanted``; other dtypes keep HF's modules."""
+    """Whether a target loaded at ``dtype`` (resolved) takes the parts: q4 and packed-q4-amx always
+    (their kernels round activations), packed-fp16 and packed-q4 where ``wanted``; other dtypes keep HF's modules."""
     from specblock.runtime.packed import PACKED_FP16
-    from specblock.runtime.q4 import PACKED_Q4, Q4
+    from specblock.runtime.q4 import PACKED_Q4, PACKED_Q4_AMX, Q4
 
-    return dtype == Q4 or (dtype in (PACKED_FP16, PACKED_Q4) and wanted())
+    return dtype in (Q4, PACKED_Q4_AMX) or (dtype in (PACKED_FP16, PACKED_Q4) and wanted())
 
 
 def start_building() -> None:

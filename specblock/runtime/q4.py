@@ -46,6 +46,14 @@ to (``bf16``), rounds each weight the same way after decoding it and multiplies 
 checkpoint's values, with fp32 sums: the float32 model's arithmetic up to the order of its sums,
 at q4's bytes. A checkpoint that is not that rounding (any model not converted from its GGUF, or a
 bf16 release) is refused at load, where each linear's first rows are compared.
+
+``packed-q4-amx`` (``PACKED_Q4_AMX``) multiplies by the same checkpoint values (the same check at
+load) but rounds the activations to bf16 and sums in fp32 on AMX tiles (``q4_amx.cpp``): the
+arithmetic of a bf16 matmul (HF's bfloat16 linears do the same), so another model than packed-q4's,
+compared with its own greedy decoding. Why: the fp32 kernels pay each row of a call in
+multiply-adds, so a tree of 8 cost about twice one token (``compiled_speed_packed_q4_s67.md``); a tile
+multiply takes up to 16 rows at the cost of one, and decoding the weights is paid once per call
+(``experiments/results/compiled_speed_amx_s68.md``).
 """
 
 from __future__ import annotations
@@ -64,8 +72,10 @@ Q4 = "q4"
 #: The bf16 checkpoint's own weights read from the 4-bit codes they were dequantized from (see
 #: ``use_q4_linears``'s ``bf16``): the fp32 kernel, each weight rounded to bf16 as the converter did.
 PACKED_Q4 = "packed-q4"
-KERNELS = ("int8", "fp32", "bf16")
-OURS = ("int8", "fp32")  # the kernels of ``runtime/q4_kernel.py``
+#: The same weights times bf16 activations on AMX tiles (``use_q4_linears``'s ``kernel="amx"``).
+PACKED_Q4_AMX = "packed-q4-amx"
+KERNELS = ("int8", "fp32", "bf16", "amx")
+OURS = ("int8", "fp32", "amx")  # the kernels of ``runtime/q4_kernel.py``
 
 
 def default_kernel() -> str:
@@ -73,7 +83,7 @@ def default_kernel() -> str:
     it has AVX512; else torch's (``q4_kernel.load`` warns once why)."""
     asked = os.environ.get("SPECBLOCK_Q4_KERNEL")
     if asked:
-        if asked not in KERNELS:
+        if asked not in KERNELS or asked == "amx":  # amx is a dtype of its own (packed-q4-amx)
             raise SpecBlockError(f"SPECBLOCK_Q4_KERNEL={asked} is no q4 kernel; choose one of {', '.join(KERNELS)}")
         if asked in OURS and not q4_kernel.load():
             raise SpecBlockError(f"SPECBLOCK_Q4_KERNEL={asked}: our kernels cannot run here (see the warning above); use bf16")
@@ -117,12 +127,14 @@ class _OursLinear(nn.Module):
             y = q4_kernel.linear_key(x2, self._key, self.out_features)
         elif self.kernel == "int8":
             y = q4_kernel.linear8(x2, *self._q4)
+        elif self.kernel == "amx":
+            y = q4_kernel.linear_amx(x2, *self._q4)
         else:
             y = q4_kernel.linear(x2, *self._q4, self.bf16)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def _register(self) -> None:
-        self._key = q4_kernel.register(self._q4, self, bf16=self.bf16)
+        self._key = q4_kernel.register(self._q4, self, bf16=self.bf16, amx=self.kernel == "amx")
 
     def __setstate__(self, state: dict) -> None:
         """A copy (deepcopy, pickle) gets a key of its own, as ``PackedLinear``'s does; one without
@@ -160,14 +172,18 @@ class Int4Linear(_OursLinear):
         self.kernel = kernel or default_kernel()
         if self.kernel not in KERNELS:
             raise SpecBlockError(f"unknown q4 kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
-        if bf16 and self.kernel != "fp32":
-            raise SpecBlockError(f"bf16-rounded Q4_1 weights run on the fp32 kernel, not {self.kernel!r}")
+        if bf16 != (self.kernel == "amx") and self.kernel != "fp32":
+            raise SpecBlockError(f"bf16-rounded Q4_1 weights run on the fp32 kernel or the amx one, which takes only those "
+                                 f"(kernel {self.kernel!r}, bf16={bf16})")
         self.bf16 = bf16
         if self.kernel in OURS:
-            if not q4_kernel.load() or (self.kernel == "int8" and not q4_kernel.vnni_supports()):
+            if not q4_kernel.load() or (self.kernel == "int8" and not q4_kernel.vnni_supports()) \
+                    or (self.kernel == "amx" and not q4_kernel.amx_supports()):
                 raise SpecBlockError(f"the {self.kernel} q4 kernel cannot run here; use kernel='bf16'")
-            # not buffers, see _ours: (qb, dm) for fp32, (w,) for int8
-            self._q4 = q4_kernel.layout(qs, d, m) if self.kernel == "fp32" else (q4_kernel.layout8(qs, d, m),)
+            # not buffers, see _ours: (qb, dm) for fp32 and amx, (w,) for int8
+            self._q4 = (q4_kernel.layout8(qs, d, m),) if self.kernel == "int8" else q4_kernel.layout(qs, d, m)
+            if self.kernel == "amx":
+                self._q4 = q4_kernel.layout_amx(*self._q4)
             self._register()
             return
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(qs), 1),
@@ -209,8 +225,9 @@ class Int8Linear(_OursLinear):
         self.in_features, self.out_features = k, n
         if kernel not in OURS:
             raise SpecBlockError(f"a Q8_0 head runs on our kernels ({', '.join(OURS)}), not {kernel!r}")
-        if bf16 and kernel != "fp32":
-            raise SpecBlockError(f"bf16-rounded Q8_0 weights run on the fp32 kernel, not {kernel!r}")
+        if bf16 != (kernel == "amx") and kernel != "fp32":
+            raise SpecBlockError(f"bf16-rounded Q8_0 weights run on the fp32 kernel or the amx one, which takes only those "
+                                 f"(kernel {kernel!r}, bf16={bf16})")
         self.kernel, self.bf16 = kernel, bf16
         self.weight = lin.weight
         with torch.no_grad():  # the values the kernel multiplies by (and a tied embedding with them)
@@ -228,7 +245,7 @@ class Int8Linear(_OursLinear):
         with torch.no_grad():
             self.weight.copy_(self._values(q, d))
         self._q4 = self._layout(q, d)
-        q4_kernel.register(self._q4, self, self._key, bf16=self.bf16)
+        q4_kernel.register(self._q4, self, self._key, bf16=self.bf16, amx=self.kernel == "amx")
 
     def _values(self, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """``d * q`` (exact in fp32), rounded to bf16 where the kernel rounds it."""
@@ -236,8 +253,11 @@ class Int8Linear(_OursLinear):
         return w.bfloat16().float() if self.bf16 else w
 
     def _layout(self, q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The kernel's weights: the fp32 kernel's ``(qb, dm)`` or the int8 kernel's ``(w,)``."""
-        return q4_kernel.layout_q8(q, d) if self.kernel == "fp32" else (q4_kernel.layout8_q8(q, d),)
+        """The kernel's weights: the fp32 kernel's ``(qb, dm)`` (the amx kernel's from them) or the int8 kernel's ``(w,)``."""
+        if self.kernel == "int8":
+            return (q4_kernel.layout8_q8(q, d),)
+        qb_dm = q4_kernel.layout_q8(q, d)
+        return q4_kernel.layout_amx(*qb_dm) if self.kernel == "amx" else qb_dm
 
     def extra_repr(self) -> str:
         rounded = ", rounded to bf16" if self.bf16 else ""
@@ -247,6 +267,13 @@ class Int8Linear(_OursLinear):
 def int8_kernel_of(model: nn.Module) -> bool:
     """Whether ``model`` (a target's HF model) runs its q4 linears on the int8 kernel."""
     return any(isinstance(m, Int4Linear) and m.kernel == "int8" for m in model.modules())
+
+
+def rounds_activations(model: nn.Module) -> bool:
+    """Whether ``model``'s q4 linears round their inputs (int8, or bf16 on AMX): then a last-bit
+    difference before a linear can become a whole step, so every other part of a row's forward must
+    be the same bits in any tree (``exact_parts.py``)."""
+    return any(isinstance(m, Int4Linear) and m.kernel in ("int8", "amx") for m in model.modules())
 
 
 def use_int8_linears(model: nn.Module, bits: int = 8) -> int:
@@ -283,19 +310,26 @@ def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None, bf16
     ``bf16(d * q + m)`` (``bf16(d * q)`` for the head), so the fp32 kernel reads the 4-bit codes and
     rounds each weight as the converter did: the bytes of q4, the values of the checkpoint, fp32
     arithmetic. Each linear's first rows are checked against the checkpoint at load (a file that
-    does not match is refused: use packed-fp16)."""
+    does not match is refused: use packed-fp16). ``kernel="amx"`` with ``bf16`` (``--dtype
+    packed-q4-amx``): the same weights times bf16 activations on AMX tiles."""
     from safetensors import safe_open
 
-    dtype_name = PACKED_Q4 if bf16 else Q4
+    amx = kernel == "amx"
+    dtype_name = PACKED_Q4_AMX if amx else PACKED_Q4 if bf16 else Q4
+    if amx and not bf16:
+        raise SpecBlockError("the amx q4 kernel runs bf16-rounded weights (--dtype packed-q4-amx) only")
     if bf16:
-        if kernel not in (None, "fp32"):
+        if kernel not in (None, "fp32", "amx"):
             raise SpecBlockError(f"--dtype {PACKED_Q4} runs on the fp32 q4 kernel, not {kernel!r}")
-        kernel = "fp32"
+        kernel = kernel or "fp32"
         if os.environ.get("SPECBLOCK_Q4_KERNEL") == "bf16":  # it keeps our library from loading in this process
-            raise SpecBlockError(f"--dtype {PACKED_Q4} runs on our fp32 q4 kernel, and SPECBLOCK_Q4_KERNEL=bf16 asks "
+            raise SpecBlockError(f"--dtype {dtype_name} runs on our {kernel} q4 kernel, and SPECBLOCK_Q4_KERNEL=bf16 asks "
                                  "for torch's (a --dtype q4 setting): unset it")
         if not q4_kernel.load():
-            raise SpecBlockError(f"--dtype {PACKED_Q4} needs our q4 kernel (AVX512F/BW, a C++ compiler); use packed-fp16")
+            raise SpecBlockError(f"--dtype {dtype_name} needs our q4 kernel (AVX512F/BW, a C++ compiler); use packed-fp16")
+        if amx and not q4_kernel.amx_supports():
+            raise SpecBlockError(f"--dtype {PACKED_Q4_AMX} needs AMX-BF16 (Intel Xeon from Sapphire Rapids on), which "
+                                 f"this CPU lacks; use {PACKED_Q4}")
     elif not available():
         raise SpecBlockError(f"--dtype {Q4} needs torch's CPU int4 kernel (torch >= 2.6); use packed-fp16")
     f = Path(path) / Q4_FILE

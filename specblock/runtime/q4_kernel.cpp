@@ -3,6 +3,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -155,10 +157,12 @@ bool check_weights(const at::Tensor& qb, const at::Tensor& dm) {
 }
 
 // One linear's weights: the fp32 kernel's (qb, dm) and whether they stand for their bf16 roundings
-// (Q4_1B, Q8_0B); the int8 kernel's are qb alone (3-D, dm empty).
+// (Q4_1B, Q8_0B); the int8 kernel's are qb alone (3-D, dm empty); the AMX kernel's (q4_amx.cpp) are
+// rounded to bf16 and laid out by tiles of 16 features (amx).
 struct Weights {
   at::Tensor qb, dm;
   bool bf16 = false;
+  bool amx = false;
 };
 
 // x [M, K] fp32 times one weight (see check_weights) -> [M, N] fp32.
@@ -166,6 +170,8 @@ at::Tensor run_fp32(const at::Tensor& x, const std::vector<Weights>& ws);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qb, const at::Tensor& dm, bool bf16) { return run_fp32(x, {{qb, dm, bf16}}); }
 
 // @include q4_int8.cpp
+
+// @include q4_amx.cpp
 
 // The fp32 kernel over several weights at once, as run8.
 at::Tensor run_fp32(const at::Tensor& x, const std::vector<Weights>& ws) {
@@ -210,6 +216,11 @@ void put(int64_t key, const at::Tensor& qb, const at::Tensor& dm, bool bf16) {
   table[key] = {qb, dm, bf16};
 }
 
+void put_amx(int64_t key, const at::Tensor& qb, const at::Tensor& dm) {
+  std::unique_lock<std::shared_mutex> lock(mu);
+  table[key] = {qb, dm, true, true};
+}
+
 void drop(int64_t key) {
   std::unique_lock<std::shared_mutex> lock(mu);
   table.erase(key);
@@ -231,9 +242,12 @@ at::Tensor run_keys(const at::Tensor& x, const std::vector<int64_t>& keys, int64
   int64_t n = 0;
   for (const int64_t key : keys) {
     ws.push_back(find(key));
-    n += ws.back().qb.size(0) * (ws.back().qb.dim() == 3 ? NF : NB);
+    n += ws.back().qb.size(0) * (ws.back().amx ? 16 : ws.back().qb.dim() == 3 ? NF : NB);
   }
   TORCH_CHECK(n == out_features, "specblock_q4::linear_key: keys hold ", n, " outputs, not ", out_features);
+  for (const auto& w : ws)
+    TORCH_CHECK(w.amx == ws[0].amx, "specblock_q4::linear_key_cat: AMX keys and others in one call");
+  if (ws[0].amx) return run_amx(x, ws);
   const bool int8 = ws[0].qb.dim() == 3;
   for (const auto& w : ws)
     TORCH_CHECK((w.qb.dim() == 3) == int8, "specblock_q4::linear_key_cat: keys of both kernels in one call");
@@ -264,6 +278,9 @@ TORCH_LIBRARY(specblock_q4, m) {
   m.def("linear_key(Tensor x, int key, int out_features) -> Tensor");
   m.def("linear_key_cat(Tensor x, int key0, int key1, int key2, int key3, int out_features) -> Tensor");
   m.def("put(int key, Tensor qb, Tensor dm, bool bf16=False) -> ()", put);
+  m.def("linear_amx(Tensor x, Tensor qb, Tensor dm) -> Tensor");
+  m.def("put_amx(int key, Tensor qb, Tensor dm) -> ()", put_amx);
+  m.def("amx_ok() -> bool", amx_ok);
   m.def("drop(int key) -> ()", drop);
   m.def("set_prefetch(int blocks) -> ()", [](int64_t n) { prefetch_ahead.store(std::max<int64_t>(n, 0)); });
   m.def("linear8(Tensor x, Tensor w) -> Tensor");
@@ -275,4 +292,5 @@ TORCH_LIBRARY_IMPL(specblock_q4, CPU, m) {
   m.impl("linear_key", linear_key);
   m.impl("linear_key_cat", linear_key_cat);
   m.impl("linear8", linear8);
+  m.impl("linear_amx", linear_amx);
 }

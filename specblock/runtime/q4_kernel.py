@@ -87,6 +87,10 @@ def _fake(x: torch.Tensor, qb: torch.Tensor, dm: torch.Tensor, bf16: bool = Fals
     return x.new_empty((x.shape[0], qb.shape[0] * NB))
 
 
+def _fake_amx(x: torch.Tensor, qb: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], qb.shape[0] * AMX_TILE))
+
+
 def _fake8(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0] * NF))
 
@@ -124,7 +128,8 @@ def load() -> bool:
         else:  # where it cannot be built: torch's kernel, lossless only like bf16
             why = cext.build_or_why(LIBRARY, SOURCE, {
                 "specblock_q4::linear": _fake, "specblock_q4::linear_key": _fake_key,
-                "specblock_q4::linear_key_cat": _fake_cat, "specblock_q4::linear8": _fake8})
+                "specblock_q4::linear_key_cat": _fake_cat, "specblock_q4::linear8": _fake8,
+                "specblock_q4::linear_amx": _fake_amx})
         _STATE["ok"] = why is None
         if why is not None and "SPECBLOCK_Q4_KERNEL" not in why:
             warnings.warn(f"specblock: q4 runs torch's int4 kernel, lossless only like bf16 ({why})", stacklevel=2)
@@ -142,6 +147,29 @@ def layout(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Te
     qb = nib.reshape(n // NB, NB, k // GROUP, 16).transpose(1, 2).contiguous()
     dm = torch.stack([d.float(), m.float()], -1).reshape(n // NB, NB, k // GROUP, 2).transpose(1, 2).contiguous()
     return qb, dm
+
+
+AMX_TILE = 16  # output features per AMX tile
+
+
+def layout_amx(qb: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 kernel's ``layout`` / ``layout_q8`` -> the AMX kernel's: ``[N/16, K/32, 16, QB]`` bytes
+    and ``[N/16, K/32, 16, SB]`` scales, a tile's 16 features of a group side by side (one stream)."""
+    n4, g = qb.shape[:2]
+    if n4 * NB % AMX_TILE:
+        raise ValueError(f"{n4 * NB} outputs do not fit the AMX kernel (tiles of {AMX_TILE})")
+    per = AMX_TILE // NB
+
+    def tiles(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(n4 // per, per, g, NB, t.shape[-1]).permute(0, 2, 1, 3, 4).reshape(n4 // per, g, AMX_TILE, -1).contiguous()
+
+    return tiles(qb), tiles(dm)
+
+
+def amx_supports() -> bool:
+    """AMX-BF16 and AVX512-BF16 here, by the CPU's flags, and the kernel's leave to use the tiles (the
+    library asks Linux once; ``load`` first)."""
+    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= cext.cpu_flags() and load() and torch.ops.specblock_q4.amx_ok()
 
 
 def layout_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,6 +232,12 @@ def linear8(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.specblock_q4.linear8(x, w)
 
 
+def linear_amx(x: torch.Tensor, qb: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` fp32 rounded to bf16 times ``layout_amx`` weights, each rounded to bf16, summed in
+    fp32 by AMX tiles: ``[M, N]`` fp32 (``--dtype packed-q4-amx``)."""
+    return torch.ops.specblock_q4.linear_amx(x, qb, dm)
+
+
 def linear(x: torch.Tensor, qb: torch.Tensor, dm: torch.Tensor, bf16: bool = False) -> torch.Tensor:
     """``x [M, K]`` fp32 times Q4_1 weights (``layout``) or Q8_0 ones (``layout_q8``): ``[M, N]`` fp32.
     ``bf16``: each weight rounded to bf16 first (``--dtype packed-q4``: the checkpoint's values)."""
@@ -213,17 +247,21 @@ def linear(x: torch.Tensor, qb: torch.Tensor, dm: torch.Tensor, bf16: bool = Fal
 _KEYS = itertools.count()
 
 
-def register(weights: tuple[torch.Tensor, ...], owner: object, key: int | None = None, bf16: bool = False) -> int:
+def register(weights: tuple[torch.Tensor, ...], owner: object, key: int | None = None, bf16: bool = False,
+             amx: bool = False) -> int:
     """Keep a linear's weights (the fp32 kernel's ``(qb, dm)`` or the int8 kernel's ``(w,)``) under
     a new key until ``owner`` is collected: what a compiled graph calls ``linear_key`` with (ints
     are cheap to guard, tensors are not). ``key``: replace the weights under ``owner``'s own key.
-    ``bf16``: as ``linear``'s (fp32 kernel only)."""
+    ``bf16``: as ``linear``'s (fp32 kernel only). ``amx``: ``layout_amx`` weights (bf16 implied)."""
     new = key is None
     key = next(_KEYS) if new else key
     qb, dm = weights if len(weights) == 2 else (weights[0], torch.empty(0))
     if bf16 and len(weights) != 2:
         raise ValueError("bf16 weights run on the fp32 kernel, not the int8 one")
-    torch.ops.specblock_q4.put(key, qb, dm, bf16)
+    if amx:
+        torch.ops.specblock_q4.put_amx(key, qb, dm)
+    else:
+        torch.ops.specblock_q4.put(key, qb, dm, bf16)
     if new:
         weakref.finalize(owner, _drop, key)
     return key

@@ -26,13 +26,15 @@ from specblock.runtime.attention import attention_layout, tree_masks
 from specblock.runtime.grouped_rows import use_grouped_rows
 from specblock.runtime.packed import PACKED_FP16, PackedLinear, pack_linears
 from specblock.runtime.packed import available as packed_available
-from specblock.runtime.q4 import PACKED_Q4, Q4, Int4Linear, Int8Linear, int8_kernel_of, use_q4_linears
+from specblock.runtime.q4 import PACKED_Q4, PACKED_Q4_AMX, Q4, Int4Linear, Int8Linear, rounds_activations, use_q4_linears
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 #: What every ``--dtype`` flag offers; packed-fp16 (CPU: fp16 weights packed for fbgemm, fp32
 #: arithmetic) loads in float32 and then packs its linears (``runtime.packed``); q4 (CPU: the
 #: model's own Q4_1 GGUF weights in torch's int4 kernel, the rest as packed-fp16; ``runtime.q4``).
-DTYPE_CHOICES = ("auto", "bfloat16", "float32", PACKED_FP16, PACKED_Q4, Q4)
+DTYPE_CHOICES = ("auto", "bfloat16", "float32", PACKED_FP16, PACKED_Q4, PACKED_Q4_AMX, Q4)
+#: The CPU formats: loaded in float32, then their linears replaced.
+CPU_FORMATS = (PACKED_FP16, PACKED_Q4, PACKED_Q4_AMX, Q4)
 
 
 def default_taps(num_layers: int) -> tuple[int, int, int]:
@@ -61,7 +63,7 @@ def native_bf16(device: torch.device) -> bool:
 #: The one line every ``--dtype`` help prints: what ``auto`` picks and why.
 DTYPE_HELP = (f"auto (default): {PACKED_FP16} (fp16 weights packed for fbgemm, fp32 arithmetic) on x86 CPUs, "
               f"bfloat16 on CUDA and elsewhere (calibrate); {PACKED_Q4}: the bf16 checkpoint's weights read from the "
-              f"4-bit codes it was converted from (CPU with AVX512, named models); {Q4}: the model's own 4-bit GGUF weights (CPU, named models)")
+              f"4-bit codes it was converted from (CPU with AVX512, named models); {PACKED_Q4_AMX}: the same times bf16 activations on AMX tiles (flat tree cost; CPU with AMX-BF16); {Q4}: the model's own 4-bit GGUF weights (CPU, named models)")
 
 
 def resolve_dtype(name: str, device: str | torch.device = "auto") -> str:
@@ -78,7 +80,7 @@ def resolve_dtype(name: str, device: str | torch.device = "auto") -> str:
         if dev.type == "cpu" and packed_available():
             return PACKED_FP16
         return "bfloat16"
-    if name not in DTYPES and name not in (PACKED_FP16, PACKED_Q4, Q4):
+    if name not in DTYPES and name not in CPU_FORMATS:
         raise SpecBlockError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_CHOICES)}")
     return name
 
@@ -102,6 +104,8 @@ def dtype_name_of(model: PreTrainedModel, dtype: torch.dtype) -> str:
     torch dtype's own name (``float32``, ``bfloat16``)."""
     ours = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     if ours:
+        if all(m.kernel == "amx" for m in ours):
+            return PACKED_Q4_AMX
         return PACKED_Q4 if all(m.bf16 for m in ours) else Q4
     kinds = {type(m) for m in model.modules()}
     if PackedLinear in kinds:
@@ -141,7 +145,7 @@ class TargetModel:
         # --dtype's name for what the model holds (serving.json's per-dtype settings key on it)
         self.dtype_name = dtype_name_of(model, self.dtype)
         # --dtype packed-fp16, packed-q4 or q4 (fp32 arithmetic on compact weights): drafters are packed beside it
-        self.packed = self.dtype_name in (PACKED_FP16, PACKED_Q4, Q4)
+        self.packed = self.dtype_name in CPU_FORMATS
         self.compiled = False  # a compiled target (specblock/compiled) says True
         # Trained drafters run in this dtype: the target's where bf16 is native, else fp32 (their
         # weights are small, and on an AVX2 CPU a bf16 linear ran 1.7x slower than fp32 at 1 row
@@ -273,7 +277,7 @@ def load_causal_lm(
     if not any(path.glob("*.safetensors")):
         raise SpecBlockError(f"{path} has no *.safetensors weights (pickled checkpoints are refused); convert them first")
     dtype = resolve_dtype(dtype, device)
-    packed = dtype in (PACKED_FP16, PACKED_Q4, Q4)
+    packed = dtype in CPU_FORMATS
     if packed and resolve_device(device).type != "cpu":
         raise SpecBlockError(f"--dtype {dtype} is a CPU format; on {resolve_device(device).type} use bfloat16")
     if attn not in ("sdpa", "eager"):
@@ -309,9 +313,9 @@ def load_causal_lm(
         raise SpecBlockError(f"cannot load {path} as a causal LM: {_first_line(e)}") from None
     _check_loading(path, info)
     model = model.to(resolve_device(device))
-    if dtype in (Q4, PACKED_Q4):
-        use_q4_linears(model, path, bf16=dtype == PACKED_Q4)  # before packing: what it does not hold is packed below
-    if int8_kernel_of(model):  # its int8 rounding turns inductor's last bits into steps: exact_parts.py
+    if dtype in (Q4, PACKED_Q4, PACKED_Q4_AMX):  # before packing: what the file does not hold is packed below
+        use_q4_linears(model, path, kernel="amx" if dtype == PACKED_Q4_AMX else None, bf16=dtype != Q4)
+    if rounds_activations(model):  # int8 / bf16 rounding turns inductor's last bits into steps: exact_parts.py
         exact_parts.use_exact_parts(model)
     elif parts and dtype != Q4:  # for speed: 6-11% off an eager forward (exact_parts.py, stop 62); q4 on fp32 keeps HF's
         exact_parts.use_exact_parts(model, prompts=False)

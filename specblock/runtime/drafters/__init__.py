@@ -157,13 +157,13 @@ def start_int8_build(dtype: str, device: str, compiled: bool) -> None:
     where the process will load it: a drafter on it by default beside an eager packed-fp16 target
     (``wants_int8``), and any q4 or packed-q4 target (its own kernels are that library). A CPU with AVX512-VNNI."""
     from specblock.runtime import q4_kernel
-    from specblock.runtime.target import PACKED_FP16, PACKED_Q4, Q4, resolve_device, resolve_dtype
+    from specblock.runtime.target import PACKED_FP16, PACKED_Q4, PACKED_Q4_AMX, Q4, resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     if not (INT8_DRAFTERS and dev.type == "cpu" and q4_kernel.vnni_supports()):
         return
     dtype = resolve_dtype(dtype, dev)
-    if dtype in (Q4, PACKED_Q4) or (dtype == PACKED_FP16 and not compiled):
+    if dtype in (Q4, PACKED_Q4, PACKED_Q4_AMX) or (dtype == PACKED_FP16 and not compiled):
         q4_kernel.start_building()
 
 

@@ -1,0 +1,162 @@
+// --dtype packed-q4-amx: the bf16 checkpoint's weights from their 4-bit codes (as packed-q4), times
+// the activations rounded to bf16, summed in fp32 by AMX tiles (TDPBF16PS). Included into
+// q4_kernel.cpp after the fp32 kernel; q4_kernel.py says why.
+//
+// Per tile of 16 output features and group of 32 inputs: the 16 features' weights decoded to bf16
+// (an A tile, 1 KB) times the rows' inputs of the group (a B tile: 16 input pairs x M rows), added to
+// a C tile of 16 features x M rows. A row's outputs take the same operations whatever the other rows
+// (each C element reads only its row's B column), so a token's result does not depend on its tree.
+// Weights: qb [N/16, K/32, 16, QB] and dm fp32 [N/16, K/32, 16, SB] (QB, SB as the fp32 kernel's
+// formats): one tile's group is 256 (Q4_1) or 512 (Q8_0) contiguous bytes.
+
+#define SPECBLOCK_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")))
+
+constexpr int AMX_ROWS = 16;  // rows of x per pass: a B tile's columns
+constexpr int AMX_PAIRS = 2;  // feature tiles per pass: two C tiles in flight share each B tile
+// Groups ahead whose weights are prefetched (an AMX pass reads 2 x 16 features' streams).
+constexpr int64_t AMX_AHEAD = 2;
+
+struct TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux hands AMX's tile state to a process that asks for it (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without it the first tile instruction faults.
+bool amx_ok() {
+  static const bool ok = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("amx-tile") &&
+                         __builtin_cpu_supports("amx-bf16") && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// A feature's 32 weights of a group as 32 bf16 in input order: bf16(d * q + m) from a 16-entry
+// table (the fp32 kernel's multiply-add, rounded to nearest even by the conversion), looked up by
+// nibble (vpermw reads 5 index bits: the low nibbles are masked).
+struct AmxQ4_1 {
+  static constexpr int QB = 16, SB = 2;
+  SPECBLOCK_AMX static inline __m512i decode(const uint8_t* q, const float* s) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256i tab = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(iota, _mm512_set1_ps(s[0]), _mm512_set1_ps(s[1])));
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(15))),
+                                           _mm256_srli_epi16(b, 4), 1);
+    return _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(tab));
+  }
+};
+struct AmxQ8_0 {  // bf16(d * q): the head
+  static constexpr int QB = 32, SB = 1;
+  SPECBLOCK_AMX static inline __m512i decode(const uint8_t* q, const float* s) {
+    __m512 lo, hi;
+    Q8_0::decode(q, s, lo, hi);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  }
+};
+
+// Rows [r0, r0 + m) of x [M, K] -> B tiles: per group, 16 rows (input pairs) of m dwords, a row's
+// pair of inputs as two bf16 (rounded to nearest even).
+SPECBLOCK_AMX void amx_inputs(const float* x, int64_t K, int64_t m, uint32_t* xb) {
+  const int64_t G = K / 32;
+  const __m512i pair = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int>(m)));
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* p = x + r * K + g * 32;
+      const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
+      _mm512_i32scatter_epi32(xb + g * 16 * m + r, pair, v, 4);
+    }
+}
+
+// Feature tiles [t0, t1) of one weight into columns 16 t.. of y's rows [0, m) (row stride N).
+template <class F>
+SPECBLOCK_AMX void amx_tiles(const uint32_t* xb, int64_t m, int64_t K, const uint8_t* qp, const float* dp, int64_t t0,
+                             int64_t t1, float* y, int64_t N) {
+  const int64_t G = K / 32;
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t : {0, 1, 2}) cfg.rows[t] = 16;  // C0, C1, B: 16 rows of m dwords
+  for (int t : {0, 1, 2}) cfg.colsb[t] = static_cast<uint16_t>(m * 4);
+  for (int t : {3, 4}) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // A0, A1: 16 features x 32 bf16
+  _tile_loadconfig(&cfg);
+  alignas(64) uint16_t a[2][AMX_PAIRS][16 * 32];  // by group parity: a group's stores never wait on the last one's loads
+  alignas(64) float c[16 * AMX_ROWS];
+  const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(static_cast<int>(m)));
+  const int64_t tile_q = G * 16 * F::QB, tile_s = G * 16 * F::SB;
+  for (int64_t t = t0; t < t1; t += AMX_PAIRS) {
+    const int nt = static_cast<int>(std::min<int64_t>(AMX_PAIRS, t1 - t));
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t g = 0; g < G; ++g) {
+      if (g + AMX_AHEAD < G)
+        for (int u = 0; u < nt; ++u) {
+          const char* pq = reinterpret_cast<const char*>(qp + (t + u) * tile_q + (g + AMX_AHEAD) * 16 * F::QB);
+          const char* ps = reinterpret_cast<const char*>(dp + (t + u) * tile_s + (g + AMX_AHEAD) * 16 * F::SB);
+          for (int o = 0; o < 16 * F::QB; o += 64) _mm_prefetch(pq + o, _MM_HINT_T0);
+          for (int o = 0; o < 16 * F::SB * 4; o += 64) _mm_prefetch(ps + o, _MM_HINT_T0);
+        }
+      _tile_loadd(2, xb + g * 16 * m, static_cast<int>(m * 4));
+      for (int u = 0; u < nt; ++u) {
+        uint16_t* buf = a[g & 1][u];
+        const uint8_t* q = qp + (t + u) * tile_q + g * 16 * F::QB;
+        const float* s = dp + (t + u) * tile_s + g * 16 * F::SB;
+        for (int f = 0; f < 16; ++f)
+          _mm512_store_si512(reinterpret_cast<__m512i*>(buf + f * 32), F::decode(q + f * F::QB, s + f * F::SB));
+        if (u == 0) {
+          _tile_loadd(3, buf, 64);
+          _tile_dpbf16ps(0, 3, 2);
+        } else {
+          _tile_loadd(4, buf, 64);
+          _tile_dpbf16ps(1, 4, 2);
+        }
+      }
+    }
+    for (int u = 0; u < nt; ++u) {
+      if (u == 0) _tile_stored(0, c, static_cast<int>(m * 4));
+      else _tile_stored(1, c, static_cast<int>(m * 4));
+      for (int64_t r = 0; r < m; ++r) _mm512_storeu_ps(y + r * N + (t + u) * 16, _mm512_i32gather_ps(col, c + r, 4));
+    }
+  }
+  _tile_release();
+}
+
+// x [M, K] fp32 times several AMX weights that read it: [M, N] fp32, their outputs side by side.
+at::Tensor run_amx(const at::Tensor& x, const std::vector<Weights>& ws) {
+  TORCH_CHECK(amx_ok(), "specblock_q4::linear_amx needs AMX-BF16 (and the kernel's leave to use it)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "specblock_q4::linear_amx: x must be 2-D float32");
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<int64_t> starts;
+  int64_t tiles = 0;
+  for (const auto& w : ws) {
+    TORCH_CHECK(w.qb.dim() == 4 && w.qb.size(2) == 16 && w.dm.dim() == 4, "specblock_q4::linear_amx: not AMX weights");
+    TORCH_CHECK(K == w.qb.size(1) * 32, "specblock_q4::linear_amx: x has ", K, " inputs, the weights ", w.qb.size(1) * 32);
+    starts.push_back(tiles);
+    tiles += w.qb.size(0);
+  }
+  const int64_t N = tiles * 16;
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  std::vector<uint32_t> xb(static_cast<size_t>(K / 32) * 16 * AMX_ROWS);
+  for (int64_t r0 = 0; r0 < M; r0 += AMX_ROWS) {
+    const int64_t m = std::min<int64_t>(AMX_ROWS, M - r0);
+    amx_inputs(xc.data_ptr<float>() + r0 * K, K, m, xb.data());
+    float* yp = y.data_ptr<float>() + r0 * N;
+    at::parallel_for(0, tiles, 1, [&](int64_t b0, int64_t b1) {
+      for (size_t i = 0; i < ws.size(); ++i) {
+        const int64_t n = ws[i].qb.size(0), lo = std::max(b0, starts[i]) - starts[i], hi = std::min(b1, starts[i] + n) - starts[i];
+        if (lo >= hi) continue;
+        const auto* qp = static_cast<const uint8_t*>(ws[i].qb.data_ptr());
+        const float* dp = ws[i].dm.data_ptr<float>();
+        const auto run = ws[i].qb.scalar_type() == at::kChar ? amx_tiles<AmxQ8_0> : amx_tiles<AmxQ4_1>;
+        run(xb.data(), m, K, qp, dp, lo, hi, yp + starts[i] * 16, N);
+      }
+    });
+  }
+  return y;
+}
+
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& qb, const at::Tensor& dm) {
+  return run_amx(x, {{qb, dm, true, true}});
+}
