@@ -102,6 +102,10 @@ def test_every_method_matches_its_greedy_eager_and_compiled(tmp_path):
 def test_refusals_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(SpecBlockError, match="amx one, which takes only those"):
         q4.Int4Linear(torch.nn.Linear(64, 16, bias=False), *quantize_q4_1(torch.randn(16, 64)), "amx")
+    monkeypatch.setenv("SPECBLOCK_Q4_KERNEL", "amx")  # not a kernel for q4's exact Q4_1 weights
+    with pytest.raises(SpecBlockError, match="no q4 kernel; choose one of int8, fp32, bf16; for AMX use --dtype packed-q4-amx"):
+        q4.default_kernel()
+    monkeypatch.delenv("SPECBLOCK_Q4_KERNEL")
     path = save_tiny_packed_q4(tmp_path / "t", layers=1)
     monkeypatch.setattr(q4_kernel, "amx_supports", lambda: False)
     with pytest.raises(SpecBlockError, match="needs AMX-BF16.*use packed-q4$") as e:

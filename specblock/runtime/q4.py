@@ -83,8 +83,10 @@ def default_kernel() -> str:
     it has AVX512; else torch's (``q4_kernel.load`` warns once why)."""
     asked = os.environ.get("SPECBLOCK_Q4_KERNEL")
     if asked:
-        if asked not in KERNELS or asked == "amx":  # amx is a dtype of its own (packed-q4-amx)
-            raise SpecBlockError(f"SPECBLOCK_Q4_KERNEL={asked} is no q4 kernel; choose one of {', '.join(KERNELS)}")
+        q4_kernels = [k for k in KERNELS if k != "amx"]  # amx runs packed-q4-amx's bf16 weights only: a dtype of its own
+        if asked not in q4_kernels:
+            hint = "; for AMX use --dtype packed-q4-amx" if asked == "amx" else ""
+            raise SpecBlockError(f"SPECBLOCK_Q4_KERNEL={asked} is no q4 kernel; choose one of {', '.join(q4_kernels)}{hint}")
         if asked in OURS and not q4_kernel.load():
             raise SpecBlockError(f"SPECBLOCK_Q4_KERNEL={asked}: our kernels cannot run here (see the warning above); use bf16")
         if asked == "int8" and not q4_kernel.vnni_supports():
@@ -381,4 +383,4 @@ CHECK_ROWS = 16
 def _check_rounding(name: str, values: torch.Tensor, weight: torch.Tensor, f: Path) -> None:
     if not torch.equal(values.bfloat16().float(), weight[:values.shape[0]]):
         raise SpecBlockError(f"{f}: {name}'s 4-bit weights rounded to bf16 are not this checkpoint's "
-                             f"(--dtype {PACKED_Q4} needs the checkpoint a Q4_1 GGUF was converted to); use packed-fp16")
+                             f"(--dtype {PACKED_Q4} and {PACKED_Q4_AMX} need the checkpoint a Q4_1 GGUF was converted to); use packed-fp16")
