@@ -187,3 +187,38 @@ def test_every_shipped_drafter_is_lossless_at_packed_q4(real_packed_q4, method):
     target, _, tok, stops = real_packed_q4
     plain, res = plain_and_served(target, tok, stops, method, QUESTIONS[1], 32)
     assert res.token_ids == plain.token_ids, method
+
+
+@pytest.fixture(scope="module")
+def real_packed_q4_amx(real):
+    from specblock.runtime import q4_kernel
+
+    if not (q4_kernel.cpu_supports() and q4_kernel.amx_supports()):
+        pytest.skip("packed-q4-amx needs AMX-BF16")
+    path, target32, tok, stops = real
+    return TargetModel.load(path, "packed-q4-amx", "cpu"), target32, tok, stops
+
+
+def test_packed_q4_amx_multiplies_by_the_checkpoints_weights(real_packed_q4_amx):
+    """Through the AMX tiles an identity input (exact in bf16) gives each weight back: the first layer's
+    linears and the tied head equal the fp32 load of the bf16 checkpoint bit for bit."""
+    from specblock.runtime import q4
+
+    target, target32, _, _ = real_packed_q4_amx
+    assert target.dtype_name == "packed-q4-amx"
+    ref = dict(target32.model.named_modules())
+    checked = 0
+    for name, mod in target.model.named_modules():
+        if isinstance(mod, (q4.Int4Linear, q4.Int8Linear)) and (".layers.0." in name or name == "lm_head"):
+            assert mod.kernel == "amx" and torch.equal(mod(torch.eye(mod.in_features)).t(), ref[name].weight), name
+            checked += 1
+    assert checked == 8
+
+
+@pytest.mark.parametrize("method", SHIPPED)
+def test_every_shipped_drafter_is_lossless_at_packed_q4_amx(real_packed_q4_amx, method):
+    """bf16 activations, row-independent tiles and the exact parts: each shipped drafter at its serving
+    settings equals plain decoding at packed-q4-amx."""
+    target, _, tok, stops = real_packed_q4_amx
+    plain, res = plain_and_served(target, tok, stops, method, QUESTIONS[1], 32)
+    assert res.token_ids == plain.token_ids, method
