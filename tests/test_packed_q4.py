@@ -18,7 +18,7 @@ from specblock.runtime import q4, q4_kernel
 from specblock.runtime.drafters import LookupDrafter, RandomDrafter
 from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel
-from tiny import Q4_VOCAB as V, hf_greedy, run_cli, save_tiny_packed_q4, save_tiny_q4
+from tiny import Q4_VOCAB as V, assert_drafters_match_greedy, hf_greedy, run_cli, save_tiny_packed_q4, save_tiny_q4
 
 OURS = q4_kernel.cpu_supports() and q4_kernel.load()
 pytestmark = pytest.mark.skipif(not OURS, reason="packed-q4 runs on our fp32 q4 kernel (AVX512F/AVX512BW)")
@@ -94,16 +94,7 @@ def test_a_packed_q4_target_is_its_checkpoint_in_fp32_and_every_method_matches_i
     with torch.no_grad():
         ids = torch.tensor(prompt)[None]
         assert torch.allclose(target.model(ids).logits, ref32(ids).logits, rtol=1e-4, atol=1e-4)  # only sums reordered
-    rng = np.random.default_rng(3)
-    accepted = 0
-    for trial in range(3):
-        prompt = rng.integers(2, V, int(rng.integers(2, 16)))
-        ref = hf_greedy(target.model, prompt, 24)
-        for drafter in (RandomDrafter(V, seed=trial), LookupDrafter(branches=3, max_ngram=2)):
-            res = Engine(target, drafter, budget=int(rng.integers(2, 16))).generate(prompt, 24)
-            assert res.token_ids == ref, (drafter.name, trial)
-            accepted += sum(res.stats.accepted)
-    assert accepted > 0
+    assert_drafters_match_greedy(target, V, seed=3, max_budget=16)
     code, out, err = run_cli(capsys, "--target", path, "--dtype", "packed-q4", "--method", "lookup", "--raw",
                              "--prompt", "abcabcabc", "--max-new-tokens", "12", "--compare", "ar", "--json")
     assert code == 0, err

@@ -17,7 +17,7 @@ from specblock.runtime import q4, q4_kernel
 from specblock.runtime.drafters import LookupDrafter, RandomDrafter
 from specblock.runtime.engine import Engine
 from specblock.runtime.target import TargetModel
-from tiny import Q4_VOCAB as V, hf_greedy, save_tiny_packed_q4
+from tiny import Q4_VOCAB as V, assert_drafters_match_greedy, hf_greedy, save_tiny_packed_q4
 
 AMX = q4_kernel.cpu_supports() and q4_kernel.amx_supports()
 pytestmark = pytest.mark.skipif(not AMX, reason="packed-q4-amx needs AMX-BF16 (and our q4 library)")
@@ -81,16 +81,7 @@ def test_every_method_matches_its_greedy_eager_and_compiled(tmp_path):
         ids = torch.tensor(prompt)[None]
         got, want = target.model(ids).logits, ref32(ids).logits
         assert torch.allclose(got, want, atol=0.05) and not torch.equal(got, want)
-    rng = np.random.default_rng(3)
-    accepted = 0
-    for trial in range(3):
-        prompt = rng.integers(2, V, int(rng.integers(2, 16)))
-        ref = hf_greedy(target.model, prompt, 24)
-        for drafter in (RandomDrafter(V, seed=trial), LookupDrafter(branches=3, max_ngram=2)):
-            res = Engine(target, drafter, budget=int(rng.integers(2, 20))).generate(prompt, 24)
-            assert res.token_ids == ref, (drafter.name, trial)
-            accepted += sum(res.stats.accepted)
-    assert accepted > 0
+    assert_drafters_match_greedy(target, V, seed=3, max_budget=20)
     static = StaticTarget(target.model, compile=True, buckets=(1, 8), saved=False)
     assert (static.dtype_name, static.compiled) == ("packed-q4-amx", True)
     prompt = np.random.default_rng(6).integers(2, V, 10)

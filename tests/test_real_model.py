@@ -144,28 +144,34 @@ def test_every_shipped_drafter_is_lossless_at_q4(real_q4, method):
         assert res.token_ids == plain.token_ids, (method, q)
 
 
-@pytest.fixture(scope="module")
-def real_packed_q4(real):
+@pytest.fixture(scope="module", params=["packed-q4", "packed-q4-amx"])
+def real_packed_q4(real, request):
+    """The checkpoint's weights read from their 4-bit codes: in fp32 sums (packed-q4) or on AMX tiles
+    with bf16 activations (packed-q4-amx)."""
     from specblock.runtime import q4_kernel
 
     if not (q4_kernel.cpu_supports() and q4_kernel.load()):
-        pytest.skip("packed-q4 runs on our fp32 q4 kernel (AVX512F/AVX512BW)")
+        pytest.skip("packed-q4 runs on our q4 kernels (AVX512F/AVX512BW)")
+    if request.param == "packed-q4-amx" and not q4_kernel.amx_supports():
+        pytest.skip("packed-q4-amx needs AMX-BF16")
     path, target32, tok, stops = real
-    return TargetModel.load(path, "packed-q4", "cpu"), target32, tok, stops
+    return TargetModel.load(path, request.param, "cpu"), target32, tok, stops
 
 
 def test_packed_q4_reads_the_checkpoints_weights_bit_for_bit(real_packed_q4):
-    """The first layer's linears and the tied head, through the kernel (an identity input), equal the
-    fp32 load of the bf16 checkpoint; the load itself checks the first rows of every linear."""
+    """The first layer's linears and the tied head, through the kernel (an identity input, exact in
+    bf16 too), equal the fp32 load of the bf16 checkpoint; the load itself checks the first rows of
+    every linear."""
     from specblock.runtime import q4
 
     target, target32, _, _ = real_packed_q4
-    assert target.dtype_name == "packed-q4"
+    kernel = "amx" if target.dtype_name == "packed-q4-amx" else "fp32"
     ref = dict(target32.model.named_modules())
     checked = 0
     for name, mod in target.model.named_modules():
         if isinstance(mod, (q4.Int4Linear, q4.Int8Linear)) and (".layers.0." in name or name == "lm_head"):
-            assert mod.bf16 and torch.equal(mod(torch.eye(mod.in_features)).t(), ref[name].weight), name
+            assert mod.bf16 and mod.kernel == kernel, name
+            assert torch.equal(mod(torch.eye(mod.in_features)).t(), ref[name].weight), name
             checked += 1
     assert checked == 8
 
@@ -182,43 +188,8 @@ def test_packed_fp16_holds_this_checkpoints_weights_exactly_too(real):
 
 @pytest.mark.parametrize("method", SHIPPED)
 def test_every_shipped_drafter_is_lossless_at_packed_q4(real_packed_q4, method):
-    """packed-q4 is fp32 arithmetic with row-independent linears: each shipped drafter at its serving
-    settings equals plain decoding there."""
+    """packed-q4 (fp32 arithmetic) and packed-q4-amx (bf16 activations with the exact parts) have
+    row-independent linears: each shipped drafter at its serving settings equals plain decoding there."""
     target, _, tok, stops = real_packed_q4
     plain, res = plain_and_served(target, tok, stops, method, QUESTIONS[1], 32)
-    assert res.token_ids == plain.token_ids, method
-
-
-@pytest.fixture(scope="module")
-def real_packed_q4_amx(real):
-    from specblock.runtime import q4_kernel
-
-    if not (q4_kernel.cpu_supports() and q4_kernel.amx_supports()):
-        pytest.skip("packed-q4-amx needs AMX-BF16")
-    path, target32, tok, stops = real
-    return TargetModel.load(path, "packed-q4-amx", "cpu"), target32, tok, stops
-
-
-def test_packed_q4_amx_multiplies_by_the_checkpoints_weights(real_packed_q4_amx):
-    """Through the AMX tiles an identity input (exact in bf16) gives each weight back: the first layer's
-    linears and the tied head equal the fp32 load of the bf16 checkpoint bit for bit."""
-    from specblock.runtime import q4
-
-    target, target32, _, _ = real_packed_q4_amx
-    assert target.dtype_name == "packed-q4-amx"
-    ref = dict(target32.model.named_modules())
-    checked = 0
-    for name, mod in target.model.named_modules():
-        if isinstance(mod, (q4.Int4Linear, q4.Int8Linear)) and (".layers.0." in name or name == "lm_head"):
-            assert mod.kernel == "amx" and torch.equal(mod(torch.eye(mod.in_features)).t(), ref[name].weight), name
-            checked += 1
-    assert checked == 8
-
-
-@pytest.mark.parametrize("method", SHIPPED)
-def test_every_shipped_drafter_is_lossless_at_packed_q4_amx(real_packed_q4_amx, method):
-    """bf16 activations, row-independent tiles and the exact parts: each shipped drafter at its serving
-    settings equals plain decoding at packed-q4-amx."""
-    target, _, tok, stops = real_packed_q4_amx
-    plain, res = plain_and_served(target, tok, stops, method, QUESTIONS[1], 32)
-    assert res.token_ids == plain.token_ids, method
+    assert res.token_ids == plain.token_ids, (method, target.dtype_name)

@@ -150,6 +150,26 @@ def hf_greedy(model, prompt, n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def assert_drafters_match_greedy(target, vocab: int, seed: int, trials: int = 3, n: int = 24, max_budget: int = 16) -> None:
+    """Random prompts and budgets; a random drafter's and prompt lookup's trees each give the target's
+    own greedy decoding token for token, and some drafts are accepted (the check is not vacuous)."""
+    import numpy as np
+
+    from specblock.runtime.drafters import LookupDrafter, RandomDrafter
+    from specblock.runtime.engine import Engine
+
+    rng = np.random.default_rng(seed)
+    accepted = 0
+    for trial in range(trials):
+        prompt = rng.integers(2, vocab, int(rng.integers(2, 16)))
+        ref = hf_greedy(target.model, prompt, n)
+        for drafter in (RandomDrafter(vocab, seed=trial), LookupDrafter(branches=3, max_ngram=2)):
+            res = Engine(target, drafter, budget=int(rng.integers(2, max_budget))).generate(prompt, n)
+            assert res.token_ids == ref, (drafter.name, trial)
+            accepted += sum(res.stats.accepted)
+    assert accepted > 0
+
+
 def perturb(net, noise: float) -> None:
     """Move every trainable tensor far from its init ("random weights" for lossless tests)."""
     with torch.no_grad():
