@@ -16,7 +16,7 @@ def prebuild(dtype: str, device: str) -> None:
     builds ran one after the other after the load, on the critical path (docs/compiled.md, stop 56).
     The norm library the load itself waits for (``exact_parts``) is queued first: behind the other
     two on the two build threads it finished last, and the load waited for it (stop 65's timeline).
-    So is q4's kernel library where the target's linears run on it (q4, packed-q4): the load
+    So is q4's kernel library where the target's linears run on it (q4, packed-q4, packed-q4-amx): the load
     needs it too (stop 67's timeline had it built after the other two, the load waiting 9 s)."""
     from specblock.compiled import native
     from specblock.runtime import exact_parts, packed, q4_kernel, tree_attention

@@ -31,7 +31,8 @@ from specblock.runtime.q4 import PACKED_Q4, PACKED_Q4_AMX, Q4, Int4Linear, Int8L
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 #: What every ``--dtype`` flag offers; packed-fp16 (CPU: fp16 weights packed for fbgemm, fp32
 #: arithmetic) loads in float32 and then packs its linears (``runtime.packed``); q4 (CPU: the
-#: model's own Q4_1 GGUF weights in torch's int4 kernel, the rest as packed-fp16; ``runtime.q4``).
+#: model's own Q4_1 GGUF weights in our kernels or torch's int4 kernel, the rest as packed-fp16; packed-q4 and
+#: packed-q4-amx: the bf16 checkpoint's weights from those codes, fp32 or AMX arithmetic; ``runtime.q4``).
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", PACKED_FP16, PACKED_Q4, PACKED_Q4_AMX, Q4)
 #: The CPU formats: loaded in float32, then their linears replaced.
 CPU_FORMATS = (PACKED_FP16, PACKED_Q4, PACKED_Q4_AMX, Q4)
@@ -144,7 +145,7 @@ class TargetModel:
         self.dtype = next(model.parameters()).dtype
         # --dtype's name for what the model holds (serving.json's per-dtype settings key on it)
         self.dtype_name = dtype_name_of(model, self.dtype)
-        # --dtype packed-fp16, packed-q4 or q4 (fp32 arithmetic on compact weights): drafters are packed beside it
+        # --dtype packed-fp16, packed-q4, packed-q4-amx or q4 (compact weights): drafters are packed beside it
         self.packed = self.dtype_name in CPU_FORMATS
         self.compiled = False  # a compiled target (specblock/compiled) says True
         # Trained drafters run in this dtype: the target's where bf16 is native, else fp32 (their

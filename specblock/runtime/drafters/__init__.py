@@ -131,7 +131,7 @@ def pack_for(drafter: Drafter, target, int8: bool | None = None) -> int:
 
 def wants_int8(target) -> bool:
     """The default: int8 drafter linears beside an eager packed target and beside a target on our q4
-    kernels (q4, packed-q4), not beside a compiled packed-fp16 one.
+    kernels (q4, packed-q4, packed-q4-amx), not beside a compiled packed-fp16 one.
 
     Why: a drafter's forward is a dozen linears over a few rows, where fbgemm's fp16 call costs
     1.7-4x the int8 kernel's (``experiments/drafter_linears.py``), and a drafter's precision moves
@@ -155,7 +155,7 @@ def wants_int8(target) -> bool:
 def start_int8_build(dtype: str, device: str, compiled: bool) -> None:
     """The int8 kernel's library starts building in the background now, beside the target's load,
     where the process will load it: a drafter on it by default beside an eager packed-fp16 target
-    (``wants_int8``), and any q4 or packed-q4 target (its own kernels are that library). A CPU with AVX512-VNNI."""
+    (``wants_int8``), and any q4, packed-q4 or packed-q4-amx target (its own kernels are that library). A CPU with AVX512-VNNI."""
     from specblock.runtime import q4_kernel
     from specblock.runtime.target import PACKED_FP16, PACKED_Q4, PACKED_Q4_AMX, Q4, resolve_device, resolve_dtype
 
