@@ -62,3 +62,40 @@ def test_bench_records_resolved_dtype(tmp_path, monkeypatch):
     assert main(["bench", "--target", str(tmp_path / "t"), "--methods", "lookup", "--domains", "code",
                  "--prompts", "1", "--max-new-tokens", "4", "--runs", "1", "--out", str(out)]) == 0
     assert json.loads(out.with_suffix(".json").read_text())["config"]["dtype"] == "bfloat16"
+
+
+def test_auto_is_packed_q4_amx_for_a_target_with_its_codes_on_an_amx_cpu(tmp_path, monkeypatch):
+    from specblock.runtime import q4_kernel
+    from tiny import save_tiny_packed_q4
+
+    with_codes = save_tiny_packed_q4(tmp_path / "q", layers=1)
+    plain = save_tiny(tmp_path / "t", "llama", vocab=32)
+    monkeypatch.setattr(target_mod, "packed_available", lambda: True)
+    monkeypatch.setattr(q4_kernel, "amx_cpu", lambda: True)
+    assert resolve_dtype("auto", CPU, with_codes) == "packed-q4-amx"
+    assert resolve_dtype("auto", CPU, "smollm2-135m-instruct") == "packed-q4-amx"  # built from its Q4_1 GGUF, built or not
+    assert resolve_dtype("auto", CPU, plain) == resolve_dtype("auto", CPU, "lab") == "packed-fp16"
+    assert resolve_dtype("auto", CPU) == "packed-fp16"  # a caller that does not know the target
+    assert resolve_dtype("packed-fp16", CPU, with_codes) == "packed-fp16"  # an explicit name stays
+    assert RunConfig(target=str(with_codes), method="auto").method == "lookup"  # no best.json: auto's record looked up, none
+    monkeypatch.setattr(q4_kernel, "amx_cpu", lambda: False)
+    assert resolve_dtype("auto", CPU, with_codes) == "packed-fp16"
+
+
+def test_auto_falls_back_to_packed_fp16_where_the_load_refuses_the_codes(tmp_path, monkeypatch):
+    """A directory with a q4 file whose checkpoint is not their rounding (or a CPU where the kernel
+    cannot run): auto's choice is refused at load, before any linear is replaced, and the float32
+    model is packed fp16 instead, with one warning; an explicit --dtype packed-q4-amx still refuses."""
+    from specblock.runtime import q4_kernel
+    from tiny import save_tiny_q4
+
+    path = save_tiny_q4(tmp_path / "other", layers=1)
+    monkeypatch.setattr(target_mod, "packed_available", lambda: True)
+    monkeypatch.setattr(q4_kernel, "amx_cpu", lambda: True)
+    assert resolve_dtype("auto", CPU, path) == "packed-q4-amx"
+    with pytest.warns(UserWarning, match="auto falls back to packed-fp16"):
+        target = TargetModel.load(path, "auto", "cpu")
+    assert target.dtype_name == "packed-fp16"
+    assert type(target.model.lm_head).__name__ == "PackedLinear"
+    with pytest.raises(SpecBlockError):
+        TargetModel.load(path, "packed-q4-amx", "cpu")

@@ -81,6 +81,21 @@ def model_dir(name: str) -> Path:
     return spec.shipped if spec.shipped is not None else specblock_home() / "models" / name
 
 
+def has_q4_codes(target: str | Path | None) -> bool:
+    """Whether a target comes with the 4-bit codes its checkpoint was converted from (``q4_1.safetensors``,
+    ``--dtype packed-q4`` / ``packed-q4-amx``): a named model built from a Q4_1 GGUF (before its first
+    build too: the build writes them), or a directory holding that file. Nothing is built here."""
+    from specblock.q4file import Q4_FILE
+
+    text = str(target) if target is not None else DEFAULT_TARGET_NAME
+    if text in MODELS:
+        spec = MODELS[text]
+        if spec.source is None or ".Q4_1." not in spec.source.member:
+            return False
+        return not is_built(text) or (model_dir(text) / Q4_FILE).is_file()
+    return (Path(text).expanduser() / Q4_FILE).is_file()
+
+
 def is_built(name: str) -> bool:
     return build_complete(MODELS[name], model_dir(name))
 

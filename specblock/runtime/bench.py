@@ -183,9 +183,9 @@ def run_bench(args, traces: AtomicFiles | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = validate({"target": args.target, "dtype": args.dtype})
-    args.dtype = resolve_dtype(args.dtype, "auto")  # the results' config records what ran, never "auto"
-    args.target = args.target or DEFAULT_TARGET_NAME  # likewise the target: a blank one meant the lab model once
     path = cfg.target_dir
+    args.dtype = resolve_dtype(args.dtype, "auto", path)  # the results' config records what ran, never "auto"
+    args.target = args.target or DEFAULT_TARGET_NAME  # likewise the target: a blank one meant the lab model once
     targets = Targets(TargetModel.load(path, args.dtype, "auto"), args.compile_mode)
     target = targets.eager  # prompts' context check and divergences: the same model either way
     tok = load_tokenizer(path, False)

@@ -199,7 +199,7 @@ def main(argv: list[str]) -> int:
         raise SpecBlockError("--reps: give at least 1 timed repetition")
     check_output(args.out, "--out", make_parents=True)
     cfg = validate({"target": args.target, "dtype": args.dtype})
-    args.dtype = resolve_dtype(args.dtype, "auto")  # the latency JSON records what ran, never "auto"
+    args.dtype = resolve_dtype(args.dtype, "auto", cfg.target_dir)  # the latency JSON records what ran, never "auto"
     target = TargetModel.load(cfg.target_dir, args.dtype, "auto")
     if args.compile:
         from specblock.runtime.cli import maybe_compile

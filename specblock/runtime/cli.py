@@ -20,7 +20,7 @@ from specblock.runtime import chat, drafters
 from specblock.runtime.config import RunConfig, read_prompt_file, validate
 from specblock.runtime.engine import Engine, GenerationResult
 from specblock.runtime.metrics import DecodeStats, speedup
-from specblock.runtime.target import DTYPE_CHOICES, DTYPE_HELP, TargetModel, read_generation_eos
+from specblock.runtime.target import DTYPE_CHOICES, DTYPE_HELP, TargetModel, read_generation_eos, resolve_dtype
 from specblock.runtime.verify import GreedyVerifier, SamplingVerifier
 
 #: What ``make run`` asks when no prompt is given: a chat question for a chat model, code otherwise.
@@ -161,10 +161,11 @@ class Session:
     @classmethod
     def open(cls, cfg: RunConfig, trace) -> "Session":
         path = cfg.target_dir
+        dtype = resolve_dtype(cfg.dtype, cfg.device, path)  # what the load resolves too: the builds begun below are its
         if cfg.compile:
-            prebuild_compiled(cfg.dtype, cfg.device)
+            prebuild_compiled(dtype, cfg.device)
         if cfg.method in drafters.TRAINED:
-            drafters.start_int8_build(cfg.dtype, cfg.device, cfg.compile)
+            drafters.start_int8_build(dtype, cfg.device, cfg.compile)
         target = maybe_compile(TargetModel.load(path, cfg.dtype, cfg.device, cfg.attn, cfg.trust_remote_code), cfg.compile,
                                cfg.compile_mode)
         tokenizer = load_tokenizer(path, cfg.trust_remote_code)

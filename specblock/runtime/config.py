@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from specblock.errors import SpecBlockError
 from specblock.flags import bad_text
-from specblock.models import MODELS, resolve_target
+from specblock.models import DEFAULT_TARGET_NAME, MODELS, resolve_target
 from specblock.models.registry import best_method
 from specblock.runtime.chat import parse_messages
 
@@ -110,7 +110,7 @@ class RunConfig(BaseModel):
             from specblock.runtime.q4 import Q4
             from specblock.runtime.target import resolve_dtype
 
-            dtype = resolve_dtype(self.dtype, self.device)
+            dtype = resolve_dtype(self.dtype, self.device, self.target if self.target is not None else DEFAULT_TARGET_NAME)
             method = "ar" if dtype == Q4 else best_method(self.target, dtype, compiled=self.compile)
             self.method = method.removesuffix(SUFFIX)
             if self.method != method and self.lookup_branch is None:

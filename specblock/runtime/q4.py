@@ -350,18 +350,21 @@ def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None, bf16
         if unknown:
             raise SpecBlockError(f"{f} holds weights for {unknown[0]}, which is no linear of this model "
                                  f"({len(unknown)} such); rebuild the model or use packed-fp16")
-        for name in sorted(names):
-            owner, attr, lin = _frozen_linear(model, mods, name)
-            qs, d, m = st.get_tensor(f"{name}.qs"), st.get_tensor(f"{name}.d"), st.get_tensor(f"{name}.m")
-            if bf16:
-                _check_rounding(name, dequantize_q4_1(qs[:CHECK_ROWS], d[:CHECK_ROWS], m[:CHECK_ROWS]), lin.weight, f)
-            setattr(owner, attr, Int4Linear(lin, qs, d, m, kernel, bf16=bf16))
-        for name in sorted(q8):  # torch's int4 kernel has no Q8_0: there the head is packed fp16
-            owner, attr, lin = _frozen_linear(model, mods, name)
-            q, d = st.get_tensor(f"{name}.q8"), st.get_tensor(f"{name}.d8")
-            if bf16:
-                _check_rounding(name, dequantize_q8_0(q[:CHECK_ROWS], d[:CHECK_ROWS]), lin.weight, f)
-            setattr(owner, attr, Int8Linear(lin, q, d, kernel, bf16=bf16))
+        # Every check before any replacement: a refused file leaves the float32 model as it was (so
+        # --dtype auto can take it as packed fp16 instead).
+        q4s = {n: (st.get_tensor(f"{n}.qs"), st.get_tensor(f"{n}.d"), st.get_tensor(f"{n}.m")) for n in sorted(names)}
+        q8s = {n: (st.get_tensor(f"{n}.q8"), st.get_tensor(f"{n}.d8")) for n in sorted(q8)}  # torch's int4 kernel has no Q8_0
+    if bf16:
+        for name, (qs, d, m) in q4s.items():
+            _check_rounding(name, dequantize_q4_1(qs[:CHECK_ROWS], d[:CHECK_ROWS], m[:CHECK_ROWS]), mods[name].weight, f)
+        for name, (q, d) in q8s.items():
+            _check_rounding(name, dequantize_q8_0(q[:CHECK_ROWS], d[:CHECK_ROWS]), mods[name].weight, f)
+    for name, (qs, d, m) in q4s.items():
+        owner, attr, lin = _frozen_linear(model, mods, name)
+        setattr(owner, attr, Int4Linear(lin, qs, d, m, kernel, bf16=bf16))
+    for name, (q, d) in q8s.items():  # the head stays packed fp16 where these are none
+        owner, attr, lin = _frozen_linear(model, mods, name)
+        setattr(owner, attr, Int8Linear(lin, q, d, kernel, bf16=bf16))
     return len(names) + len(q8)
 
 

@@ -166,6 +166,13 @@ def layout_amx(qb: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.
     return tiles(qb), tiles(dm)
 
 
+def amx_cpu() -> bool:
+    """The CPU flags the AMX kernel needs (AVX512F/BW, AMX-BF16, AVX512-BF16), unless
+    ``SPECBLOCK_Q4_KERNEL=bf16`` keeps our library from loading: what ``--dtype auto`` asks before
+    any build (``amx_supports`` builds and asks Linux too)."""
+    return cpu_supports() and {"amx_bf16", "amx_tile", "avx512_bf16"} <= cext.cpu_flags() and not _torch_asked()
+
+
 def amx_supports() -> bool:
     """AMX-BF16 and AVX512-BF16 here, by the CPU's flags, and the kernel's leave to use the tiles (the
     library asks Linux once; ``load`` first)."""

@@ -12,6 +12,7 @@ L-1 (our choice). ``hidden_states[i]`` of HF's output is the input of layer i.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,15 +63,22 @@ def native_bf16(device: torch.device) -> bool:
 
 
 #: The one line every ``--dtype`` help prints: what ``auto`` picks and why.
-DTYPE_HELP = (f"auto (default): {PACKED_FP16} (fp16 weights packed for fbgemm, fp32 arithmetic) on x86 CPUs, "
+DTYPE_HELP = (f"auto (default): {PACKED_Q4_AMX} on CPUs with AMX for models converted from a Q4_1 GGUF, else "
+              f"{PACKED_FP16} (fp16 weights packed for fbgemm, fp32 arithmetic) on x86 CPUs, "
               f"bfloat16 on CUDA and elsewhere (calibrate); {PACKED_Q4}: the bf16 checkpoint's weights read from the "
               f"4-bit codes it was converted from (CPU with AVX512, named models); {PACKED_Q4_AMX}: the same times bf16 activations on AMX tiles (flat tree cost; CPU with AMX-BF16); {Q4}: the model's own 4-bit GGUF weights (CPU, named models)")
 
 
-def resolve_dtype(name: str, device: str | torch.device = "auto") -> str:
+def resolve_dtype(name: str, device: str | torch.device = "auto", target: str | Path | None = None) -> str:
     """The target's dtype name, ``auto`` resolved (the one place it is). Explicit names pass as is.
 
-    ``auto`` is packed-fp16 on a CPU where torch has fbgemm (x86), bfloat16 elsewhere (CUDA, ARM).
+    ``auto`` is packed-q4-amx on a CPU with AMX-BF16 for a ``target`` (a name, None for the default, or
+    a directory) that comes with its checkpoint's 4-bit codes (``models.registry.has_q4_codes``): there
+    ``make run``'s command ran 1.54x packed fp16's tokens/s and trees are nearly flat (stop 68,
+    ``dtype_ab_s68.md``, ``target_speed_amx_s68.md``). Else packed-fp16 on a CPU where torch has
+    fbgemm (x86), bfloat16 elsewhere (CUDA, ARM). Callers that resolve ``auto`` without a target get
+    packed-fp16 there; the ones that know it (the CLI's session, the config's ``--method auto``, bench,
+    calibrate) pass it, so they agree with the load.
     Measured with ``experiments/target_speed.py`` (SmolLM2-135M, 2 threads): on an AVX2 CPU without
     native bf16, bf16 trees are emulated (T(16) = 6-7 x T(1)) and packed fp16's T(1) was below
     bf16's too; on a CPU with AMX (native bf16, ``target_speed_amx.md``) bf16 trees are nearly flat,
@@ -78,12 +86,21 @@ def resolve_dtype(name: str, device: str | torch.device = "auto") -> str:
     shipped drafters serve, and the shipped drafters' records are measured at packed-fp16."""
     if name == "auto":
         dev = resolve_device(device) if isinstance(device, str) else device
+        if dev.type == "cpu" and target is not None and _amx_for(target):
+            return PACKED_Q4_AMX
         if dev.type == "cpu" and packed_available():
             return PACKED_FP16
         return "bfloat16"
     if name not in DTYPES and name not in CPU_FORMATS:
         raise SpecBlockError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_CHOICES)}")
     return name
+
+
+def _amx_for(target: str | Path) -> bool:
+    from specblock.models.registry import has_q4_codes
+    from specblock.runtime import q4_kernel
+
+    return q4_kernel.amx_cpu() and has_q4_codes(target)
 
 
 @dataclass
@@ -277,7 +294,7 @@ def load_causal_lm(
         raise SpecBlockError(f"{path} has no config.json; is it a HuggingFace model directory?")
     if not any(path.glob("*.safetensors")):
         raise SpecBlockError(f"{path} has no *.safetensors weights (pickled checkpoints are refused); convert them first")
-    dtype = resolve_dtype(dtype, device)
+    asked, dtype = dtype, resolve_dtype(dtype, device, path)
     packed = dtype in CPU_FORMATS
     if packed and resolve_device(device).type != "cpu":
         raise SpecBlockError(f"--dtype {dtype} is a CPU format; on {resolve_device(device).type} use bfloat16")
@@ -315,7 +332,15 @@ def load_causal_lm(
     _check_loading(path, info)
     model = model.to(resolve_device(device))
     if dtype in (Q4, PACKED_Q4, PACKED_Q4_AMX):  # before packing: what the file does not hold is packed below
-        use_q4_linears(model, path, kernel="amx" if dtype == PACKED_Q4_AMX else None, bf16=dtype != Q4)
+        try:
+            use_q4_linears(model, path, kernel="amx" if dtype == PACKED_Q4_AMX else None, bf16=dtype != Q4)
+        except SpecBlockError as e:
+            if asked != "auto":
+                raise
+            # auto's choice: the file's first rows are checked before any linear is replaced, so the
+            # model is still the plain float32 one, and packed fp16 takes it as is
+            warnings.warn(f"specblock: --dtype auto falls back to {PACKED_FP16}: {e}", stacklevel=2)
+            dtype = PACKED_FP16
     if rounds_activations(model):  # int8 / bf16 rounding turns inductor's last bits into steps: exact_parts.py
         exact_parts.use_exact_parts(model)
     elif parts and dtype != Q4:  # for speed: 6-11% off an eager forward (exact_parts.py, stop 62); q4 on fp32 keeps HF's
