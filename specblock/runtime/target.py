@@ -72,8 +72,8 @@ DTYPE_HELP = (f"auto (default): {PACKED_Q4_AMX} on CPUs with AMX for models conv
 def resolve_dtype(name: str, device: str | torch.device = "auto", target: str | Path | None = None) -> str:
     """The target's dtype name, ``auto`` resolved (the one place it is). Explicit names pass as is.
 
-    ``auto`` is packed-q4-amx on a CPU with AMX-BF16 for a ``target`` (a name, None for the default, or
-    a directory) that comes with its checkpoint's 4-bit codes (``models.registry.has_q4_codes``): there
+    ``auto`` is packed-q4-amx on a CPU with AMX-BF16 for a ``target`` (a model name or a directory;
+    None where the caller does not know it) that comes with its checkpoint's 4-bit codes (``models.registry.has_q4_codes``): there
     ``make run``'s command ran 1.54x packed fp16's tokens/s and trees are nearly flat (stop 68,
     ``dtype_ab_s68.md``, ``target_speed_amx_s68.md``). Else packed-fp16 on a CPU where torch has
     fbgemm (x86), bfloat16 elsewhere (CUDA, ARM). Callers that resolve ``auto`` without a target get
