@@ -266,11 +266,6 @@ class Int8Linear(_OursLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 q8_0{rounded}, {self.kernel} kernel"
 
 
-def int8_kernel_of(model: nn.Module) -> bool:
-    """Whether ``model`` (a target's HF model) runs its q4 linears on the int8 kernel."""
-    return any(isinstance(m, Int4Linear) and m.kernel == "int8" for m in model.modules())
-
-
 def rounds_activations(model: nn.Module) -> bool:
     """Whether ``model``'s q4 linears round their inputs (int8, or bf16 on AMX): then a last-bit
     difference before a linear can become a whole step, so every other part of a row's forward must

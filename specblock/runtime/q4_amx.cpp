@@ -138,20 +138,19 @@ at::Tensor run_amx(const at::Tensor& x, const std::vector<Weights>& ws) {
   const int64_t N = tiles * 16;
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
-  std::vector<uint32_t> xb(static_cast<size_t>(K / 32) * 16 * AMX_ROWS);
+  // amx_inputs writes every entry a pass reads: no zeroing
+  const std::unique_ptr<uint32_t[]> xb(new uint32_t[static_cast<size_t>(K / 32) * 16 * AMX_ROWS]);
   for (int64_t r0 = 0; r0 < M; r0 += AMX_ROWS) {
     const int64_t m = std::min<int64_t>(AMX_ROWS, M - r0);
-    amx_inputs(xc.data_ptr<float>() + r0 * K, K, m, xb.data());
+    amx_inputs(xc.data_ptr<float>() + r0 * K, K, m, xb.get());
     float* yp = y.data_ptr<float>() + r0 * N;
     at::parallel_for(0, tiles, 1, [&](int64_t b0, int64_t b1) {
-      for (size_t i = 0; i < ws.size(); ++i) {
-        const int64_t n = ws[i].qb.size(0), lo = std::max(b0, starts[i]) - starts[i], hi = std::min(b1, starts[i] + n) - starts[i];
-        if (lo >= hi) continue;
+      for_each_part(ws, starts, b0, b1, [&](size_t i, int64_t lo, int64_t hi) {
         const auto* qp = static_cast<const uint8_t*>(ws[i].qb.data_ptr());
         const float* dp = ws[i].dm.data_ptr<float>();
         const auto run = ws[i].qb.scalar_type() == at::kChar ? amx_tiles<AmxQ8_0> : amx_tiles<AmxQ4_1>;
-        run(xb.data(), m, K, qp, dp, lo, hi, yp + starts[i] * 16, N);
-      }
+        run(xb.get(), m, K, qp, dp, lo, hi, yp + starts[i] * 16, N);
+      });
     });
   }
   return y;

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 #include <shared_mutex>
 #include <unordered_map>
@@ -165,6 +166,17 @@ struct Weights {
   bool amx = false;
 };
 
+// Several weights that read one x, their blocks (of NB features, or of 16 for AMX) numbered side by
+// side from 0 (``starts``: each weight's first): a parallel chunk [b0, b1) of that range handed to
+// run(i, lo, hi) for each weight i it overlaps, lo/hi counted in that weight's own blocks.
+template <class Run>
+void for_each_part(const std::vector<Weights>& ws, const std::vector<int64_t>& starts, int64_t b0, int64_t b1, Run run) {
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const int64_t n = ws[i].qb.size(0), lo = std::max(b0, starts[i]) - starts[i], hi = std::min(b1, starts[i] + n) - starts[i];
+    if (lo < hi) run(i, lo, hi);
+  }
+}
+
 // x [M, K] fp32 times one weight (see check_weights) -> [M, N] fp32.
 at::Tensor run_fp32(const at::Tensor& x, const std::vector<Weights>& ws);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qb, const at::Tensor& dm, bool bf16) { return run_fp32(x, {{qb, dm, bf16}}); }
@@ -193,15 +205,13 @@ at::Tensor run_fp32(const at::Tensor& x, const std::vector<Weights>& ws) {
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (size_t i = 0; i < ws.size(); ++i) {
-      const int64_t n = ws[i].qb.size(0), lo = std::max(b0, starts[i]) - starts[i], hi = std::min(b1, starts[i] + n) - starts[i];
-      if (lo >= hi) continue;
+    for_each_part(ws, starts, b0, b1, [&](size_t i, int64_t lo, int64_t hi) {
       const auto* qp = static_cast<const uint8_t*>(ws[i].qb.data_ptr());
       const float* dp = ws[i].dm.data_ptr<float>();
       const bool q8 = ws[i].qb.scalar_type() == at::kChar;
       const auto run = ws[i].bf16 ? (q8 ? run_blocks<Q8_0B> : run_blocks<Q4_1B>) : (q8 ? run_blocks<Q8_0> : run_blocks<Q4_1>);
       run(xp, M, K, qp, dp, lo, hi, yp + starts[i] * NB, N);
-    }
+    });
   });
   return y;
 }
