@@ -1,5 +1,6 @@
-"""``--dtype auto``: packed-fp16 on CPUs with fbgemm (x86), native bf16 or not; bf16 elsewhere;
-resolved in one place, recorded as resolved."""
+"""``--dtype auto``: packed-fp16 on CPUs with fbgemm (x86), native bf16 or not; bf16 elsewhere; for a
+target with its checkpoint's 4-bit codes packed-q4-amx (AMX) or packed-q4 (AVX512); resolved in one
+place, recorded as resolved."""
 
 import json
 
@@ -64,7 +65,7 @@ def test_bench_records_resolved_dtype(tmp_path, monkeypatch):
     assert json.loads(out.with_suffix(".json").read_text())["config"]["dtype"] == "bfloat16"
 
 
-def test_auto_is_packed_q4_amx_for_a_target_with_its_codes_on_an_amx_cpu(tmp_path, monkeypatch):
+def test_auto_is_packed_q4_amx_or_packed_q4_for_a_target_with_its_codes(tmp_path, monkeypatch):
     from specblock.runtime import q4_kernel
     from tiny import save_tiny_packed_q4
 
@@ -78,7 +79,14 @@ def test_auto_is_packed_q4_amx_for_a_target_with_its_codes_on_an_amx_cpu(tmp_pat
     assert resolve_dtype("auto", CPU) == "packed-fp16"  # a caller that does not know the target
     assert resolve_dtype("packed-fp16", CPU, with_codes) == "packed-fp16"  # an explicit name stays
     assert RunConfig(target=str(with_codes), method="auto").method == "lookup"  # no best.json: auto's record looked up, none
-    monkeypatch.setattr(q4_kernel, "amx_cpu", lambda: False)
+    monkeypatch.setattr(q4_kernel, "amx_cpu", lambda: False)  # another CPU with AVX512: packed-q4
+    monkeypatch.setattr(q4_kernel, "cpu_supports", lambda: True)
+    assert resolve_dtype("auto", CPU, with_codes) == resolve_dtype("auto", CPU, "smollm2-135m-instruct") == "packed-q4"
+    assert resolve_dtype("auto", CPU, plain) == resolve_dtype("auto", CPU) == "packed-fp16"
+    monkeypatch.setenv("SPECBLOCK_Q4_KERNEL", "bf16")  # torch's int4 kernel asked for: not ours, so not auto's
+    assert resolve_dtype("auto", CPU, with_codes) == "packed-fp16"
+    monkeypatch.delenv("SPECBLOCK_Q4_KERNEL")
+    monkeypatch.setattr(q4_kernel, "cpu_supports", lambda: False)  # no AVX512: packed fp16
     assert resolve_dtype("auto", CPU, with_codes) == "packed-fp16"
 
 
@@ -99,3 +107,8 @@ def test_auto_falls_back_to_packed_fp16_where_the_load_refuses_the_codes(tmp_pat
     assert type(target.model.lm_head).__name__ == "PackedLinear"
     with pytest.raises(SpecBlockError):
         TargetModel.load(path, "packed-q4-amx", "cpu")
+    monkeypatch.setattr(q4_kernel, "amx_cpu", lambda: False)  # the same on a CPU whose choice is packed-q4
+    monkeypatch.setattr(q4_kernel, "cpu_supports", lambda: True)
+    assert resolve_dtype("auto", CPU, path) == "packed-q4"
+    with pytest.warns(UserWarning, match="auto falls back to packed-fp16"):
+        assert TargetModel.load(path, "auto", "cpu").dtype_name == "packed-fp16"

@@ -106,14 +106,15 @@ def _fake_cat(x: torch.Tensor, k0: int, k1: int, k2: int, k3: int, out_features:
 LIBRARY = "specblock_q4"
 
 
-def _torch_asked() -> bool:
+def torch_asked() -> bool:
+    """``SPECBLOCK_Q4_KERNEL=bf16``: torch's int4 kernel asked for instead of ours."""
     return os.environ.get("SPECBLOCK_Q4_KERNEL", "fp32") == "bf16"
 
 
 def start_building() -> None:
     """``load``'s build begun in the background where it would run: a q4 target's, or the int8
     linears of drafters beside a packed one (``drafters.int8_drafters``)."""
-    if cpu_supports() and not _torch_asked():
+    if cpu_supports() and not torch_asked():
         cext.start_build(LIBRARY, SOURCE, *cext.OPENMP)  # build_or_why's flags
 
 
@@ -121,7 +122,7 @@ def load() -> bool:
     """Build (or load) the extension once per process; False, with one warning, where it cannot run."""
     if "ok" not in _STATE:
         why = None
-        if _torch_asked():
+        if torch_asked():
             why = "SPECBLOCK_Q4_KERNEL=bf16 asks for torch's kernel"
         elif not cpu_supports():
             why = "this CPU has no AVX512F/AVX512BW"
@@ -170,7 +171,7 @@ def amx_cpu() -> bool:
     """The CPU flags the AMX kernel needs (AVX512F/BW, AMX-BF16, AVX512-BF16), unless
     ``SPECBLOCK_Q4_KERNEL=bf16`` keeps our library from loading: what ``--dtype auto`` asks before
     any build (``amx_supports`` builds and asks Linux too)."""
-    return cpu_supports() and {"amx_bf16", "amx_tile", "avx512_bf16"} <= cext.cpu_flags() and not _torch_asked()
+    return cpu_supports() and {"amx_bf16", "amx_tile", "avx512_bf16"} <= cext.cpu_flags() and not torch_asked()
 
 
 def amx_supports() -> bool:

@@ -63,7 +63,7 @@ def native_bf16(device: torch.device) -> bool:
 
 
 #: The one line every ``--dtype`` help prints: what ``auto`` picks and why.
-DTYPE_HELP = (f"auto (default): {PACKED_Q4_AMX} on CPUs with AMX for models converted from a Q4_1 GGUF, else "
+DTYPE_HELP = (f"auto (default): for models converted from a Q4_1 GGUF {PACKED_Q4_AMX} on CPUs with AMX, {PACKED_Q4} on other CPUs with AVX512; else "
               f"{PACKED_FP16} (fp16 weights packed for fbgemm, fp32 arithmetic) on x86 CPUs, "
               f"bfloat16 on CUDA and elsewhere (calibrate); {PACKED_Q4}: the bf16 checkpoint's weights read from the "
               f"4-bit codes it was converted from (CPU with AVX512, named models); {PACKED_Q4_AMX}: the same times bf16 activations on AMX tiles (flat tree cost; CPU with AMX-BF16); {Q4}: the model's own 4-bit GGUF weights (CPU, named models)")
@@ -75,8 +75,12 @@ def resolve_dtype(name: str, device: str | torch.device = "auto", target: str | 
     ``auto`` is packed-q4-amx on a CPU with AMX-BF16 for a ``target`` (a model name or a directory;
     None where the caller does not know it) that comes with its checkpoint's 4-bit codes (``models.registry.has_q4_codes``): there
     ``make run``'s command ran 1.54x packed fp16's tokens/s and trees are nearly flat (stop 68,
-    ``dtype_ab_s68.md``, ``target_speed_amx_s68.md``). Else packed-fp16 on a CPU where torch has
-    fbgemm (x86), bfloat16 elsewhere (CUDA, ARM). Callers that resolve ``auto`` without a target get
+    ``dtype_ab_s68.md``, ``target_speed_amx_s68.md``). For such a target on another CPU with AVX512
+    (our fp32 kernel's), packed-q4: the same checkpoint's weights in fp32 arithmetic, and ``make
+    run``'s command faster than at packed fp16 on both CPUs measured (Intel Xeon 61.7 against 48.6
+    tokens/s, ``dtype_ab_s68.md``; AMD EPYC Zen 5 126.6 against 115.3 eager and 209.0 against 152.0
+    compiled, ``dtype_ab_zen5_s69.md``, ``dtype_ab_zen5_compiled_s69.md``). Else packed-fp16 on a CPU
+    where torch has fbgemm (x86), bfloat16 elsewhere (CUDA, ARM). Callers that resolve ``auto`` without a target get
     packed-fp16 there; the ones that know it (the CLI's session, the config's ``--method auto``, bench,
     calibrate) pass it, so they agree with the load.
     Measured with ``experiments/target_speed.py`` (SmolLM2-135M, 2 threads): on an AVX2 CPU without
@@ -86,8 +90,8 @@ def resolve_dtype(name: str, device: str | torch.device = "auto", target: str | 
     shipped drafters serve, and the shipped drafters' records are measured at packed-fp16."""
     if name == "auto":
         dev = resolve_device(device) if isinstance(device, str) else device
-        if dev.type == "cpu" and target is not None and _amx_for(target):
-            return PACKED_Q4_AMX
+        if dev.type == "cpu" and target is not None and (q4 := _q4_for(target)):
+            return q4
         if dev.type == "cpu" and packed_available():
             return PACKED_FP16
         return "bfloat16"
@@ -96,11 +100,19 @@ def resolve_dtype(name: str, device: str | torch.device = "auto", target: str | 
     return name
 
 
-def _amx_for(target: str | Path) -> bool:
+def _q4_for(target: str | Path) -> str | None:
+    """auto's choice for a target with its checkpoint's 4-bit codes, by the CPU's flags alone (nothing
+    is built here): packed-q4-amx with AMX, packed-q4 with AVX512; None without the codes or either."""
     from specblock.models.registry import has_q4_codes
     from specblock.runtime import q4_kernel
 
-    return q4_kernel.amx_cpu() and has_q4_codes(target)
+    if q4_kernel.amx_cpu():
+        kind = PACKED_Q4_AMX
+    elif q4_kernel.cpu_supports() and not q4_kernel.torch_asked():
+        kind = PACKED_Q4
+    else:
+        return None
+    return kind if has_q4_codes(target) else None
 
 
 @dataclass
