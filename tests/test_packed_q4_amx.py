@@ -1,5 +1,6 @@
 """``--dtype packed-q4-amx``: packed-q4's weights (the bf16 checkpoint's, from its 4-bit codes) times
-activations rounded to bf16, summed in fp32 on AMX tiles. Another model than packed-q4's (a bf16
+activations rounded to bf16, summed in fp32 on AMX tiles (on AVX512-BF16 dot products where the CPU
+has no tiles: these tests run on whichever kernel the CPU has). Another model than packed-q4's (a bf16
 matmul's arithmetic), so each method is held to its own greedy decoding, eager and compiled; a row's
 outputs must not depend on the rows beside it, whatever their number."""
 
@@ -20,7 +21,7 @@ from specblock.runtime.target import TargetModel
 from tiny import Q4_VOCAB as V, assert_drafters_match_greedy, hf_greedy, save_tiny_packed_q4
 
 AMX = q4_kernel.cpu_supports() and q4_kernel.amx_supports()
-pytestmark = pytest.mark.skipif(not AMX, reason="packed-q4-amx needs AMX-BF16 (and our q4 library)")
+pytestmark = pytest.mark.skipif(not AMX, reason="packed-q4-amx needs AMX-BF16 or AVX512-BF16 (and our q4 library)")
 
 
 def amx(qb_dm: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +100,6 @@ def test_refusals_are_one_line(tmp_path, monkeypatch):
     monkeypatch.delenv("SPECBLOCK_Q4_KERNEL")
     path = save_tiny_packed_q4(tmp_path / "t", layers=1)
     monkeypatch.setattr(q4_kernel, "amx_supports", lambda: False)
-    with pytest.raises(SpecBlockError, match="needs AMX-BF16.*use packed-q4$") as e:
+    with pytest.raises(SpecBlockError, match="needs AMX-BF16 or AVX512-BF16.*use packed-q4$") as e:
         TargetModel.load(path, "packed-q4-amx", "cpu")
     assert "\n" not in str(e.value)

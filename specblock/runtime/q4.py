@@ -53,7 +53,10 @@ arithmetic of a bf16 matmul (HF's bfloat16 linears do the same), so another mode
 compared with its own greedy decoding. Why: the fp32 kernels pay each row of a call in
 multiply-adds, so a tree of 8 cost about twice one token (``compiled_speed_packed_q4_s67.md``); a tile
 multiply takes up to 16 rows at the cost of one, and decoding the weights is paid once per call
-(``experiments/results/compiled_speed_amx_s68.md``).
+(``experiments/results/compiled_speed_amx_s68.md``). On a CPU with AVX512-BF16 but no tiles (AMD Zen 4
+and 5) the same products run on VDPBF16PS, one instruction per 32 multiply-adds where the fp32 kernel
+takes two FMAs, each weight decoded once per pass of up to 8 rows (stop 69); its sums run in
+another order than the tiles', so there it is that kernel's own model, held to its own greedy decoding.
 """
 
 from __future__ import annotations
@@ -308,7 +311,8 @@ def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None, bf16
     rounds each weight as the converter did: the bytes of q4, the values of the checkpoint, fp32
     arithmetic. Each linear's first rows are checked against the checkpoint at load (a file that
     does not match is refused: use packed-fp16). ``kernel="amx"`` with ``bf16`` (``--dtype
-    packed-q4-amx``): the same weights times bf16 activations on AMX tiles."""
+    packed-q4-amx``): the same weights times bf16 activations on AMX tiles (AVX512-BF16 dot products
+    on a CPU without them)."""
     from safetensors import safe_open
 
     amx = kernel == "amx"
@@ -325,8 +329,8 @@ def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None, bf16
         if not q4_kernel.load():
             raise SpecBlockError(f"--dtype {dtype_name} needs our q4 kernel (AVX512F/BW, a C++ compiler); use packed-fp16")
         if amx and not q4_kernel.amx_supports():
-            raise SpecBlockError(f"--dtype {PACKED_Q4_AMX} needs AMX-BF16 (Intel Xeon from Sapphire Rapids on), which "
-                                 f"this CPU lacks; use {PACKED_Q4}")
+            raise SpecBlockError(f"--dtype {PACKED_Q4_AMX} needs AMX-BF16 or AVX512-BF16 (Intel Xeon from Cooper Lake on, "
+                                 f"AMD from Zen 4 on), which this CPU lacks; use {PACKED_Q4}")
     elif not available():
         raise SpecBlockError(f"--dtype {Q4} needs torch's CPU int4 kernel (torch >= 2.6); use packed-fp16")
     f = Path(path) / Q4_FILE

@@ -1,6 +1,7 @@
 // --dtype packed-q4-amx: the bf16 checkpoint's weights from their 4-bit codes (as packed-q4), times
-// the activations rounded to bf16, summed in fp32 by AMX tiles (TDPBF16PS). Included into
-// q4_kernel.cpp after the fp32 kernel; q4_kernel.py says why.
+// the activations rounded to bf16, summed in fp32 by AMX tiles (TDPBF16PS), or on a CPU without tiles
+// by AVX512-BF16 dot products (VDPBF16PS, the end of this file). Included into q4_kernel.cpp after the
+// fp32 kernel; q4_kernel.py says why.
 //
 // Per tile of 16 output features and group of 32 inputs: the 16 features' weights decoded to bf16
 // (an A tile, 1 KB) times the rows' inputs of the group (a B tile: 16 input pairs x M rows), added to
@@ -9,6 +10,8 @@
 // Weights: qb [N/16, K/32, 16, QB] and dm fp32 [N/16, K/32, 16, SB] (QB, SB as the fp32 kernel's
 // formats): one tile's group is 256 (Q4_1) or 512 (Q8_0) contiguous bytes.
 
+// The decoders need no tiles, so the AVX512-BF16 kernel below inlines them too.
+#define SPECBLOCK_BF16DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 #define SPECBLOCK_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")))
 
 constexpr int AMX_ROWS = 16;  // rows of x per pass: a B tile's columns
@@ -37,7 +40,7 @@ bool amx_ok() {
 // nibble (vpermw reads 5 index bits: the low nibbles are masked).
 struct AmxQ4_1 {
   static constexpr int QB = 16, SB = 2;
-  SPECBLOCK_AMX static inline __m512i decode(const uint8_t* q, const float* s) {
+  SPECBLOCK_BF16DOT static inline __m512i decode(const uint8_t* q, const float* s) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m256i tab = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(iota, _mm512_set1_ps(s[0]), _mm512_set1_ps(s[1])));
     const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
@@ -48,7 +51,7 @@ struct AmxQ4_1 {
 };
 struct AmxQ8_0 {  // bf16(d * q): the head
   static constexpr int QB = 32, SB = 1;
-  SPECBLOCK_AMX static inline __m512i decode(const uint8_t* q, const float* s) {
+  SPECBLOCK_BF16DOT static inline __m512i decode(const uint8_t* q, const float* s) {
     __m512 lo, hi;
     Q8_0::decode(q, s, lo, hi);
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
@@ -123,8 +126,11 @@ SPECBLOCK_AMX void amx_tiles(const uint32_t* xb, int64_t m, int64_t K, const uin
 }
 
 // x [M, K] fp32 times several AMX weights that read it: [M, N] fp32, their outputs side by side.
+at::Tensor run_bf16dot(const at::Tensor& x, const std::vector<Weights>& ws);
+
+// Tiles where the CPU has them, AVX512-BF16 dot products elsewhere (run_bf16dot, below).
 at::Tensor run_amx(const at::Tensor& x, const std::vector<Weights>& ws) {
-  TORCH_CHECK(amx_ok(), "specblock_q4::linear_amx needs AMX-BF16 (and the kernel's leave to use it)");
+  if (!amx_ok()) return run_bf16dot(x, ws);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "specblock_q4::linear_amx: x must be 2-D float32");
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<int64_t> starts;
@@ -158,4 +164,154 @@ at::Tensor run_amx(const at::Tensor& x, const std::vector<Weights>& ws) {
 
 at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& qb, const at::Tensor& dm) {
   return run_amx(x, {{qb, dm, true, true}});
+}
+
+// ---- The same products without tiles, for CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and 5,
+// Intel Cooper Lake). Per feature and group: its 32 weights decoded to bf16 as above (one register),
+// one VDPBF16PS per row against the row's 32 inputs rounded to bf16, accumulated per lane over the
+// groups in order; then each output is its accumulator's horizontal sum in _mm512_reduce_add_ps's
+// tree (``sum16`` gives 16 of them in that same tree at once). A row's outputs take the same
+// operations whatever the call's rows (passes of 1, 2, 4 or 8 rows; weights decoded in the pass or
+// read back from a buffer, the same bits). The sums run in another order than AMX's, so on such a CPU
+// the model is this kernel's own: every method is held to its own greedy decoding, as ever.
+#define SPECBLOCK_BF16DOT_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+bool bf16dot_ok() {
+  static const bool ok = cpu_ok() && __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
+
+// x [rows x K] fp32 -> bf16 in order, rounded to nearest even.
+SPECBLOCK_BF16DOT_FN void bf16_rows(const float* x, int64_t n32, uint16_t* xb) {
+  for (int64_t i = 0; i < n32; ++i)
+    _mm512_storeu_si512(xb + i * 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i * 32 + 16), _mm512_loadu_ps(x + i * 32)));
+}
+
+// 16 accumulators -> their 16 horizontal sums, each in _mm512_reduce_add_ps's tree: lanes i + i+8,
+// then i + i+4, then i + i+2, then the last two (float addition commutes, so each sum is the same bits).
+SPECBLOCK_BF16DOT_FN inline __m512 sum16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // [a2i lanes 0-7 + 8-15 | a2i+1 the same]
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // per 128-bit chunk: one feature's 4 partial sums (features 4i .. 4i + 3)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // per chunk: (x0 + x2, x1 + x3) of two features
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44), _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  // lane 4k + m holds accumulator k + 4m: put each back in its own lane
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, s);
+}
+
+// Rows [0, R) of xb against features [j0, j0 + NJ) of one tile (qp, dp: its first group).
+template <class F, int R, int NJ>
+SPECBLOCK_BF16DOT_FN void dot_rows(const uint16_t* xb, int64_t K, const uint8_t* qp, const float* dp, int j0, float* y, int64_t N) {
+  const int64_t G = K / 32;
+  static_assert(R * NJ == 16, "sum16 takes 16 accumulators");
+  __m512 acc[R][NJ];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i w[NJ];
+#pragma GCC unroll 16
+    for (int j = 0; j < NJ; ++j) w[j] = F::decode(qp + (g * 16 + j0 + j) * F::QB, dp + (g * 16 + j0 + j) * F::SB);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xr = (__m512bh)_mm512_loadu_si512(xb + r * K + g * 32);
+#pragma GCC unroll 16
+      for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)w[j], xr);
+    }
+  }
+  // R x NJ = 16 accumulators, row-major: lane r * NJ + j of the sums is row r's feature j0 + j
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, sum16(&acc[0][0]));
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NJ; ++j) y[r * N + j0 + j] = sums[r * NJ + j];
+}
+
+// Up to this many rows each pass decodes its features itself; more, and a tile is decoded once into
+// a buffer that the passes read (both measured on Zen 5 with weights streamed from memory).
+constexpr int64_t DOT_INLINE_ROWS = 4;
+
+// A tile's weights already decoded (dot_tiles' buffer): a feature's group is 64 bytes of bf16.
+struct DotDecoded {
+  static constexpr int QB = 64, SB = 0;
+  SPECBLOCK_BF16DOT static inline __m512i decode(const uint8_t* q, const float*) { return _mm512_loadu_si512(q); }
+};
+
+// A call's rows in passes of 8, 4, 2 and 1 (R x NJ = 16 accumulators each, as the registers hold).
+template <class F>
+struct DotPasses {
+  using Fn = void (*)(const uint16_t*, int64_t, const uint8_t*, const float*, int, float*, int64_t);
+  static constexpr Fn P[4] = {dot_rows<F, 1, 16>, dot_rows<F, 2, 8>, dot_rows<F, 4, 4>, dot_rows<F, 8, 2>};
+};
+
+template <class F>
+SPECBLOCK_BF16DOT_FN void dot_tiles(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* qp, const float* dp, int64_t t0,
+                                    int64_t t1, float* y, int64_t N) {
+  const int64_t G = K / 32, tile_q = G * 16 * F::QB, tile_s = G * 16 * F::SB;
+  static thread_local std::vector<uint16_t> decoded;  // read and written unaligned
+  if (M > DOT_INLINE_ROWS && static_cast<int64_t>(decoded.size()) < G * 16 * 32) decoded.resize(G * 16 * 32);
+  uint16_t* const buf = decoded.data();
+  for (int64_t t = t0; t < t1; ++t) {
+    if (t + 1 < t1) {  // the whole next tile: a pass of few features reads a quarter of each group's lines
+      const char* pq = reinterpret_cast<const char*>(qp + (t + 1) * tile_q);
+      const char* ps = reinterpret_cast<const char*>(dp + (t + 1) * tile_s);
+      for (int64_t o = 0; o < tile_q; o += 64) _mm_prefetch(pq + o, _MM_HINT_T0);
+      for (int64_t o = 0; o < tile_s * 4; o += 64) _mm_prefetch(ps + o, _MM_HINT_T0);
+    }
+    const uint8_t* q = qp + t * tile_q;
+    const float* s = dp + t * tile_s;
+    if (M <= DOT_INLINE_ROWS) {  // few passes: each decodes as it goes
+      for (int64_t r = 0; r < M;) {
+        const int level = M - r >= 4 ? 2 : M - r >= 2 ? 1 : 0, rows = 1 << level;
+        for (int j0 = 0; j0 < 16; j0 += 16 / rows) DotPasses<F>::P[level](xb + r * K, K, q, s, j0, y + r * N + t * 16, N);
+        r += rows;
+      }
+      continue;
+    }
+    // more rows: the tile decoded once, in one sweep of its bytes, for every pass to read
+    for (int64_t i = 0; i < G * 16; ++i) _mm512_storeu_si512(buf + i * 32, F::decode(q + i * F::QB, s + i * F::SB));
+    const auto* d = reinterpret_cast<const uint8_t*>(buf);
+    for (int64_t r = 0; r < M;) {
+      const int level = M - r >= 8 ? 3 : M - r >= 4 ? 2 : M - r >= 2 ? 1 : 0, rows = 1 << level;
+      for (int j0 = 0; j0 < 16; j0 += 16 / rows) DotPasses<DotDecoded>::P[level](xb + r * K, K, d, nullptr, j0, y + r * N + t * 16, N);
+      r += rows;
+    }
+  }
+}
+
+// x [M, K] fp32 times several layout_amx weights that read it, without tiles (run_amx's contract).
+at::Tensor run_bf16dot(const at::Tensor& x, const std::vector<Weights>& ws) {
+  TORCH_CHECK(bf16dot_ok(), "specblock_q4::linear_amx needs AMX-BF16 or AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "specblock_q4::linear_amx: x must be 2-D float32");
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<int64_t> starts;
+  int64_t tiles = 0;
+  for (const auto& w : ws) {
+    TORCH_CHECK(w.qb.dim() == 4 && w.qb.size(2) == 16 && w.dm.dim() == 4, "specblock_q4::linear_amx: not AMX weights");
+    TORCH_CHECK(K == w.qb.size(1) * 32, "specblock_q4::linear_amx: x has ", K, " inputs, the weights ", w.qb.size(1) * 32);
+    starts.push_back(tiles);
+    tiles += w.qb.size(0);
+  }
+  const int64_t N = tiles * 16;
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const std::unique_ptr<uint16_t[]> xb(new uint16_t[static_cast<size_t>(M * K)]);
+  bf16_rows(xc.data_ptr<float>(), M * K / 32, xb.get());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t b0, int64_t b1) {
+    for_each_part(ws, starts, b0, b1, [&](size_t i, int64_t lo, int64_t hi) {
+      const auto* qp = static_cast<const uint8_t*>(ws[i].qb.data_ptr());
+      const float* dp = ws[i].dm.data_ptr<float>();
+      const auto run = ws[i].qb.scalar_type() == at::kChar ? dot_tiles<AmxQ8_0> : dot_tiles<AmxQ4_1>;
+      run(xb.get(), M, K, qp, dp, lo, hi, yp + starts[i] * 16, N);
+    });
+  });
+  return y;
+}
+
+at::Tensor linear_bf16dot(const at::Tensor& x, const at::Tensor& qb, const at::Tensor& dm) {
+  return run_bf16dot(x, {{qb, dm, true, true}});
 }

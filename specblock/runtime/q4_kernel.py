@@ -168,16 +168,19 @@ def layout_amx(qb: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def amx_cpu() -> bool:
-    """The CPU flags the AMX kernel needs (AVX512F/BW, AMX-BF16, AVX512-BF16), unless
+    """AMX tiles by the CPU's flags (AVX512F/BW, AMX-BF16, AVX512-BF16), unless
     ``SPECBLOCK_Q4_KERNEL=bf16`` keeps our library from loading: what ``--dtype auto`` asks before
-    any build (``amx_supports`` builds and asks Linux too)."""
+    any build (``amx_supports`` builds and asks Linux too). Without tiles packed-q4-amx still runs on
+    AVX512-BF16 dot products, but auto does not choose it there: at 1-8 tree tokens it measured no
+    faster than packed-q4 on Zen 5 (``target_speed_zen5_dot_s69.md``)."""
     return cpu_supports() and {"amx_bf16", "amx_tile", "avx512_bf16"} <= cext.cpu_flags() and not torch_asked()
 
 
 def amx_supports() -> bool:
-    """AMX-BF16 and AVX512-BF16 here, by the CPU's flags, and the kernel's leave to use the tiles (the
-    library asks Linux once; ``load`` first)."""
-    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= cext.cpu_flags() and load() and torch.ops.specblock_q4.amx_ok()
+    """packed-q4-amx's kernel here: AVX512-BF16 by the CPU's flags and our library loaded, on tiles
+    where Linux gives the process leave to use them (the library asks once), else on dot products."""
+    return "avx512_bf16" in cext.cpu_flags() and load() and (
+        torch.ops.specblock_q4.amx_ok() or torch.ops.specblock_q4.bf16dot_ok())
 
 
 def layout_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
