@@ -26,8 +26,11 @@ from specblock.atomic import write_atomic  # noqa: E402
 def one_run(dtype: str, extra: list[str]) -> dict:
     """``python -m specblock.runtime --dtype DTYPE --compare ar --json`` (the default prompt and method)."""
     cmd = [sys.executable, "-m", "specblock.runtime", "--dtype", dtype, "--compare", "ar", "--json", *extra]
-    out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
-    return json.loads(out)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        lines = done.stderr.strip().splitlines() or ["(no output)"]
+        raise SystemExit(f"dtype_ab: --dtype {dtype} exited {done.returncode}: {lines[-1]}")
+    return json.loads(done.stdout)
 
 
 def main() -> None:
