@@ -241,9 +241,10 @@ SPECBLOCK_BF16DOT_FN void dot_rows(const uint16_t* xb, int64_t K, const uint8_t*
     for (int j = 0; j < NJ; ++j) y[r * N + j0 + j] = sums[r * NJ + j];
 }
 
-// Up to this many rows each pass decodes its features itself; more, and a tile is decoded once into
-// a buffer that the passes read (both measured on Zen 5 with weights streamed from memory).
-constexpr int64_t DOT_INLINE_ROWS = 4;
+// Up to this many rows each pass decodes its own features (up to 8 rows, passes of one size whose
+// features do not overlap, so each weight is decoded once all the same); more rows need passes of
+// several sizes, which read a tile decoded once into a buffer (experiments/bf16_rows.py).
+constexpr int64_t DOT_INLINE_ROWS = 8;
 
 
 // A tile's weights already decoded (dot_tiles' buffer): a feature's group is 64 bytes of bf16.
@@ -269,9 +270,9 @@ SPECBLOCK_BF16DOT_FN void dot_tiles(const uint16_t* xb, int64_t M, int64_t K, co
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* q = qp + t * tile_q;
     const float* s = dp + t * tile_s;
-    if (M <= DOT_INLINE_ROWS) {  // few passes: each decodes as it goes
+    if (M <= DOT_INLINE_ROWS) {  // each pass decodes as it goes
       for (int64_t r = 0; r < M;) {
-        const int level = M - r >= 4 ? 2 : M - r >= 2 ? 1 : 0, rows = 1 << level;
+        const int level = M - r >= 8 ? 3 : M - r >= 4 ? 2 : M - r >= 2 ? 1 : 0, rows = 1 << level;
         for (int j0 = 0; j0 < 16; j0 += 16 / rows) DotPasses<F>::P[level](xb + r * K, K, q, s, j0, y + r * N + t * 16, N);
         r += rows;
       }
