@@ -59,7 +59,7 @@ def main() -> None:
     if not (q4_kernel.cpu_supports() and q4_kernel.amx_supports()):
         raise SystemExit("bf16_rows: packed-q4-amx's kernel needs AVX512-BF16 (or AMX) and our q4 library; not on this CPU")
     ws = weights()
-    kernel = "AMX tiles" if q4_kernel.amx_cpu() else "AVX512-BF16 dot products"
+    kernel = "AMX tiles" if q4_kernel.amx_tiles() else "AVX512-BF16 dot products"
     rows = [int(r) for r in args.rows.split(",")]
     table: dict[str, dict[int, float]] = {"packed-q4 (fp32 kernel)": {}, f"packed-q4-amx ({kernel})": {}}
     for r in rows:

@@ -1,5 +1,6 @@
 """``--dtype auto``: packed-fp16 on CPUs with fbgemm (x86), native bf16 or not; bf16 elsewhere; for a
-target with its checkpoint's 4-bit codes packed-q4-amx (AMX) or packed-q4 (AVX512); resolved in one
+target with its checkpoint's 4-bit codes packed-q4-amx (AVX512-BF16: AMX tiles or dot products) or packed-q4
+(AVX512); resolved in one
 place, recorded as resolved."""
 
 import json
@@ -79,7 +80,7 @@ def test_auto_is_packed_q4_amx_or_packed_q4_for_a_target_with_its_codes(tmp_path
     assert resolve_dtype("auto", CPU) == "packed-fp16"  # a caller that does not know the target
     assert resolve_dtype("packed-fp16", CPU, with_codes) == "packed-fp16"  # an explicit name stays
     assert RunConfig(target=str(with_codes), method="auto").method == "lookup"  # no best.json: auto's record looked up, none
-    monkeypatch.setattr(q4_kernel, "amx_cpu", lambda: False)  # another CPU with AVX512: packed-q4
+    monkeypatch.setattr(q4_kernel, "amx_cpu", lambda: False)  # a CPU with AVX512 but not BF16: packed-q4
     monkeypatch.setattr(q4_kernel, "cpu_supports", lambda: True)
     assert resolve_dtype("auto", CPU, with_codes) == resolve_dtype("auto", CPU, "smollm2-135m-instruct") == "packed-q4"
     assert resolve_dtype("auto", CPU, plain) == resolve_dtype("auto", CPU) == "packed-fp16"
@@ -112,3 +113,15 @@ def test_auto_falls_back_to_packed_fp16_where_the_load_refuses_the_codes(tmp_pat
     assert resolve_dtype("auto", CPU, path) == "packed-q4"
     with pytest.warns(UserWarning, match="auto falls back to packed-fp16"):
         assert TargetModel.load(path, "auto", "cpu").dtype_name == "packed-fp16"
+
+
+def test_packed_q4_amx_is_asked_of_avx512_bf16_with_or_without_tiles(monkeypatch):
+    """auto's flags for packed-q4-amx: AVX512-BF16 (tiles or not); tiles only tell which kernel runs."""
+    from specblock.runtime import cext, q4_kernel
+
+    base = {"avx512f", "avx512bw", "fma"}
+    for flags, runs, tiles in ((base | {"avx512_bf16"}, True, False),
+                               (base | {"avx512_bf16", "amx_bf16", "amx_tile"}, True, True),
+                               (base, False, False), ({"avx2", "fma", "avx512_bf16"}, False, False)):
+        monkeypatch.setattr(cext, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert (q4_kernel.amx_cpu(), q4_kernel.amx_tiles()) == (runs, tiles), flags

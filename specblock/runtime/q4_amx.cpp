@@ -125,22 +125,31 @@ SPECBLOCK_AMX void amx_tiles(const uint32_t* xb, int64_t m, int64_t K, const uin
   _tile_release();
 }
 
-// x [M, K] fp32 times several AMX weights that read it: [M, N] fp32, their outputs side by side.
+// Checks x [M, K] fp32 against several AMX weights that read it; their tiles numbered side by side
+// (``starts``: each weight's first, as for_each_part takes them). Returns how many in all.
+int64_t tile_starts(const at::Tensor& x, const std::vector<Weights>& ws, std::vector<int64_t>& starts) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "specblock_q4::linear_amx: x must be 2-D float32");
+  int64_t tiles = 0;
+  for (const auto& w : ws) {
+    TORCH_CHECK(w.qb.dim() == 4 && w.qb.size(2) == 16 && w.dm.dim() == 4, "specblock_q4::linear_amx: not AMX weights");
+    TORCH_CHECK(x.size(1) == w.qb.size(1) * 32, "specblock_q4::linear_amx: x has ", x.size(1), " inputs, the weights ",
+                w.qb.size(1) * 32);
+    starts.push_back(tiles);
+    tiles += w.qb.size(0);
+  }
+  return tiles;
+}
+
 at::Tensor run_bf16dot(const at::Tensor& x, const std::vector<Weights>& ws);
+
+// x [M, K] fp32 times several AMX weights that read it: [M, N] fp32, their outputs side by side.
 
 // Tiles where the CPU has them, AVX512-BF16 dot products elsewhere (run_bf16dot, below).
 at::Tensor run_amx(const at::Tensor& x, const std::vector<Weights>& ws) {
   if (!amx_ok()) return run_bf16dot(x, ws);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "specblock_q4::linear_amx: x must be 2-D float32");
-  const int64_t M = x.size(0), K = x.size(1);
   std::vector<int64_t> starts;
-  int64_t tiles = 0;
-  for (const auto& w : ws) {
-    TORCH_CHECK(w.qb.dim() == 4 && w.qb.size(2) == 16 && w.dm.dim() == 4, "specblock_q4::linear_amx: not AMX weights");
-    TORCH_CHECK(K == w.qb.size(1) * 32, "specblock_q4::linear_amx: x has ", K, " inputs, the weights ", w.qb.size(1) * 32);
-    starts.push_back(tiles);
-    tiles += w.qb.size(0);
-  }
+  const int64_t tiles = tile_starts(x, ws, starts);
+  const int64_t M = x.size(0), K = x.size(1);
   const int64_t N = tiles * 16;
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
@@ -295,16 +304,9 @@ SPECBLOCK_BF16DOT_FN void dot_tiles(const uint16_t* xb, int64_t M, int64_t K, co
 // x [M, K] fp32 times several layout_amx weights that read it, without tiles (run_amx's contract).
 at::Tensor run_bf16dot(const at::Tensor& x, const std::vector<Weights>& ws) {
   TORCH_CHECK(bf16dot_ok(), "specblock_q4::linear_amx needs AMX-BF16 or AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "specblock_q4::linear_amx: x must be 2-D float32");
-  const int64_t M = x.size(0), K = x.size(1);
   std::vector<int64_t> starts;
-  int64_t tiles = 0;
-  for (const auto& w : ws) {
-    TORCH_CHECK(w.qb.dim() == 4 && w.qb.size(2) == 16 && w.dm.dim() == 4, "specblock_q4::linear_amx: not AMX weights");
-    TORCH_CHECK(K == w.qb.size(1) * 32, "specblock_q4::linear_amx: x has ", K, " inputs, the weights ", w.qb.size(1) * 32);
-    starts.push_back(tiles);
-    tiles += w.qb.size(0);
-  }
+  const int64_t tiles = tile_starts(x, ws, starts);
+  const int64_t M = x.size(0), K = x.size(1);
   const int64_t N = tiles * 16;
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
@@ -321,8 +323,4 @@ at::Tensor run_bf16dot(const at::Tensor& x, const std::vector<Weights>& ws) {
     });
   });
   return y;
-}
-
-at::Tensor linear_bf16dot(const at::Tensor& x, const at::Tensor& qb, const at::Tensor& dm) {
-  return run_bf16dot(x, {{qb, dm, true, true}});
 }

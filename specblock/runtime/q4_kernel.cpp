@@ -291,7 +291,6 @@ TORCH_LIBRARY(specblock_q4, m) {
   m.def("linear_amx(Tensor x, Tensor qb, Tensor dm) -> Tensor");
   m.def("put_amx(int key, Tensor qb, Tensor dm) -> ()", put_amx);
   m.def("amx_ok() -> bool", amx_ok);
-  m.def("linear_bf16dot(Tensor x, Tensor qb, Tensor dm) -> Tensor");
   m.def("bf16dot_ok() -> bool", bf16dot_ok);
   m.def("drop(int key) -> ()", drop);
   m.def("set_prefetch(int blocks) -> ()", [](int64_t n) { prefetch_ahead.store(std::max<int64_t>(n, 0)); });
@@ -305,5 +304,4 @@ TORCH_LIBRARY_IMPL(specblock_q4, CPU, m) {
   m.impl("linear_key_cat", linear_key_cat);
   m.impl("linear8", linear8);
   m.impl("linear_amx", linear_amx);
-  m.impl("linear_bf16dot", linear_bf16dot);
 }

@@ -168,12 +168,16 @@ def layout_amx(qb: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def amx_cpu() -> bool:
-    """AMX tiles by the CPU's flags (AVX512F/BW, AMX-BF16, AVX512-BF16), unless
-    ``SPECBLOCK_Q4_KERNEL=bf16`` keeps our library from loading: what ``--dtype auto`` asks before
-    any build (``amx_supports`` builds and asks Linux too). Without tiles packed-q4-amx still runs on
-    AVX512-BF16 dot products, but auto does not choose it there: at 1-8 tree tokens it measured no
-    faster than packed-q4 on Zen 5 (``target_speed_zen5_dot_s69.md``)."""
-    return cpu_supports() and {"amx_bf16", "amx_tile", "avx512_bf16"} <= cext.cpu_flags() and not torch_asked()
+    """The CPU flags packed-q4-amx needs: AVX512F/BW and AVX512-BF16 (on AMX tiles where the CPU has
+    them, ``amx_tiles``; on VDPBF16PS dot products elsewhere), unless ``SPECBLOCK_Q4_KERNEL=bf16`` keeps
+    our library from loading: what ``--dtype auto`` asks before any build (``amx_supports`` builds and
+    asks Linux too)."""
+    return cpu_supports() and "avx512_bf16" in cext.cpu_flags() and not torch_asked()
+
+
+def amx_tiles() -> bool:
+    """Whether packed-q4-amx runs on AMX tiles here (AMX-BF16 by the CPU's flags), not dot products."""
+    return {"amx_bf16", "amx_tile"} <= cext.cpu_flags()
 
 
 def amx_supports() -> bool:

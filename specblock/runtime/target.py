@@ -63,24 +63,26 @@ def native_bf16(device: torch.device) -> bool:
 
 
 #: The one line every ``--dtype`` help prints: what ``auto`` picks and why.
-DTYPE_HELP = (f"auto (default): for models converted from a Q4_1 GGUF {PACKED_Q4_AMX} on CPUs with AMX, {PACKED_Q4} on other CPUs with AVX512; else "
+DTYPE_HELP = (f"auto (default): for models converted from a Q4_1 GGUF {PACKED_Q4_AMX} on CPUs with AVX512-BF16, {PACKED_Q4} on other CPUs with AVX512; else "
               f"{PACKED_FP16} (fp16 weights packed for fbgemm, fp32 arithmetic) on x86 CPUs, "
               f"bfloat16 on CUDA and elsewhere (calibrate); {PACKED_Q4}: the bf16 checkpoint's weights read from the "
-              f"4-bit codes it was converted from (CPU with AVX512, named models); {PACKED_Q4_AMX}: the same times bf16 activations on AMX tiles (flat tree cost; CPU with AMX-BF16); {Q4}: the model's own 4-bit GGUF weights (CPU, named models)")
+              f"4-bit codes it was converted from (CPU with AVX512, named models); {PACKED_Q4_AMX}: the same times bf16 activations on AMX tiles (flat tree cost; CPU with AMX-BF16) or AVX512-BF16 dot products; {Q4}: the model's own 4-bit GGUF weights (CPU, named models)")
 
 
 def resolve_dtype(name: str, device: str | torch.device = "auto", target: str | Path | None = None) -> str:
     """The target's dtype name, ``auto`` resolved (the one place it is). Explicit names pass as is.
 
-    ``auto`` is packed-q4-amx on a CPU with AMX-BF16 for a ``target`` (a model name or a directory;
-    None where the caller does not know it) that comes with its checkpoint's 4-bit codes (``models.registry.has_q4_codes``): there
-    ``make run``'s command ran 1.54x packed fp16's tokens/s and trees are nearly flat (stop 68,
-    ``dtype_ab_s68.md``, ``target_speed_amx_s68.md``). For such a target on another CPU with AVX512
-    (our fp32 kernel's), packed-q4: the same checkpoint's weights in fp32 arithmetic, and ``make
-    run``'s command faster than at packed fp16 on both CPUs measured (Intel Xeon 61.7 against 48.6
-    tokens/s, ``dtype_ab_s68.md``; AMD EPYC Zen 5 126.6 against 115.3 eager and 209.0 against 152.0
-    compiled, ``dtype_ab_zen5_s69.md``, ``dtype_ab_zen5_compiled_s69.md``). Else packed-fp16 on a CPU
-    where torch has fbgemm (x86), bfloat16 elsewhere (CUDA, ARM). Callers that resolve ``auto`` without a target get
+    ``auto`` is packed-q4-amx on a CPU with AVX512-BF16 for a ``target`` (a model name or a directory;
+    None where the caller does not know it) that comes with its checkpoint's 4-bit codes
+    (``models.registry.has_q4_codes``). With AMX tiles ``make run``'s command ran 1.54x packed fp16's
+    tokens/s and trees are nearly flat (stop 68, ``dtype_ab_s68.md``, ``target_speed_amx_s68.md``);
+    without them (AMD Zen 5, its dot-product kernel) as fast as packed-q4 eager and faster compiled
+    (stop 69, ``dtype_ab_zen5_dot7_s69.md``, ``dtype_ab_zen5_dot_compiled_s69.md``). For such a
+    target on a CPU with AVX512 but not BF16, packed-q4: the checkpoint's weights in fp32 arithmetic,
+    ``make run``'s command faster than at packed fp16 (AMD Zen 5 126.6 against 115.3 tokens/s eager and
+    209.0 against 152.0 compiled, ``dtype_ab_zen5_s69.md``, ``dtype_ab_zen5_compiled_s69.md``; Intel Xeon
+    61.7 against 48.6, ``dtype_ab_s68.md``). Else packed-fp16 on a CPU where torch has fbgemm (x86),
+    bfloat16 elsewhere (CUDA, ARM). Callers that resolve ``auto`` without a target get
     packed-fp16 there; the ones that know it (the CLI's session, the config's ``--method auto``, bench,
     calibrate) pass it, so they agree with the load.
     Measured with ``experiments/target_speed.py`` (SmolLM2-135M, 2 threads): on an AVX2 CPU without
@@ -102,7 +104,7 @@ def resolve_dtype(name: str, device: str | torch.device = "auto", target: str | 
 
 def _q4_for(target: str | Path) -> str | None:
     """auto's choice for a target with its checkpoint's 4-bit codes, by the CPU's flags alone (nothing
-    is built here): packed-q4-amx with AMX, packed-q4 with AVX512; None without the codes or either."""
+    is built here): packed-q4-amx with AVX512-BF16, packed-q4 with AVX512; None without the codes or either."""
     from specblock.models.registry import has_q4_codes
     from specblock.runtime import q4_kernel
 
