@@ -110,11 +110,6 @@ def fits(out_features: int, in_features: int) -> bool:
     return in_features % GROUP == 0 and out_features % 16 == 0
 
 
-def keyed_linear(mod: object) -> bool:
-    """Whether ``mod`` is a linear on our q4 kernels, registered under a key (``linear_key_cat`` takes it)."""
-    return isinstance(mod, _OursLinear) and mod.kernel in OURS and hasattr(mod, "_key")
-
-
 def keyed_q4(model: nn.Module) -> bool:
     """Whether ``model`` has linears on our q4 kernels (which a compiled graph calls by key)."""
     return any(isinstance(m, _OursLinear) for m in model.modules())
@@ -127,8 +122,6 @@ class _OursLinear(nn.Module):
 
     kernel = "fp32"
     bf16 = False  # weights rounded to bf16 in the kernel (--dtype packed-q4; fp32 kernel only)
-    shared = None  # a shared_input.SharedKeys: eager calls read its fused call's product (q/k/v, gate/up)
-    shared_cols = None  # this linear's columns of it
     out_features: int
     _q4: tuple[torch.Tensor, torch.Tensor]
 
@@ -137,8 +130,6 @@ class _OursLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1]).float()
         if torch.compiler.is_compiling():  # by key: 2 x 211 weight tensors as graph inputs cost 1.4 ms of guards a call
             y = q4_kernel.linear_key(x2, self._key, self.out_features)
-        elif self.shared is not None:  # siblings in one call (shared_input.py): the same bits as alone
-            y = self.shared.run(self, x)
         elif self.kernel == "int8":
             y = q4_kernel.linear8(x2, *self._q4)
         elif self.kernel == "amx":

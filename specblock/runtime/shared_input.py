@@ -17,11 +17,6 @@ has been served the memo lets go of both tensors, so nothing outlives its layer.
 Each output element is the same dot product either way, but fbgemm may block a wider matrix
 differently, so a row's last bits may differ from the three separate calls. Greedy decoding stays
 lossless: every method, plain decoding included, runs the same model.
-
-Our q4 kernels' linears (``--dtype q4`` / ``packed-q4`` / ``packed-q4-amx``; stop 69) get the same
-from ``SharedKeys``: one call of the kernel over the siblings' keys (``linear_key_cat``), for q/k/v
-and for gate/up. There every output is the same bits as its own call's (each output's operations do
-not depend on the other weights of a call), so the model does not change at all.
 """
 
 from __future__ import annotations
@@ -34,47 +29,17 @@ from specblock.runtime.packed import PackedLinear, prepack
 
 #: Sibling linears that read one input in HF's attention modules (any family that names them so).
 GROUPS = (("q_proj", "k_proj", "v_proj"),)
-#: The same for our q4 kernels' linears, whose fused call gives each output its own call's bits.
-KEY_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-class _Memo:
-    """One product over sibling linears' stacked outputs, and the last input it ran on."""
+class SharedInput:
+    """One packed GEMM over sibling linears' stacked weights, and the last input it ran on."""
 
-    def __init__(self, parts: list[nn.Module]) -> None:
+    def __init__(self, parts: list[PackedLinear]) -> None:
         self.parts = parts
         lo = 0
         for p in parts:
             p.shared, p.shared_cols = self, slice(lo, lo + p.out_features)
             lo += p.out_features
-        self.forget()
-
-    def forget(self) -> None:
-        self.x: torch.Tensor | None = None  # the input of the last stacked product, while siblings are left to serve
-        self.version = -1
-        self.out: torch.Tensor | None = None
-        self.left = 0
-
-    def stacked(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def run(self, part: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        out = self.out
-        if self.left and x is self.x and x._version == self.version:
-            self.left -= 1
-            if not self.left:  # every sibling served: hold nothing (a long prompt's would be MBs a layer)
-                self.forget()
-        else:
-            out = self.stacked(x)
-            self.x, self.version, self.out, self.left = x, x._version, out, len(self.parts) - 1
-        return out[..., part.shared_cols]
-
-
-class SharedInput(_Memo):
-    """One packed GEMM over sibling ``PackedLinear``s' stacked weights."""
-
-    def __init__(self, parts: list[PackedLinear]) -> None:
-        super().__init__(parts)
         self.pack()
 
     def pack(self) -> None:
@@ -86,21 +51,21 @@ class SharedInput(_Memo):
             stacked.bias = nn.Parameter(torch.cat([p.bias.detach() if p.bias is not None else
                                                    p.weight.new_zeros(p.out_features) for p in parts]), requires_grad=False)
         self.packed = prepack(stacked)
-        self.forget()
+        self.x: torch.Tensor | None = None  # the input of the last stacked product, while siblings are left to serve
+        self.version = -1
+        self.out: torch.Tensor | None = None
+        self.left = 0
 
-    def stacked(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
-
-
-class SharedKeys(_Memo):
-    """One call of our q4 kernel over sibling linears' keys (read at each call: a copied module
-    registers a key of its own). Output rows of ``x.reshape(-1, in_features)``."""
-
-    def stacked(self, x: torch.Tensor) -> torch.Tensor:
-        from specblock.runtime import q4_kernel
-
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        return q4_kernel.linear_key_cat(x2, [p._key for p in self.parts], sum(p.out_features for p in self.parts))
+    def run(self, part: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+        out = self.out
+        if self.left and x is self.x and x._version == self.version:
+            self.left -= 1
+            if not self.left:  # every sibling served: hold nothing (a long prompt's would be MBs a layer)
+                self.x = self.out = None
+        else:
+            out = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+            self.x, self.version, self.out, self.left = x, x._version, out, len(self.parts) - 1
+        return out[..., part.shared_cols]
 
 
 def wanted() -> bool:
@@ -109,21 +74,13 @@ def wanted() -> bool:
 
 
 def share_inputs(model: nn.Module) -> int:
-    """Give each module's ``GROUPS`` of packed linears, and its ``KEY_GROUPS`` of our q4 kernels'
-    linears, with one input width a shared product; returns how many groups."""
-    from specblock.runtime.q4 import keyed_linear
-
+    """Give each module's ``GROUPS`` of packed linears with one input width a ``SharedInput``;
+    returns how many groups."""
     groups = 0
     for mod in model.modules():
         for names in GROUPS:
             parts = [getattr(mod, n, None) for n in names]
             if all(type(p) is PackedLinear for p in parts) and len({p.in_features for p in parts}) == 1:
                 SharedInput(parts)
-                groups += 1
-        for names in KEY_GROUPS:
-            parts = [getattr(mod, n, None) for n in names]
-            if all(keyed_linear(p) for p in parts) and len({p.in_features for p in parts}) == 1 \
-                    and len({p.kernel for p in parts}) == 1:
-                SharedKeys(parts)
                 groups += 1
     return groups

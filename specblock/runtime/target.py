@@ -361,7 +361,7 @@ def load_causal_lm(
         exact_parts.use_exact_parts(model, prompts=False)
     if packed:
         pack_linears(model)
-    if dtype in (PACKED_FP16, Q4, PACKED_Q4, PACKED_Q4_AMX) and shared_input.wanted():  # q/k/v (and our gate/up) as one call in eager forwards
+    if dtype == PACKED_FP16 and shared_input.wanted():  # q/k/v as one GEMM in eager forwards
         shared_input.share_inputs(model)
     return model
 
