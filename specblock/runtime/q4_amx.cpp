@@ -142,9 +142,8 @@ int64_t tile_starts(const at::Tensor& x, const std::vector<Weights>& ws, std::ve
 
 at::Tensor run_bf16dot(const at::Tensor& x, const std::vector<Weights>& ws);
 
-// x [M, K] fp32 times several AMX weights that read it: [M, N] fp32, their outputs side by side.
-
-// Tiles where the CPU has them, AVX512-BF16 dot products elsewhere (run_bf16dot, below).
+// x [M, K] fp32 times several AMX weights that read it: [M, N] fp32, their outputs side by side. On
+// tiles where the CPU has them, on AVX512-BF16 dot products elsewhere (run_bf16dot, below).
 at::Tensor run_amx(const at::Tensor& x, const std::vector<Weights>& ws) {
   if (!amx_ok()) return run_bf16dot(x, ws);
   std::vector<int64_t> starts;
@@ -183,7 +182,6 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& qb, const at::Tenso
 // operations whatever the call's rows (passes of 1, 2, 4 or 8 rows; weights decoded in the pass or
 // read back from a buffer, the same bits). The sums run in another order than AMX's, so on such a CPU
 // the model is this kernel's own: every method is held to its own greedy decoding, as ever.
-#define SPECBLOCK_BF16DOT_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
 bool bf16dot_ok() {
   static const bool ok = cpu_ok() && __builtin_cpu_supports("avx512bf16");
@@ -191,14 +189,14 @@ bool bf16dot_ok() {
 }
 
 // x [rows x K] fp32 -> bf16 in order, rounded to nearest even.
-SPECBLOCK_BF16DOT_FN void bf16_rows(const float* x, int64_t n32, uint16_t* xb) {
+SPECBLOCK_BF16DOT void bf16_rows(const float* x, int64_t n32, uint16_t* xb) {
   for (int64_t i = 0; i < n32; ++i)
     _mm512_storeu_si512(xb + i * 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i * 32 + 16), _mm512_loadu_ps(x + i * 32)));
 }
 
 // 16 accumulators -> their 16 horizontal sums, each in _mm512_reduce_add_ps's tree: lanes i + i+8,
 // then i + i+4, then i + i+2, then the last two (float addition commutes, so each sum is the same bits).
-SPECBLOCK_BF16DOT_FN inline __m512 sum16(const __m512* a) {
+SPECBLOCK_BF16DOT inline __m512 sum16(const __m512* a) {
   __m512 b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i)  // [a2i lanes 0-7 + 8-15 | a2i+1 the same]
     b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
@@ -225,7 +223,7 @@ SPECBLOCK_BF16DOT inline void prefetch_group(const uint8_t* q, const float* s) {
 
 // Rows [0, R) of xb against features [j0, j0 + NJ) of one tile (qp, dp: its first group).
 template <class F, int R, int NJ>
-SPECBLOCK_BF16DOT_FN void dot_rows(const uint16_t* xb, int64_t K, const uint8_t* qp, const float* dp, int j0, float* y, int64_t N) {
+SPECBLOCK_BF16DOT void dot_rows(const uint16_t* xb, int64_t K, const uint8_t* qp, const float* dp, int j0, float* y, int64_t N) {
   const int64_t G = K / 32;
   static_assert(R * NJ == 16, "sum16 takes 16 accumulators");
   __m512 acc[R][NJ];
@@ -270,7 +268,7 @@ struct DotPasses {
 };
 
 template <class F>
-SPECBLOCK_BF16DOT_FN void dot_tiles(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* qp, const float* dp, int64_t t0,
+SPECBLOCK_BF16DOT void dot_tiles(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* qp, const float* dp, int64_t t0,
                                     int64_t t1, float* y, int64_t N) {
   const int64_t G = K / 32, tile_q = G * 16 * F::QB, tile_s = G * 16 * F::SB;
   static thread_local std::vector<uint16_t> decoded;  // read and written unaligned
