@@ -126,7 +126,7 @@ SPECBLOCK_AMX void amx_tiles(const uint32_t* xb, int64_t m, int64_t K, const uin
 }
 
 // Checks x [M, K] fp32 against several AMX weights that read it; their tiles numbered side by side
-// (``starts``: each weight's first, as for_each_part takes them). Returns how many in all.
+// (``starts``: each weight's first, as parallel_parts takes them). Returns how many in all.
 int64_t tile_starts(const at::Tensor& x, const std::vector<Weights>& ws, std::vector<int64_t>& starts) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "specblock_q4::linear_amx: x must be 2-D float32");
   int64_t tiles = 0;
@@ -158,13 +158,9 @@ at::Tensor run_amx(const at::Tensor& x, const std::vector<Weights>& ws) {
     const int64_t m = std::min<int64_t>(AMX_ROWS, M - r0);
     amx_inputs(xc.data_ptr<float>() + r0 * K, K, m, xb.get());
     float* yp = y.data_ptr<float>() + r0 * N;
-    at::parallel_for(0, tiles, 1, [&](int64_t b0, int64_t b1) {
-      for_each_part(ws, starts, b0, b1, [&](size_t i, int64_t lo, int64_t hi) {
-        const auto* qp = static_cast<const uint8_t*>(ws[i].qb.data_ptr());
-        const float* dp = ws[i].dm.data_ptr<float>();
-        const auto run = ws[i].qb.scalar_type() == at::kChar ? amx_tiles<AmxQ8_0> : amx_tiles<AmxQ4_1>;
-        run(xb.get(), m, K, qp, dp, lo, hi, yp + starts[i] * 16, N);
-      });
+    parallel_parts(ws, starts, tiles, [&](const Weights& w, int64_t lo, int64_t hi, int64_t first) {
+      (w.q8() ? amx_tiles<AmxQ8_0> : amx_tiles<AmxQ4_1>)(xb.get(), m, K, w.bytes(), w.dm.data_ptr<float>(), lo, hi,
+                                                          yp + first * 16, N);
     });
   }
   return y;
@@ -312,13 +308,9 @@ at::Tensor run_bf16dot(const at::Tensor& x, const std::vector<Weights>& ws) {
   const std::unique_ptr<uint16_t[]> xb(new uint16_t[static_cast<size_t>(M * K)]);
   bf16_rows(xc.data_ptr<float>(), M * K / 32, xb.get());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t b0, int64_t b1) {
-    for_each_part(ws, starts, b0, b1, [&](size_t i, int64_t lo, int64_t hi) {
-      const auto* qp = static_cast<const uint8_t*>(ws[i].qb.data_ptr());
-      const float* dp = ws[i].dm.data_ptr<float>();
-      const auto run = ws[i].qb.scalar_type() == at::kChar ? dot_tiles<AmxQ8_0> : dot_tiles<AmxQ4_1>;
-      run(xb.get(), M, K, qp, dp, lo, hi, yp + starts[i] * 16, N);
-    });
+  parallel_parts(ws, starts, tiles, [&](const Weights& w, int64_t lo, int64_t hi, int64_t first) {
+    (w.q8() ? dot_tiles<AmxQ8_0> : dot_tiles<AmxQ4_1>)(xb.get(), M, K, w.bytes(), w.dm.data_ptr<float>(), lo, hi,
+                                                        yp + first * 16, N);
   });
   return y;
 }

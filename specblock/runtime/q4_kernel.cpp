@@ -164,17 +164,22 @@ struct Weights {
   at::Tensor qb, dm;
   bool bf16 = false;
   bool amx = false;
+  bool q8() const { return qb.scalar_type() == at::kChar; }  // Q8_0 (the head), else Q4_1
+  const uint8_t* bytes() const { return static_cast<const uint8_t*>(qb.data_ptr()); }
 };
 
 // Several weights that read one x, their blocks (of NB features, or of 16 for AMX) numbered side by
-// side from 0 (``starts``: each weight's first): a parallel chunk [b0, b1) of that range handed to
-// run(i, lo, hi) for each weight i it overlaps, lo/hi counted in that weight's own blocks.
+// side from 0 (``starts``: each weight's first), computed in parallel chunks of that range: each
+// chunk hands run(w, lo, hi, first) each weight w it overlaps, lo/hi counted in w's own blocks and
+// first its first block (where its outputs start, in blocks).
 template <class Run>
-void for_each_part(const std::vector<Weights>& ws, const std::vector<int64_t>& starts, int64_t b0, int64_t b1, Run run) {
-  for (size_t i = 0; i < ws.size(); ++i) {
-    const int64_t n = ws[i].qb.size(0), lo = std::max(b0, starts[i]) - starts[i], hi = std::min(b1, starts[i] + n) - starts[i];
-    if (lo < hi) run(i, lo, hi);
-  }
+void parallel_parts(const std::vector<Weights>& ws, const std::vector<int64_t>& starts, int64_t blocks, Run run) {
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t n = ws[i].qb.size(0), lo = std::max(b0, starts[i]) - starts[i], hi = std::min(b1, starts[i] + n) - starts[i];
+      if (lo < hi) run(ws[i], lo, hi, starts[i]);
+    }
+  });
 }
 
 // x [M, K] fp32 times one weight (see check_weights) -> [M, N] fp32.
@@ -204,14 +209,9 @@ at::Tensor run_fp32(const at::Tensor& x, const std::vector<Weights>& ws) {
   if (M == 0) return y;
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for_each_part(ws, starts, b0, b1, [&](size_t i, int64_t lo, int64_t hi) {
-      const auto* qp = static_cast<const uint8_t*>(ws[i].qb.data_ptr());
-      const float* dp = ws[i].dm.data_ptr<float>();
-      const bool q8 = ws[i].qb.scalar_type() == at::kChar;
-      const auto run = ws[i].bf16 ? (q8 ? run_blocks<Q8_0B> : run_blocks<Q4_1B>) : (q8 ? run_blocks<Q8_0> : run_blocks<Q4_1>);
-      run(xp, M, K, qp, dp, lo, hi, yp + starts[i] * NB, N);
-    });
+  parallel_parts(ws, starts, blocks, [&](const Weights& w, int64_t lo, int64_t hi, int64_t first) {
+    const auto run = w.bf16 ? (w.q8() ? run_blocks<Q8_0B> : run_blocks<Q4_1B>) : (w.q8() ? run_blocks<Q8_0> : run_blocks<Q4_1>);
+    run(xp, M, K, w.bytes(), w.dm.data_ptr<float>(), lo, hi, yp + first * NB, N);
   });
   return y;
 }
