@@ -15,6 +15,14 @@ record keeps the ``"compiled"`` one. A bench in another dtype than the file's re
 
     python experiments/best_method.py experiments/results/bench_smollm2_compiled_packed_q4_s67.json --compiled \
         --write specblock/assets/drafters/smollm2-135m-instruct
+
+``--cpu KIND`` (``specblock.cpu.CPU_KINDS``) records a bench run on one kind of CPU under
+``"overrides"``, for that kind, dtype and mode only: on a Zen 5 without AMX the trees' rows cost more
+than on the Xeon's tiles the rest was measured on. ``experiments/cpu_auto.sh`` runs the candidates
+eager and compiled; record both, e.g.
+
+    python experiments/best_method.py experiments/results/bench_smollm2_zen5_auto_s70.json --compiled \
+        --cpu avx512-bf16 --write specblock/assets/drafters/smollm2-135m-instruct
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from specblock.atomic import write_atomic
+from specblock.cpu import CPU_KINDS
 from specblock.runtime.drafters import METHODS
 from specblock.runtime.drafters.lookup_branch import SUFFIX as LOOKUP
 
@@ -52,8 +61,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("bench", type=Path, help="a main-table bench JSON")
     ap.add_argument("--write", type=Path, required=True, metavar="DRAFTERS_DIR")
     ap.add_argument("--compiled", action="store_true", help="record the fastest METHOD@c row for --method auto --compile")
+    ap.add_argument("--cpu", choices=CPU_KINDS, help="record it for this kind of CPU only (best.json's \"overrides\"), "
+                    "where the bench ran on one: the CPU decides what a tree row costs")
     args = ap.parse_args(argv)
     bench = json.loads(args.bench.read_text())
+    ran_on = bench.get("cpu")
+    if args.cpu and ran_on not in (None, args.cpu):
+        raise SystemExit(f"{args.bench} ran on a CPU of kind {ran_on}, not {args.cpu}")
     best, means = fastest(bench, args.compiled)
     rec = {"method": best, "mean_speedup": round(means[best], 3), "dtype": bench["config"]["dtype"],
            "measured": f"{args.bench.with_suffix('.md').as_posix()}: the highest mean Spd of "
@@ -61,7 +75,13 @@ def main(argv: list[str]) -> int:
                                    for m, v in sorted(means.items(), key=lambda kv: -kv[1]))}
     out = args.write / "best.json"
     base = json.loads(out.read_text()) if out.is_file() else {}
-    if base and base.get("dtype") not in (None, rec["dtype"]):  # another dtype: its own entry, the rest kept
+    if args.cpu:  # one CPU kind's choice over the record: replaces one for the same CPU, dtype and mode
+        if not base:
+            raise SystemExit(f"{out} does not exist: record a table for every CPU first (without --cpu)")
+        here = {"cpu": args.cpu, "dtype": rec["dtype"], "compiled": args.compiled}
+        kept = [o for o in base.get("overrides", []) if {k: o.get(k) for k in here} != here]
+        rec = {**base, "overrides": kept + [{**here, **{k: v for k, v in rec.items() if k != "dtype"}}]}
+    elif base and base.get("dtype") not in (None, rec["dtype"]):  # another dtype: its own entry, the rest kept
         others = dict(base.get("other_dtypes") or {})
         entry = dict(others.get(rec["dtype"]) or {})
         if args.compiled:
@@ -73,8 +93,8 @@ def main(argv: list[str]) -> int:
         if not base:
             raise SystemExit(f"{out} does not exist: record the eager table first (without --compiled)")
         rec = {**base, "compiled": rec}
-    else:  # a new eager table leaves the compiled record and the other dtypes' alone
-        rec.update({k: base[k] for k in ("compiled", "other_dtypes") if k in base})
+    else:  # a new eager table leaves the compiled record, the other dtypes' and the CPUs' alone
+        rec.update({k: base[k] for k in ("compiled", "other_dtypes", "overrides") if k in base})
     write_atomic(out, json.dumps(rec, indent=1) + "\n")
     print(json.dumps(rec))
     return 0

@@ -116,3 +116,55 @@ def test_best_method_script_records_the_compiled_winner_beside_the_eager_one(tmp
     rec = json.loads((tmp_path / "best.json").read_text())
     assert rec["other_dtypes"]["packed-q4"]["method"] == "ar" and rec["other_dtypes"]["packed-q4"]["compiled"]
     assert rec["method"] == "medusa"
+
+
+def test_auto_follows_a_record_for_this_kind_of_cpu(fake_target, monkeypatch):
+    """On a CPU whose tree rows cost more (a Zen 5 without AMX) compiled plain decoding can beat
+    the method measured best elsewhere: best.json's overrides name the CPU kind they were measured on."""
+    from specblock import cpu
+
+    rec = {"method": "eagle3", "dtype": "packed-fp16", "compiled": {"method": "eagle3+lookup"},
+           "other_dtypes": {"packed-q4-amx": {"method": "eagle3+lookup", "compiled": {"method": "eagle3+lookup"}}},
+           "overrides": [{"cpu": "avx512-bf16", "dtype": "packed-q4-amx", "compiled": True, "method": "ar"},
+                         {"cpu": "avx512-bf16", "dtype": "packed-q4-amx", "compiled": False, "method": "specblock"}]}
+    (fake_target / "best.json").write_text(json.dumps(rec))
+    monkeypatch.setattr(cpu, "cpu_kind", lambda: "avx512-bf16")
+    assert registry.best_method("fake", "packed-q4-amx", compiled=True) == "ar"
+    assert registry.best_method("fake", "packed-q4-amx") == "specblock"
+    assert registry.best_method("fake", "packed-fp16", compiled=True) == "eagle3+lookup"  # another dtype: the record's
+    monkeypatch.setattr(cpu, "cpu_kind", lambda: "amx")
+    assert registry.best_method("fake", "packed-q4-amx", compiled=True) == "eagle3+lookup"
+    assert registry.best_method("fake", "packed-q4-amx") == "eagle3+lookup"
+    for bad in ({"method": "ar", "cpu": "zen5"}, {"cpu": "amx"}):
+        (fake_target / "best.json").write_text(json.dumps({**rec, "overrides": [bad]}))
+        with pytest.raises(SpecBlockError, match="zen5|each with a \"method\""):
+            registry.best_method("fake", "packed-q4-amx")
+
+
+def test_best_method_script_records_one_cpu_kinds_winner(tmp_path):
+    path = Path(__file__).resolve().parents[1] / "experiments" / "best_method.py"
+    spec = importlib.util.spec_from_file_location("best_method", path)
+    bm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bm)
+    row = lambda m, s: {"method": m, "domain": "code", "speedup": s}
+    bench = {"config": {"dtype": "packed-q4-amx"}, "cpu": "avx512-bf16",
+             "rows": [row("ar", 1.0), row("ar@c", 1.9), row("eagle3+lookup@c", 1.8), row("eagle3+lookup", 1.2)]}
+    f = tmp_path / "b.json"
+    f.write_text(json.dumps(bench))
+    with pytest.raises(SystemExit, match="for every CPU first"):
+        bm.main([str(f), "--write", str(tmp_path), "--compiled", "--cpu", "avx512-bf16"])
+    with pytest.raises(SystemExit, match="of kind avx512-bf16, not amx"):
+        bm.main([str(f), "--write", str(tmp_path), "--compiled", "--cpu", "amx"])
+    base = {"method": "eagle3", "dtype": "packed-fp16", "other_dtypes": {"packed-q4-amx": {"method": "eagle3+lookup"}}}
+    (tmp_path / "best.json").write_text(json.dumps(base))
+    for _ in range(2):  # a rerun replaces its own override
+        assert bm.main([str(f), "--write", str(tmp_path), "--compiled", "--cpu", "avx512-bf16"]) == 0
+    assert bm.main([str(f), "--write", str(tmp_path), "--cpu", "avx512-bf16"]) == 0
+    rec = json.loads((tmp_path / "best.json").read_text())
+    assert {k: rec[k] for k in base} == base  # the records for every CPU untouched
+    assert [(o["cpu"], o["dtype"], o["compiled"], o["method"]) for o in rec["overrides"]] == [
+        ("avx512-bf16", "packed-q4-amx", True, "ar"), ("avx512-bf16", "packed-q4-amx", False, "eagle3+lookup")]
+    assert "ar@c 1.90x" in rec["overrides"][0]["measured"]
+    f.write_text(json.dumps({**bench, "config": {"dtype": "packed-fp16"}}))
+    assert bm.main([str(f), "--write", str(tmp_path)]) == 0  # a new table for every CPU keeps them
+    assert len(json.loads((tmp_path / "best.json").read_text())["overrides"]) == 2

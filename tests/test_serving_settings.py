@@ -60,6 +60,42 @@ def test_serving_json_overrides_per_dtype_and_compiled(tmp_path, capsys):
 
 
 
+def test_serving_json_overrides_per_cpu_kind(tmp_path, monkeypatch, capsys):
+    """Which budget wins depends on the CPU too (EAGLE-3's budget 1 measured best on a Zen 5 without
+    AMX and worst on an AMX Xeon), so an override may name a ``cpu`` kind; a kind that does not
+    exist is a typo, refused in one line."""
+    from types import SimpleNamespace
+
+    from specblock import cpu
+
+    d = drafter_copy(tmp_path, {"budget": 2, "overrides": [
+        {"dtype": "packed-q4-amx", "cpu": "avx512-bf16", "compiled": False, "budget": 1},
+        {"cpu": "amx", "M": 1}]})
+    target = SimpleNamespace(dtype_name="packed-q4-amx", compiled=False)
+    at = lambda kind, t=target: (monkeypatch.setattr(cpu, "cpu_kind", lambda: kind),
+                                 drafters.serving_settings("specblock", t, {"drafter": d}))[1]
+    assert at("avx512-bf16") == {"budget": 1, "drafter": d}
+    assert at("amx") == {"budget": 2, "M": 1, "drafter": d}
+    assert at("other") == {"budget": 2, "drafter": d}
+    assert at("avx512-bf16", SimpleNamespace(dtype_name="packed-q4-amx", compiled=True)) == {"budget": 2, "drafter": d}
+    assert at("avx512-bf16", SimpleNamespace(dtype_name="packed-q4", compiled=False)) == {"budget": 2, "drafter": d}
+    code, _, err = run(capsys, "--target", "lab", "--method", "specblock", "--dtype", "float32", "--prompt", "x",
+                       "--max-new-tokens", "2", "--no-warmup",
+                       "--drafter", drafter_copy(tmp_path / "bad", {"budget": 2, "overrides": [{"cpu": "zen5", "M": 1}]}))
+    assert code == 2 and "not one of amx, avx512-bf16" in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
+def test_cpu_kind_follows_the_flags(monkeypatch):
+    from specblock import cpu
+
+    for flags, kind in [({"avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile"}, "amx"),
+                        ({"avx512f", "avx512bw", "avx512_bf16"}, "avx512-bf16"),  # AMD Zen 4-5
+                        ({"avx512f", "avx512bw", "avx512_vnni"}, "avx512"), ({"avx2", "fma"}, "other"), (set(), "other")]:
+        monkeypatch.setattr(cpu, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert cpu.cpu_kind() == kind
+    assert cpu.cpu_kind() in cpu.CPU_KINDS
+
+
 def test_cli_uses_the_drafters_budget_unless_told(tmp_path, capsys):
     d = drafter_copy(tmp_path, {"budget": 3})
     base = ["--target", "lab", "--method", "specblock", "--drafter", d, "--prompt", "def add(a, b):", "--json",

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from specblock.cpu import holds_here
 from specblock.errors import SpecBlockError
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -165,7 +166,9 @@ def best_method(target: str | Path | None, dtype: str | None = None, compiled: b
     (``--compile``): the record's ``"compiled"`` entry where it has one, measured on the compiled
     target, where a tree costs relatively more than eager. A record's ``"other_dtypes"`` holds the
     same for other dtypes (``{"packed-q4": {"compiled": {...}}}``), each with its eager ``"method"``
-    and/or its ``"compiled"`` entry. Reads no model."""
+    and/or its ``"compiled"`` entry. Its ``"overrides"`` (``best_method.py --cpu``) hold methods measured
+    on one kind of CPU (``specblock.cpu.CPU_KINDS``), for one dtype and eager or compiled: where the
+    tree rows cost more, plain decoding can win. Reads no model."""
     spec = MODELS.get(str(target or DEFAULT_TARGET_NAME))
     if spec is None and target is not None and Path(target).is_dir():
         spec = spec_for(Path(target))
@@ -173,10 +176,17 @@ def best_method(target: str | Path | None, dtype: str | None = None, compiled: b
     if f is None or not f.is_file():
         return FALLBACK_METHOD
     try:
-        rec = json.loads(f.read_text())
-        method = rec["method"]
+        top = json.loads(f.read_text())
+        rec, method = top, top["method"]
     except (OSError, ValueError, KeyError, TypeError):
         raise SpecBlockError(f"{f} is not a valid best-method record; rerun experiments/best_method.py or delete it") from None
+    overrides = top.get("overrides", [])
+    if not (isinstance(overrides, list) and all(isinstance(o, dict) and "method" in o for o in overrides)):
+        raise SpecBlockError(f'{f}: "overrides" must be a list of objects, each with a "method"; '
+                             "rerun experiments/best_method.py --cpu or fix it")
+    for o in reversed(overrides):  # the last that holds here wins, as in serving.json
+        if holds_here(o, f, dtype=dtype, compiled=compiled):
+            return str(o["method"])
     if dtype is not None and rec.get("dtype") not in (None, dtype):
         others = rec.get("other_dtypes")
         other = others.get(dtype) if isinstance(others, dict) else None
@@ -186,4 +196,3 @@ def best_method(target: str | Path | None, dtype: str | None = None, compiled: b
     if compiled and isinstance(rec.get("compiled"), dict) and "method" in rec["compiled"]:
         return str(rec["compiled"]["method"])
     return str(method)
-

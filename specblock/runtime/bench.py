@@ -35,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from specblock.atomic import AtomicFiles, check_output
+from specblock.cpu import cpu_kind
 from specblock.errors import SpecBlockError
 from specblock.flags import OneLineParser
 from specblock.models.registry import DEFAULT_TARGET_NAME
@@ -295,7 +296,7 @@ def summarize(cells, methods, domains, prompts, target, args) -> dict:
                 "new_tokens": c.runs[0].new_tokens,
             })
     return {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "device": str(target.device), "threads": torch.get_num_threads(), "rows": rows}
+            "device": str(target.device), "cpu": cpu_kind(), "threads": torch.get_num_threads(), "rows": rows}
 
 
 RESULT_SUFFIXES = (".json", ".csv", ".md", ".png")

@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from specblock.cpu import cpu_flags  # noqa: F401  (the kernels ask cext; tests patch it here)
+
 #: at::parallel_for is an OpenMP region compiled into the library: without these, one thread.
 OPENMP = (["-O3", "-fopenmp"], ["-fopenmp"])
 
@@ -138,13 +140,3 @@ def build_revision(prefix: str, path: str, rev: str):
         source = source.replace(f"{macro}({prefix},", f"{macro}({base},")
     build(base, source, *OPENMP)
     return getattr(torch.ops, base)
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The flags of ``/proc/cpuinfo``, read once a process (every q4 linear asks at load); empty where
-    it cannot be read: no AVX512 kernels then."""
-    try:
-        return frozenset(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return frozenset()

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Callable
 
+from specblock.cpu import holds_here
 from specblock.errors import SpecBlockError
 from specblock.runtime.drafters.base import ARDrafter, DraftRequest, Drafter
 from specblock.runtime.drafters.lookup import LookupDrafter
@@ -249,9 +250,9 @@ def serving_settings(name: str, target, options: dict) -> dict:
 
     What a tree costs depends on the target's dtype and on whether it runs compiled (a row of a
     compiled q4 tree costs about a sixth of a token's forward, of an eager packed-fp16 one far
-    less), so ``serving.json`` may hold ``"overrides"``: a list of objects, each with ``dtype``
-    and/or ``compiled`` to match the target (``target.dtype_name``, ``target.compiled``) and the
-    settings measured there, applied in order over the file's own.
+    less), so ``serving.json`` may hold ``"overrides"``: a list of objects, each with ``dtype``,
+    ``compiled`` and/or ``cpu`` to match the target (``target.dtype_name``, ``target.compiled``,
+    ``specblock.cpu.cpu_kind()``) and the settings measured there, applied in order over the file's own.
     """
     explicit = {k: v for k, v in options.items() if v is not None}
     if not explicit.get("policy"):
@@ -275,7 +276,7 @@ def over_serving(saved: dict, explicit: dict) -> dict:
 
 def read_serving(f: Path, target) -> dict:
     """The settings of serving.json ``f`` (none where it is absent) for ``target``: its own, then
-    each of its ``overrides`` whose ``dtype`` and ``compiled`` match the target's."""
+    each of its ``overrides`` whose ``dtype``, ``compiled`` and ``cpu`` match the target's and this CPU."""
     try:
         saved = json.loads(f.read_text()) if f.is_file() else {}
     except (OSError, ValueError):
@@ -289,7 +290,7 @@ def read_serving(f: Path, target) -> dict:
                              '[{"dtype": "q4", "compiled": true, "budget": 1}]')
     here = {"dtype": getattr(target, "dtype_name", None), "compiled": bool(getattr(target, "compiled", False))}
     for o in overrides:
-        if all(o[k] == v for k, v in here.items() if k in o):
+        if holds_here(o, f, **here):
             settings.update({k: v for k, v in o.items() if k in SERVING_KEYS})
     warm = settings.get("warm_sizes")
     if warm is not None and not (isinstance(warm, list) and warm and all(type(n) is int and n >= 1 for n in warm)):
@@ -299,3 +300,4 @@ def read_serving(f: Path, target) -> dict:
         raise SpecBlockError(f"{f}: \"policy\" {pol!r} is not one of {SERVING_POLICY_PREFIX}*; "
                              "name your own class with --policy instead")
     return settings
+

@@ -1,0 +1,47 @@
+"""Which CPU this is, in the terms our measured choices key on. No torch: ``--method auto`` asks
+before any model loads."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from specblock.errors import SpecBlockError
+
+#: The CPU kinds that measured serving choices may key on (``best.json`` and ``serving.json``
+#: overrides' ``"cpu"``): which of the project's kernels run, and so what a tree row costs.
+CPU_KINDS = ("amx", "avx512-bf16", "avx512", "other")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The flags of ``/proc/cpuinfo``, read once a process (every q4 linear asks at load); empty where
+    it cannot be read: no AVX512 kernels then."""
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return frozenset()
+
+
+def cpu_kind() -> str:
+    """This CPU's kind (``CPU_KINDS``): AMX tiles (Intel Sapphire Rapids on), AVX512-BF16 without
+    them (AMD Zen 4-5: packed-q4-amx on dot products, where a tree row costs more), AVX512, other.
+    The best method and node budget differ between them (EAGLE-3's budget 1 measured best on a
+    Zen 5 and worst on an AMX Xeon), so a measured choice may say where it holds."""
+    f = cpu_flags()
+    if not {"avx512f", "avx512bw"} <= f:
+        return "other"
+    if "avx512_bf16" not in f:
+        return "avx512"
+    return "amx" if {"amx_bf16", "amx_tile"} <= f else "avx512-bf16"
+
+
+def holds_here(override: dict, source: Path, **here: object) -> bool:
+    """Whether a measured record's ``override`` (``serving.json``'s or ``best.json``'s) holds for
+    this run: each of ``here``'s keys (``dtype``, ``compiled``) and ``cpu`` that it names equals this
+    run's, ``cpu`` (a ``CPU_KINDS`` name) this machine's kind. ``source`` names the file in errors."""
+    cpu = override.get("cpu")
+    if cpu is not None and cpu not in CPU_KINDS:
+        raise SpecBlockError(f"{source}: \"cpu\" {cpu!r} is not one of {', '.join(CPU_KINDS)}")
+    here = {**here, "cpu": cpu_kind()}
+    return all(override[k] == v for k, v in here.items() if k in override)
