@@ -2,7 +2,7 @@
 
 The highest mean Spd over the bench's domains among the methods the CLI can run by name (no
 ``@`` variants, no HF peers; ``METHOD+lookup`` counts: ``--method auto`` runs it as METHOD with
-``--lookup-branch``), written as ``best.json`` beside the target's shipped drafters:
+``--lookup-branch``) and identical to plain decoding on every prompt (``tune.fastest``), written as ``best.json`` beside the target's shipped drafters:
 
     python experiments/best_method.py experiments/results/bench_smollm2_main.json \
         --write specblock/assets/drafters/smollm2-135m-instruct
@@ -30,30 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
-
-import numpy as np
 
 from specblock.atomic import write_atomic
 from specblock.cpu import CPU_KINDS
-from specblock.runtime.drafters import METHODS
-from specblock.runtime.drafters.lookup_branch import SUFFIX as LOOKUP
-
-
-def fastest(bench: dict, compiled: bool = False) -> tuple[str, dict[str, float]]:
-    """The method with the highest mean Spd; ``compiled``: among the ``METHOD@c`` rows, named without it."""
-    spd: dict[str, list[float]] = defaultdict(list)
-    for r in bench["rows"]:
-        name = r["method"]
-        if compiled:  # only the compiled rows count, by their method's name
-            name = name.removesuffix("@c") if name.endswith("@c") else None
-        if name is not None and name.removesuffix(LOOKUP) in METHODS:
-            spd[name].append(r["speedup"])
-    if not spd:
-        raise SystemExit("no runnable method in this bench" + (" with an @c (compiled) row" if compiled else ""))
-    means = {m: float(np.mean(v)) for m, v in spd.items()}
-    return max(means, key=means.get), means
+from specblock.errors import SpecBlockError
+from specblock.runtime.tune import fastest  # the one rule, shared with tune (exact candidates only)
 
 
 def main(argv: list[str]) -> int:
@@ -68,7 +50,10 @@ def main(argv: list[str]) -> int:
     ran_on = bench.get("cpu")
     if args.cpu and ran_on not in (None, args.cpu):
         raise SystemExit(f"{args.bench} ran on a CPU of kind {ran_on}, not {args.cpu}")
-    best, means = fastest(bench, args.compiled)
+    try:
+        best, means = fastest(bench, args.compiled)
+    except SpecBlockError as e:
+        raise SystemExit(str(e)) from None
     rec = {"method": best, "mean_speedup": round(means[best], 3), "dtype": bench["config"]["dtype"],
            "measured": f"{args.bench.with_suffix('.md').as_posix()}: the highest mean Spd of "
                        + ", ".join(f"{m}{'@c' if args.compiled else ''} {v:.2f}x"

@@ -23,6 +23,20 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+@functools.cache
+def cpu_model() -> str:
+    """``/proc/cpuinfo``'s model name ("AMD EPYC", "Intel(R) Xeon(R) ..."), or "unknown": what a
+    record measured on this very machine (``tune``) names besides its kind."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def cpu_kind() -> str:
     """This CPU's kind (``CPU_KINDS``): AMX tiles (Intel Sapphire Rapids on), AVX512-BF16 without
     them (AMD Zen 4-5: packed-q4-amx on dot products, where a tree row costs more), AVX512, other.
@@ -38,10 +52,13 @@ def cpu_kind() -> str:
 
 def holds_here(override: dict, source: Path, **here: object) -> bool:
     """Whether a measured record's ``override`` (``serving.json``'s or ``best.json``'s) holds for
-    this run: each of ``here``'s keys (``dtype``, ``compiled``) and ``cpu`` that it names equals this
-    run's, ``cpu`` (a ``CPU_KINDS`` name) this machine's kind. ``source`` names the file in errors."""
+    this run: each of ``here``'s keys (``dtype``, ``compiled``), ``cpu`` and ``cpu_model`` that it
+    names equals this run's, ``cpu`` (a ``CPU_KINDS`` name) this machine's kind, ``cpu_model``
+    (``tune``'s records) its model name. ``source`` names the file in errors."""
     cpu = override.get("cpu")
     if cpu is not None and cpu not in CPU_KINDS:
         raise SpecBlockError(f"{source}: \"cpu\" {cpu!r} is not one of {', '.join(CPU_KINDS)}")
     here = {**here, "cpu": cpu_kind()}
+    if "cpu_model" in override:
+        here["cpu_model"] = cpu_model()
     return all(override[k] == v for k, v in here.items() if k in override)

@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parents[1] / "specblock"
 
 RANK = {
     "errors": 0, "buckets": 0, "q4file": 0, "data": 0, "gcstart": 0,
-    "atomic": 1, "flags": 1, "prompts": 1, "policies": 1,
+    "atomic": 1, "cpu": 1, "flags": 1, "prompts": 1, "policies": 1,
     "models": 2,
     "sim": 3, "runtime": 3,
     "compiled": 4, "training": 4,

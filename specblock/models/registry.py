@@ -158,6 +158,48 @@ def drafters_dir(path: Path) -> Path:
 FALLBACK_METHOD = "lookup"
 
 
+def _record_spec(target: str | Path | None) -> ModelSpec | None:
+    spec = MODELS.get(str(target or DEFAULT_TARGET_NAME))
+    if spec is None and target is not None and Path(target).is_dir():
+        spec = spec_for(Path(target))
+    return spec
+
+
+def tuned_record(target: str | Path | None) -> Path | None:
+    """Where ``python -m specblock.runtime tune`` writes the methods it measured fastest on this machine
+    for ``target`` (a named model, or a directory of one): beside the converted models, never in git."""
+    spec = _record_spec(target)
+    return specblock_home() / "tuned" / spec.name / "best.json" if spec is not None else None
+
+
+def read_overrides(f: Path) -> list[dict]:
+    """A best-method record's ``"overrides"``: methods measured on one kind of CPU (and dtype, mode)."""
+    try:
+        rec = json.loads(f.read_text())
+        overrides = rec.get("overrides", [])
+    except (OSError, ValueError, AttributeError):
+        raise SpecBlockError(f"{f} is not a valid best-method record; rerun experiments/best_method.py or delete it") from None
+    if not (isinstance(overrides, list) and all(isinstance(o, dict) and "method" in o for o in overrides)):
+        raise SpecBlockError(f'{f}: "overrides" must be a list of objects, each with a "method"; '
+                             "rerun experiments/best_method.py --cpu (or tune) or fix it")
+    return overrides
+
+
+def measured_here(target: str | Path | None, dtype: str | None, compiled: bool = False) -> tuple[str, Path] | None:
+    """The method measured fastest on this kind of CPU for ``dtype`` and mode, and the file that
+    says so: this machine's own record (``tune``) first, then the shipped ``best.json``'s overrides
+    (``best_method.py --cpu``), the last that holds in each. None where neither measured here."""
+    spec = _record_spec(target)
+    if spec is None:
+        return None
+    for f in (tuned_record(target), spec.drafters / "best.json"):
+        if f is not None and f.is_file():
+            for o in reversed(read_overrides(f)):
+                if holds_here(o, f, dtype=dtype, compiled=compiled):
+                    return str(o["method"]), f
+    return None
+
+
 def best_method(target: str | Path | None, dtype: str | None = None, compiled: bool = False) -> str:
     """What ``--method auto`` runs for this target: the fastest method of its measured main table,
     written as ``best.json`` beside its shipped drafters (``experiments/best_method.py``), else
@@ -166,27 +208,21 @@ def best_method(target: str | Path | None, dtype: str | None = None, compiled: b
     (``--compile``): the record's ``"compiled"`` entry where it has one, measured on the compiled
     target, where a tree costs relatively more than eager. A record's ``"other_dtypes"`` holds the
     same for other dtypes (``{"packed-q4": {"compiled": {...}}}``), each with its eager ``"method"``
-    and/or its ``"compiled"`` entry. Its ``"overrides"`` (``best_method.py --cpu``) hold methods measured
-    on one kind of CPU (``specblock.cpu.CPU_KINDS``), for one dtype and eager or compiled: where the
-    tree rows cost more, plain decoding can win. Reads no model."""
-    spec = MODELS.get(str(target or DEFAULT_TARGET_NAME))
-    if spec is None and target is not None and Path(target).is_dir():
-        spec = spec_for(Path(target))
+    and/or its ``"compiled"`` entry. Before all of these, a method measured on this kind of CPU
+    (``measured_here``: ``tune``'s record, ``best.json``'s ``"overrides"``): where the tree rows cost
+    more, plain decoding can win. Reads no model."""
+    here = measured_here(target, dtype, compiled)
+    if here is not None:
+        return here[0]
+    spec = _record_spec(target)
     f = spec.drafters / "best.json" if spec is not None else None
     if f is None or not f.is_file():
         return FALLBACK_METHOD
     try:
-        top = json.loads(f.read_text())
-        rec, method = top, top["method"]
+        rec = json.loads(f.read_text())
+        method = rec["method"]
     except (OSError, ValueError, KeyError, TypeError):
         raise SpecBlockError(f"{f} is not a valid best-method record; rerun experiments/best_method.py or delete it") from None
-    overrides = top.get("overrides", [])
-    if not (isinstance(overrides, list) and all(isinstance(o, dict) and "method" in o for o in overrides)):
-        raise SpecBlockError(f'{f}: "overrides" must be a list of objects, each with a "method"; '
-                             "rerun experiments/best_method.py --cpu or fix it")
-    for o in reversed(overrides):  # the last that holds here wins, as in serving.json
-        if holds_here(o, f, dtype=dtype, compiled=compiled):
-            return str(o["method"])
     if dtype is not None and rec.get("dtype") not in (None, dtype):
         others = rec.get("other_dtypes")
         other = others.get(dtype) if isinstance(others, dict) else None

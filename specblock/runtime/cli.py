@@ -39,6 +39,12 @@ def _calibrate(argv: list[str]) -> int:
     return calibrate_main(argv)
 
 
+def _tune(argv: list[str]) -> int:
+    from specblock.runtime.tune import main as tune_main
+
+    return tune_main(argv)
+
+
 def _models(argv: list[str]) -> int:
     from specblock.models.cli import main as models_main
 
@@ -46,7 +52,8 @@ def _models(argv: list[str]) -> int:
 
 
 #: Subcommands: name -> main(argv) -> exit status (imported lazily: decoding needs none of them).
-SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"bench": _bench, "calibrate": _calibrate, "models": _models}
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"bench": _bench, "calibrate": _calibrate, "models": _models,
+                                                      "tune": _tune}
 
 
 class _Parser(argparse.ArgumentParser):

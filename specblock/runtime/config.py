@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from specblock.errors import SpecBlockError
 from specblock.flags import bad_text
 from specblock.models import DEFAULT_TARGET_NAME, MODELS, resolve_target
-from specblock.models.registry import best_method
+from specblock.models.registry import best_method, measured_here
 from specblock.runtime.chat import parse_messages
 
 #: The lab model and its drafters (the fast fixture); the default target is a name in
@@ -104,6 +104,7 @@ class RunConfig(BaseModel):
             # At q4 plain decoding measured fastest, eager (Medusa tied at 1.00x) and compiled (ar@c 1.66x
             # against medusa@c's 1.57x, every method matching it; bench_smollm2_compiled_q4_fp32.md). On torch's
             # kernel (no AVX512) it is also the one method that is exactly the q4 model's greedy decoding.
+            # A record measured on this kind of CPU (tune's, best.json's overrides) comes first, at q4 too.
             # A record "METHOD+lookup" (the table's row with prompt lookup's branch) runs METHOD with
             # --lookup-branch at its default length, unless the user gave one.
             from specblock.runtime.drafters.lookup_branch import DEFAULT_NODES, SUFFIX
@@ -111,7 +112,8 @@ class RunConfig(BaseModel):
             from specblock.runtime.target import resolve_dtype
 
             dtype = resolve_dtype(self.dtype, self.device, self.target if self.target is not None else DEFAULT_TARGET_NAME)
-            method = "ar" if dtype == Q4 else best_method(self.target, dtype, compiled=self.compile)
+            here = measured_here(self.target, dtype, self.compile)  # on this kind of CPU, q4 included
+            method = here[0] if here else "ar" if dtype == Q4 else best_method(self.target, dtype, compiled=self.compile)
             self.method = method.removesuffix(SUFFIX)
             if self.method != method and self.lookup_branch is None:
                 self.lookup_branch = DEFAULT_NODES

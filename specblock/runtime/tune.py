@@ -1,0 +1,123 @@
+"""``python -m specblock.runtime tune``: measure ``--method auto``'s candidates on this machine and keep the fastest.
+
+The shipped records (``best.json`` beside a model's drafters) were measured on a few CPUs, with
+overrides per kind of CPU where one was measured (``specblock.cpu.CPU_KINDS``). On another CPU the
+winner can differ: on a Zen 5 the Xeon's compiled choice ran at 0.94x compiled plain decoding. So
+``tune`` runs the candidates as ``bench`` does (interleaved runs, medians, Spd against plain decoding
+in the same run, the bench's prompts), drops any whose output differs from plain decoding on a
+prompt, and writes the fastest to ``$SPECBLOCK_HOME/tuned/MODEL/best.json`` for this CPU (its kind
+and model name), dtype and mode. ``--method auto`` reads it before the shipped record. Its bench
+files lie beside it. Each candidate keeps its drafter's measured serving settings (``serving.json``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from specblock.atomic import write_atomic
+from specblock.cpu import cpu_kind, cpu_model
+from specblock.errors import SpecBlockError
+from specblock.flags import OneLineParser
+from specblock.models.registry import DEFAULT_TARGET_NAME, read_overrides, tuned_record
+from specblock.runtime import bench
+from specblock.runtime.bench_config import check_bench_flags
+from specblock.runtime.config import validate
+from specblock.runtime.drafters import METHODS
+from specblock.runtime.drafters.lookup_branch import SUFFIX as LOOKUP
+from specblock.runtime.target import DTYPE_CHOICES, DTYPE_HELP
+
+#: The candidates: every method that has won a main table somewhere (plain decoding included).
+CANDIDATES = "ar,lookup,eagle3,eagle3+lookup,specblock,specblock+lookup"
+
+
+def fastest(result: dict, compiled: bool = False) -> tuple[str, dict[str, float]]:
+    """The method with the highest mean Spd over a bench's domains, among those the CLI runs by name
+    (``METHOD+lookup`` too: ``--method auto`` runs it with ``--lookup-branch``; no ``@`` variants, no
+    HF peers) and identical to plain decoding on every prompt; ``compiled``: among the ``METHOD@c``
+    rows, named without it. Also each candidate's mean."""
+    spd: dict[str, list[float]] = defaultdict(list)
+    inexact: set[str] = set()
+    for r in result["rows"]:
+        name = r["method"]
+        if compiled:  # only the compiled rows count, by their method's name
+            name = name.removesuffix("@c") if name.endswith("@c") else None
+        if name is not None and name.removesuffix(LOOKUP) in METHODS:
+            spd[name].append(r["speedup"])
+            if r.get("match_rate", 1.0) < 1.0:
+                inexact.add(name)
+    means = {m: float(np.mean(v)) for m, v in spd.items() if m not in inexact}
+    if not means:
+        raise SpecBlockError("no runnable method identical to plain decoding in this bench"
+                             + (" with an @c (compiled) row" if compiled else ""))
+    return max(means, key=means.get), means
+
+
+def build_parser() -> OneLineParser:
+    ap = OneLineParser(prog="python -m specblock.runtime tune", description=__doc__.splitlines()[0])
+    ap.add_argument("--target", help="a model name (see `models`) or an HF model directory (default: the real chat model)")
+    ap.add_argument("--methods", default=CANDIDATES, help=f"comma-separated candidates (default: {CANDIDATES})")
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    ap.add_argument("--compile", action="store_true", help="tune --method auto --compile: each candidate on the compiled target")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per domain (the bench's first N)")
+    ap.add_argument("--runs", type=int, default=3, help="interleaved runs (medians)")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--domains", default="code,math,chat,qa,mtbench")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    return ap
+
+
+def bench_args(args, out: Path):
+    """The bench's own arguments for these candidates: compiled ones as ``METHOD@c`` beside eager plain
+    decoding (every Spd against it, as the shipped records are)."""
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise SpecBlockError("--methods names no method; e.g. --methods ar,lookup,eagle3+lookup")
+    argv = ["--target", str(args.target or DEFAULT_TARGET_NAME), "--dtype", args.dtype, "--domains", args.domains,
+            "--prompts", str(args.prompts), "--runs", str(args.runs), "--max-new-tokens", str(args.max_new_tokens),
+            "--threads", str(args.threads), "--out", str(out)]
+    if args.compile:
+        argv += [a for m in methods for a in ("--set", f"{m}@c:compiled=true")]
+        methods = ["ar"] + [f"{m}@c" for m in methods]
+    b = bench.build_parser().parse_args(argv + ["--methods", ",".join(methods)])
+    b.method_options = check_bench_flags(b)
+    return b
+
+
+def record(f: Path, override: dict) -> dict:
+    """``override`` into the tuned record ``f``, replacing one for the same CPU, dtype and mode."""
+    keys = ("cpu", "cpu_model", "dtype", "compiled")
+    kept = [o for o in (read_overrides(f) if f.is_file() else []) if any(o.get(k) != override[k] for k in keys)]
+    rec = {"overrides": kept + [override]}
+    write_atomic(f, json.dumps(rec, indent=1) + "\n")
+    return rec
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.runs < 1 or args.prompts < 1 or args.max_new_tokens < 1:
+        raise SpecBlockError("--runs, --prompts and --max-new-tokens must be at least 1")
+    validate({"target": args.target, "dtype": args.dtype}).target_dir  # an unknown path: its one line first
+    f = tuned_record(args.target)
+    if f is None:
+        raise SpecBlockError(f"--target {args.target}: tune records for a named model or a copy of one; "
+                             "see `python -m specblock.runtime models`")
+    mode = "compiled" if args.compile else "eager"
+    b = bench_args(args, f.parent / f"bench_{args.dtype}_{mode}")
+    bench.check_outputs(b)
+    result = bench.run_bench(b)  # resolves b.dtype ("auto" to what ran)
+    b.out = f.parent / f"bench_{b.dtype}_{mode}"
+    files = bench.write_outputs(result, b.out)
+    best, means = fastest(result, args.compile)
+    override = {"cpu": cpu_kind(), "cpu_model": cpu_model(), "dtype": b.dtype, "compiled": args.compile,
+                "method": best, "mean_speedup": round(means[best], 3),
+                "measured": f"{files[2]}: the highest mean Spd of " + ", ".join(
+                    f"{m}{'@c' if args.compile else ''} {v:.2f}x" for m, v in sorted(means.items(), key=lambda kv: -kv[1]))}
+    record(f, override)
+    print(bench.markdown_table(result["rows"]), end="")
+    print(f"--method auto{' --compile' if args.compile else ''} --dtype {b.dtype} now runs {best} on this machine "
+          f"({cpu_model()}, {cpu_kind()}): mean Spd {means[best]:.2f}x; recorded in {f}")
+    return 0
