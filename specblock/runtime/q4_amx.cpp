@@ -217,9 +217,11 @@ SPECBLOCK_BF16DOT inline void prefetch_group(const uint8_t* q, const float* s) {
   for (int o = 0; o < 16 * F::SB * 4; o += 64) _mm_prefetch(reinterpret_cast<const char*>(s) + o, _MM_HINT_T0);
 }
 
-// Rows [0, R) of xb against features [j0, j0 + NJ) of one tile (qp, dp: its first group).
+// Rows [0, R) of xb against features [j0, j0 + NJ) of one tile (qp, dp: its first group); the outputs
+// of rows [0, live) are stored (a pass padded with a row of zeros stores the real ones).
 template <class F, int R, int NJ>
-SPECBLOCK_BF16DOT void dot_rows(const uint16_t* xb, int64_t K, const uint8_t* qp, const float* dp, int j0, float* y, int64_t N) {
+SPECBLOCK_BF16DOT void dot_rows(const uint16_t* xb, int64_t K, const uint8_t* qp, const float* dp, int j0, float* y, int64_t N,
+                                int live) {
   const int64_t G = K / 32;
   static_assert(R * NJ == 16, "sum16 takes 16 accumulators");
   __m512 acc[R][NJ];
@@ -240,7 +242,7 @@ SPECBLOCK_BF16DOT void dot_rows(const uint16_t* xb, int64_t K, const uint8_t* qp
   // R x NJ = 16 accumulators, row-major: lane r * NJ + j of the sums is row r's feature j0 + j
   alignas(64) float sums[16];
   _mm512_store_ps(sums, sum16(&acc[0][0]));
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < live; ++r)
     for (int j = 0; j < NJ; ++j) y[r * N + j0 + j] = sums[r * NJ + j];
 }
 
@@ -249,6 +251,13 @@ SPECBLOCK_BF16DOT void dot_rows(const uint16_t* xb, int64_t K, const uint8_t* qp
 // several sizes, which read a tile decoded once into a buffer (experiments/bf16_rows.py).
 constexpr int64_t DOT_INLINE_ROWS = 8;
 
+
+// The pass (log2 of its rows) for the next `left` rows, up to DOT_INLINE_ROWS, where every pass decodes
+// the weights again: 3 rows as one pass of 4 and 7 as one of 8, each with a row of zeros, since a second
+// pass's decode costs more than a padded row (3 rows 5.07 ms against 4 rows' 4.12, 7 rows 7.37 against
+// 8 rows' 6.62, the forward's linears, bf16_rows_zen5_s70); 5 and 6 as 4 + 1 and 4 + 2 (5.61 and 5.90
+// against one 8-row pass's 6.62). A row's outputs are the same bits in any pass.
+inline int inline_level(int64_t left) { return left >= 7 ? 3 : left >= 3 ? 2 : left >= 2 ? 1 : 0; }
 
 // A tile's weights already decoded (dot_tiles' buffer): a feature's group is 64 bytes of bf16.
 struct DotDecoded {
@@ -259,7 +268,7 @@ struct DotDecoded {
 // A call's rows in passes of 8, 4, 2 and 1 (R x NJ = 16 accumulators each, as the registers hold).
 template <class F>
 struct DotPasses {
-  using Fn = void (*)(const uint16_t*, int64_t, const uint8_t*, const float*, int, float*, int64_t);
+  using Fn = void (*)(const uint16_t*, int64_t, const uint8_t*, const float*, int, float*, int64_t, int);
   static constexpr Fn P[4] = {dot_rows<F, 1, 16>, dot_rows<F, 2, 8>, dot_rows<F, 4, 4>, dot_rows<F, 8, 2>};
 };
 
@@ -275,8 +284,8 @@ SPECBLOCK_BF16DOT void dot_tiles(const uint16_t* xb, int64_t M, int64_t K, const
     const float* s = dp + t * tile_s;
     if (M <= DOT_INLINE_ROWS) {  // each pass decodes as it goes
       for (int64_t r = 0; r < M;) {
-        const int level = M - r >= 8 ? 3 : M - r >= 4 ? 2 : M - r >= 2 ? 1 : 0, rows = 1 << level;
-        for (int j0 = 0; j0 < 16; j0 += 16 / rows) DotPasses<F>::P[level](xb + r * K, K, q, s, j0, y + r * N + t * 16, N);
+        const int level = inline_level(M - r), rows = 1 << level, live = static_cast<int>(std::min<int64_t>(rows, M - r));
+        for (int j0 = 0; j0 < 16; j0 += 16 / rows) DotPasses<F>::P[level](xb + r * K, K, q, s, j0, y + r * N + t * 16, N, live);
         r += rows;
       }
       continue;
@@ -289,7 +298,8 @@ SPECBLOCK_BF16DOT void dot_tiles(const uint16_t* xb, int64_t M, int64_t K, const
     const auto* d = reinterpret_cast<const uint8_t*>(buf);
     for (int64_t r = 0; r < M;) {
       const int level = M - r >= 8 ? 3 : M - r >= 4 ? 2 : M - r >= 2 ? 1 : 0, rows = 1 << level;
-      for (int j0 = 0; j0 < 16; j0 += 16 / rows) DotPasses<DotDecoded>::P[level](xb + r * K, K, d, nullptr, j0, y + r * N + t * 16, N);
+      for (int j0 = 0; j0 < 16; j0 += 16 / rows)
+        DotPasses<DotDecoded>::P[level](xb + r * K, K, d, nullptr, j0, y + r * N + t * 16, N, rows);
       r += rows;
     }
   }
@@ -305,8 +315,10 @@ at::Tensor run_bf16dot(const at::Tensor& x, const std::vector<Weights>& ws) {
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const std::unique_ptr<uint16_t[]> xb(new uint16_t[static_cast<size_t>(M * K)]);
+  // the call's rows in bf16, then a row of zeros for a padded pass (inline_level) to read
+  const std::unique_ptr<uint16_t[]> xb(new uint16_t[static_cast<size_t>((M + 1) * K)]);
   bf16_rows(xc.data_ptr<float>(), M * K / 32, xb.get());
+  std::fill(xb.get() + M * K, xb.get() + (M + 1) * K, uint16_t{0});
   float* yp = y.data_ptr<float>();
   parallel_parts(ws, starts, tiles, [&](const Weights& w, int64_t lo, int64_t hi, int64_t first) {
     (w.q8() ? dot_tiles<AmxQ8_0> : dot_tiles<AmxQ4_1>)(xb.get(), M, K, w.bytes(), w.dm.data_ptr<float>(), lo, hi,
