@@ -8,6 +8,8 @@ set -euo pipefail
 : "${BASE:?set BASE to the git revision to compare against}" "${NAME:?set NAME for the result files}"
 ROOT=$(pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
+SPECBLOCK_DATA=${SPECBLOCK_DATA:-$("$PY" -c "from specblock.data import data_root; print(data_root())")}
+export SPECBLOCK_DATA  # the worktree's own default (beside it) would not hold the data
 WT=$(mktemp -d "${TMPDIR:-/tmp}/specblock-base-XXXXXX")
 git worktree add -q --detach "$WT" "$BASE"
 trap 'git worktree remove --force "$WT"' EXIT

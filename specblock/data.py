@@ -9,13 +9,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from specblock.errors import SpecBlockError
+
+
+class DataMissing(SpecBlockError, FileNotFoundError):
+    """The shared data (or one of its files) is not where it should be: one line from the CLI, and
+    still a FileNotFoundError to callers that catch that."""
+
 
 def data_root() -> Path:
     """The shared data directory: ``$SPECBLOCK_DATA`` or ``<repo>/../shared/data``."""
     env = os.environ.get("SPECBLOCK_DATA")
     root = Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "data"
     if not root.is_dir():
-        raise FileNotFoundError(
+        raise DataMissing(
             f"shared data not found at {root}; set SPECBLOCK_DATA to the folder holding "
             "gsm8k/, alpaca_eval/, tinyshakespeare/, humaneval/, spec_bench/")
     return root
@@ -25,7 +32,7 @@ def data_file(*parts: str) -> Path:
     """A file under :func:`data_root`, with a one-line error if it is missing."""
     path = data_root().joinpath(*parts)
     if not path.is_file():
-        raise FileNotFoundError(f"missing data file {path} (SPECBLOCK_DATA={data_root()})")
+        raise DataMissing(f"missing data file {path} (SPECBLOCK_DATA={data_root()})")
     return path
 
 

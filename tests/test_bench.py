@@ -150,3 +150,14 @@ def test_compiled_and_eager_methods_in_one_run(tmp_path, capsys, monkeypatch):
     code, _, err = run_cli(capsys, "bench", "--target", tmp_path / "t", "--methods", "hf-lookup", "--domains", "code",
                            "--prompts", "1", "--set", "hf-lookup:compiled=true", "--out", out)
     assert code != 0 and "compiled=true is for this project's methods" in err
+
+
+def test_missing_shared_data_is_one_line(tmp_path, monkeypatch, capsys):
+    """The bench's prompts come from the shared data; where it is not found, one line names the setting."""
+    from tiny import run_cli
+
+    monkeypatch.setenv("SPECBLOCK_DATA", str(tmp_path / "nowhere"))
+    code, _, err = run_cli(capsys, "bench", "--target", "lab", "--methods", "ar", "--prompts", "1", "--runs", "1",
+                           "--max-new-tokens", "2", "--dtype", "float32", "--out", tmp_path / "b")
+    assert code == 2 and "SPECBLOCK_DATA" in err.strip().splitlines()[-1] and "Traceback" not in err
+    assert not list(tmp_path.glob("b.*"))  # nothing half-written

@@ -15,12 +15,13 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "specblock"
 
 RANK = {
-    "errors": 0, "buckets": 0, "q4file": 0, "data": 0, "gcstart": 0,
-    "atomic": 1, "cpu": 1, "flags": 1, "prompts": 1, "policies": 1,
-    "models": 2,
-    "sim": 3, "runtime": 3,
-    "compiled": 4, "training": 4,
-    "serve": 5,
+    "errors": 0,
+    "buckets": 1, "q4file": 1, "data": 1, "gcstart": 1,
+    "atomic": 2, "cpu": 2, "flags": 2, "prompts": 2, "policies": 2,
+    "models": 3,
+    "sim": 4, "runtime": 4,
+    "compiled": 5, "training": 5,
+    "serve": 6,
 }
 #: (importing file, imported room): lazy hooks, imported inside a function only
 HOOKS = {("runtime/cli.py", "compiled")}
