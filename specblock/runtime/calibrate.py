@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from specblock.atomic import check_output, write_atomic
+from specblock.cpu import cpu_kind, cpu_model
 from specblock.errors import SpecBlockError
 from specblock.flags import OneLineParser
 from specblock.policies.tree import DraftTree
@@ -34,7 +34,10 @@ from specblock.runtime.drafters.base import DraftRequest
 from specblock.runtime.target import DTYPE_CHOICES, DTYPE_HELP, TargetModel, resolve_dtype
 from specblock.runtime.verify import GreedyVerifier
 
-N_GRID = [1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 64]
+#: Every size up to 8: our kernels' cost is not linear between powers of two (packed-q4-amx without
+#: tiles runs 5 rows as passes of 4 + 1, each decoding the weights again: 5.61 ms of linears against
+#: 4.12 at 4 and 6.62 at 8, bf16_rows_zen5_s69 / _pad_s70), and served trees are mostly 2-8 nodes.
+N_GRID = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 32, 48, 64]
 CTX_GRID = [64, 256, 512]
 #: ``--compile``: the compiled target attends over a power-of-two span (``compiled.target.span_of``),
 #: so its cost steps up where ``ctx + n`` passes 256 or 512. Contexts that leave room for a 64-node
@@ -194,9 +197,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--drafter-dir", type=Path, help="drafters to time (default: those shipped for the target)")
     ap.add_argument("--compile", action="store_true",
                     help="time the compiled target and SpecBlock's compiled block (the CLI's --compile)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default), as bench's")
     args = ap.parse_args(argv)
     if args.reps < 1:
         raise SpecBlockError("--reps: give at least 1 timed repetition")
+    if args.threads < 0:
+        raise SpecBlockError("--threads: give 0 (torch's default) or a positive count")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     check_output(args.out, "--out", make_parents=True)
     cfg = validate({"target": args.target, "dtype": args.dtype})
     args.dtype = resolve_dtype(args.dtype, "auto", cfg.target_dir)  # the latency JSON records what ran, never "auto"
@@ -224,7 +232,7 @@ def main(argv: list[str]) -> int:
     drafters = {}
     if (drafter_dir / "specblock" / "config.json").is_file():
         drafters["specblock"] = time_specblock(target, drafter_dir / "specblock", args.reps, rng, args.compile)
-    device = f"{target.device.type}: {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
+    device = f"{target.device.type}: {torch.get_num_threads()} threads, {cpu_model()} ({cpu_kind()})"
     result = {"version": 1, "device": device, "dtype": args.dtype, "compiled": args.compile,
               "target": {"ctx": ctxs, "n": N_GRID, "ms": ms}, "drafters": drafters,
               "overhead_ms": round(statistics.median(glue), 4)}
