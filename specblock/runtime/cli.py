@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="a model name (see `models`: smollm2-135m-instruct, the default, built on first "
                    "use; lab, the small model) or an HF model directory")
     p.add_argument("--method", default="auto",
-                   help=f"drafting method: {', '.join(sorted(drafters.METHODS))}, or auto (the best shipped drafter)")
+                   help=f"drafting method: {', '.join(sorted(drafters.METHODS))}, or auto (the fastest measured for "
+                   "the target, dtype and this CPU: `tune`'s record, else the shipped best.json)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="JSONL with a 'prompt' or OpenAI-style 'messages' per line")
