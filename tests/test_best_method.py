@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from specblock.errors import SpecBlockError
 from specblock.models import registry
+from tiny import experiment
 
 
 @pytest.fixture()
@@ -63,10 +62,7 @@ def test_auto_falls_back_to_lookup_then_follows_the_record(fake_target):
 
 
 def test_best_method_script_picks_the_highest_mean_among_runnable_methods(tmp_path):
-    path = Path(__file__).resolve().parents[1] / "experiments" / "best_method.py"
-    spec = importlib.util.spec_from_file_location("best_method", path)
-    bm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bm)
+    bm = experiment("best_method")
     row = lambda m, d, s: {"method": m, "domain": d, "speedup": s}
     bench = {"config": {"dtype": "float32"},
              "rows": [row("ar", "code", 1.0), row("ar", "chat", 1.0), row("lookup", "code", 1.3), row("lookup", "chat", 1.1),
@@ -84,10 +80,7 @@ def test_best_method_script_picks_the_highest_mean_among_runnable_methods(tmp_pa
 
 
 def test_best_method_script_records_the_compiled_winner_beside_the_eager_one(tmp_path):
-    path = Path(__file__).resolve().parents[1] / "experiments" / "best_method.py"
-    spec = importlib.util.spec_from_file_location("best_method", path)
-    bm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bm)
+    bm = experiment("best_method")
     row = lambda m, s: {"method": m, "domain": "code", "speedup": s}
     bench = {"config": {"dtype": "packed-fp16"},
              "rows": [row("ar", 1.0), row("ar@c", 1.9), row("medusa", 1.2), row("medusa@c", 1.8), row("hf-lookup@c", 9.0)]}
@@ -142,10 +135,7 @@ def test_auto_follows_a_record_for_this_kind_of_cpu(fake_target, monkeypatch):
 
 
 def test_best_method_script_records_one_cpu_kinds_winner(tmp_path):
-    path = Path(__file__).resolve().parents[1] / "experiments" / "best_method.py"
-    spec = importlib.util.spec_from_file_location("best_method", path)
-    bm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bm)
+    bm = experiment("best_method")
     row = lambda m, s: {"method": m, "domain": "code", "speedup": s}
     bench = {"config": {"dtype": "packed-q4-amx"}, "cpu": "avx512-bf16",
              "rows": [row("ar", 1.0), row("ar@c", 1.9), row("eagle3+lookup@c", 1.8), row("eagle3+lookup", 1.2)]}
