@@ -79,3 +79,76 @@ def test_tune_refuses_bad_input_in_one_line(home, tmp_path, capsys):
         code, _, err = run_cli(capsys, "tune", *argv)
         assert code == 2 and why in err.strip().splitlines()[-1] and "Traceback" not in err, (argv, err)
     assert not (home / "tuned").exists() or not any((home / "tuned").rglob("best.json"))  # nothing half-written
+
+
+def test_candidates_name_each_budget_of_a_tree_drafter():
+    from types import SimpleNamespace
+
+    from specblock.runtime.tune import candidates
+
+    args = SimpleNamespace(methods="lookup,eagle3,specblock+lookup", budgets="2,1", compile=False)
+    assert candidates(args) == {"ar": ("ar", None), "lookup": ("lookup", None), "eagle3@b1": ("eagle3", 1),
+                                "eagle3@b2": ("eagle3", 2), "specblock+lookup@b1": ("specblock+lookup", 1),
+                                "specblock+lookup@b2": ("specblock+lookup", 2)}
+    args.compile = True
+    assert set(candidates(args)) == {"ar@c", "lookup@c", "eagle3@c1", "eagle3@c2", "specblock+lookup@c1",
+                                     "specblock+lookup@c2"}
+    args.budgets = None
+    assert candidates(args) == {"ar@c": ("ar", None), "lookup@c": ("lookup", None), "eagle3@c": ("eagle3", None),
+                                "specblock+lookup@c": ("specblock+lookup", None)}
+    for bad in ("0", "1,x", "300", ","):
+        args.budgets = bad
+        with pytest.raises(SpecBlockError, match="--budgets"):
+            candidates(args)
+
+
+def test_tune_budgets_records_the_winners_budget_for_its_drafter(home, monkeypatch, capsys):
+    """The bench's rows are made up here (which budget wins a real run on the lab model is up to its
+    timing): the winner's budget goes to its drafter's tuned serving.json, which the shipped drafter reads."""
+    from specblock.runtime import bench, drafters
+    from specblock.runtime.target import TargetModel
+
+    def fake_run(b):
+        b.dtype = "float32"
+        spd = {"ar": 1.0, "specblock@b1": 1.1, "specblock@b2": 1.3, "specblock+lookup@b1": 1.2,
+               "specblock+lookup@b2": 9.0}
+        return {"config": {}, "rows": [{"method": m, "domain": "code", "speedup": v, "tau": 1.0, "draft_share": 0.1,
+                                        "match_rate": 0.5 if m == "specblock+lookup@b2" else 1.0}  # inexact: dropped
+                                       for m, v in spd.items()]}
+
+    monkeypatch.setattr(bench, "run_bench", fake_run)
+    monkeypatch.setattr(bench, "write_outputs", lambda result, out: [out.with_suffix(s) for s in bench.RESULT_SUFFIXES])
+    code, out, err = run_cli(capsys, "tune", "--target", "lab", "--methods", "specblock,specblock+lookup",
+                             "--budgets", "1,2", "--dtype", "float32")
+    assert code == 0, err
+    f = registry.tuned_record("lab")
+    (o,) = json.loads((f.parent / "specblock" / "serving.json").read_text())["overrides"]
+    assert (o["budget"], o["dtype"], o["compiled"], o["cpu_model"]) == (2, "float32", False, cpu.cpu_model())
+    assert registry.best_method("lab", "float32") == "specblock" and "node budget 2" in out
+    target = TargetModel.load(registry.resolve_target("lab"), "float32", "cpu")
+    assert drafters.serving_settings("specblock", target, {})["budget"] == 2
+    assert drafters.serving_settings("specblock", target, {"budget": 7})["budget"] == 7  # a flag still wins
+    folder = registry.MODELS["lab"].drafters / "specblock"
+    shipped = drafters.read_serving(folder / "serving.json", target)
+    assert drafters.serving_settings("specblock", target, {"drafter": folder}) == {**shipped, "drafter": folder}
+    assert drafters.serving_settings("specblock", TargetModel.load(registry.resolve_target("lab"), "bfloat16", "cpu"),
+                                     {}).get("budget") == shipped.get("budget")  # tuned in float32 only
+
+
+def test_a_tuned_budget_drops_the_shipped_warm_sizes(home, monkeypatch):
+    from types import SimpleNamespace
+
+    from specblock.runtime.drafters import over_tuned
+
+    lab = registry.resolve_target("lab")
+    target = SimpleNamespace(model=SimpleNamespace(name_or_path=str(lab)), dtype_name="float32", compiled=True)
+    g = registry.tuned_record("lab").parent / "eagle3" / "serving.json"
+    g.parent.mkdir(parents=True)
+    here = {"cpu": cpu.cpu_kind(), "cpu_model": cpu.cpu_model(), "dtype": "float32", "compiled": True}
+    g.write_text(json.dumps({"overrides": [{**here, "budget": 3}]}))
+    saved = {"budget": 2, "warm_sizes": [1, 3]}
+    assert over_tuned(saved, "eagle3", target) == {"budget": 3}
+    assert over_tuned({"budget": 3, "warm_sizes": [1, 4]}, "eagle3", target) == {"budget": 3, "warm_sizes": [1, 4]}
+    assert over_tuned(saved, "specblock", target) == saved  # nothing tuned for that drafter
+    monkeypatch.setattr(cpu, "cpu_model", lambda: "another CPU")
+    assert over_tuned(saved, "eagle3", target) == saved

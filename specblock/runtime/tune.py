@@ -8,6 +8,11 @@ in the same run, the bench's prompts), drops any whose output differs from plain
 prompt, and writes the fastest to ``$SPECBLOCK_HOME/tuned/MODEL/best.json`` for this CPU (its kind
 and model name), dtype and mode. ``--method auto`` reads it before the shipped record. Its bench
 files lie beside it. Each candidate keeps its drafter's measured serving settings (``serving.json``).
+
+``--budgets 1,2,3`` also tries each tree drafter at those node budgets (the lookup branch on top, as
+with a measured budget): the winner's budget goes to ``$SPECBLOCK_HOME/tuned/MODEL/DRAFTER/serving.json``
+for this CPU, dtype and mode, which the shipped drafter's settings read last (``serving_settings``).
+On a Zen 5 EAGLE-3's best budget was 1 and on the AMX Xeon its worst, so a budget is a machine's too.
 """
 
 from __future__ import annotations
@@ -22,11 +27,11 @@ from specblock.atomic import write_atomic
 from specblock.cpu import cpu_kind, cpu_model
 from specblock.errors import SpecBlockError
 from specblock.flags import OneLineParser
-from specblock.models.registry import DEFAULT_TARGET_NAME, read_overrides, tuned_record
+from specblock.models.registry import DEFAULT_TARGET_NAME, tuned_record
 from specblock.runtime import bench
 from specblock.runtime.bench_config import check_bench_flags
 from specblock.runtime.config import validate
-from specblock.runtime.drafters import METHODS
+from specblock.runtime.drafters import METHODS, TRAINED
 from specblock.runtime.drafters.lookup_branch import SUFFIX as LOOKUP
 from specblock.runtime.target import DTYPE_CHOICES, DTYPE_HELP
 
@@ -67,31 +72,83 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--domains", default="code,math,chat,qa,mtbench")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    ap.add_argument("--budgets", help="also tune the tree drafters' node budget over these, e.g. 1,2,3,4")
     return ap
 
 
-def bench_args(args, out: Path):
-    """The bench's own arguments for these candidates: compiled ones as ``METHOD@c`` beside eager plain
-    decoding (every Spd against it, as the shipped records are)."""
+def parse_budgets(text: str | None) -> list[int]:
+    if not text:
+        return []
+    try:
+        budgets = sorted({int(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        budgets = []
+    if not budgets or not all(1 <= b <= 256 for b in budgets):
+        raise SpecBlockError(f"--budgets {text!r}: give node budgets from 1 to 256, e.g. --budgets 1,2,3,4")
+    return budgets
+
+
+def candidates(args) -> dict[str, tuple[str, int | None]]:
+    """The bench's row names, plain decoding's among them: each ``(method, budget)``, budget None at the
+    drafter's own setting.
+    Compiled rows are ``METHOD@c`` (``METHOD@cN`` at budget N), eager ones ``METHOD`` (``METHOD@bN``)."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
         raise SpecBlockError("--methods names no method; e.g. --methods ar,lookup,eagle3+lookup")
+    methods = list(dict.fromkeys(["ar"] + methods))  # plain decoding is always a candidate: it can win
+    budgets = parse_budgets(args.budgets)
+    out: dict[str, tuple[str, int | None]] = {}
+    for m in methods:
+        tree = m.removesuffix(LOOKUP) in TRAINED
+        for b in (budgets if budgets and tree else [None]):
+            tag = ("c" if args.compile else "") + (f"{'' if args.compile else 'b'}{b}" if b else "")
+            out[f"{m}@{tag}" if tag else m] = (m, b)
+    return out
+
+
+def bench_args(args, names: dict[str, tuple[str, int | None]], out: Path):
+    """The bench's own arguments for these candidates (``candidates``): compiled ones beside eager plain
+    decoding (every Spd against it, as the shipped records are)."""
     argv = ["--target", str(args.target or DEFAULT_TARGET_NAME), "--dtype", args.dtype, "--domains", args.domains,
             "--prompts", str(args.prompts), "--runs", str(args.runs), "--max-new-tokens", str(args.max_new_tokens),
             "--threads", str(args.threads), "--out", str(out)]
-    if args.compile:
-        argv += [a for m in methods for a in ("--set", f"{m}@c:compiled=true")]
-        methods = ["ar"] + [f"{m}@c" for m in methods]
-    b = bench.build_parser().parse_args(argv + ["--methods", ",".join(methods)])
+    for name, (m, budget) in names.items():
+        sets = ["compiled=true"] * args.compile
+        if budget is not None:
+            sets += [f"budget={budget}"] + ["lookup_on_top=true"] * m.endswith(LOOKUP)
+        argv += [a for kv in sets for a in ("--set", f"{name}:{kv}")]
+    rows = (["ar"] if args.compile else []) + list(names)
+    b = bench.build_parser().parse_args(argv + ["--methods", ",".join(rows)])
     b.method_options = check_bench_flags(b)
     return b
 
 
+def means_of(result: dict, names: dict[str, tuple[str, int | None]]) -> dict[str, float]:
+    """Mean Spd over the domains of each candidate row identical to plain decoding on every prompt."""
+    spd: dict[str, list[float]] = defaultdict(list)
+    inexact: set[str] = set()
+    for r in result["rows"]:
+        if r["method"] in names:
+            spd[r["method"]].append(r["speedup"])
+            if r.get("match_rate", 1.0) < 1.0:
+                inexact.add(r["method"])
+    means = {n: float(np.mean(v)) for n, v in spd.items() if n not in inexact}
+    if not means:
+        raise SpecBlockError("no candidate was identical to plain decoding on every prompt")
+    return means
+
+
 def record(f: Path, override: dict) -> dict:
-    """``override`` into the tuned record ``f``, replacing one for the same CPU, dtype and mode."""
+    """``override`` into the tuned record ``f`` (a best-method or a serving one), replacing one for the
+    same CPU, dtype and mode."""
     keys = ("cpu", "cpu_model", "dtype", "compiled")
-    kept = [o for o in (read_overrides(f) if f.is_file() else []) if any(o.get(k) != override[k] for k in keys)]
+    try:
+        old = json.loads(f.read_text())["overrides"] if f.is_file() else []
+        kept = [o for o in old if any(o.get(k) != override[k] for k in keys)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise SpecBlockError(f"{f} is not a valid tuned record; delete it and tune again") from None
     rec = {"overrides": kept + [override]}
+    f.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(f, json.dumps(rec, indent=1) + "\n")
     return rec
 
@@ -106,18 +163,25 @@ def main(argv: list[str]) -> int:
         raise SpecBlockError(f"--target {args.target}: tune records for a named model or a copy of one; "
                              "see `python -m specblock.runtime models`")
     mode = "compiled" if args.compile else "eager"
-    b = bench_args(args, f.parent / f"bench_{args.dtype}_{mode}")
+    names = candidates(args)
+    b = bench_args(args, names, f.parent / f"bench_{args.dtype}_{mode}")
     bench.check_outputs(b)
     result = bench.run_bench(b)  # resolves b.dtype ("auto" to what ran)
     b.out = f.parent / f"bench_{b.dtype}_{mode}"
     files = bench.write_outputs(result, b.out)
-    best, means = fastest(result, args.compile)
-    override = {"cpu": cpu_kind(), "cpu_model": cpu_model(), "dtype": b.dtype, "compiled": args.compile,
-                "method": best, "mean_speedup": round(means[best], 3),
-                "measured": f"{files[2]}: the highest mean Spd of " + ", ".join(
-                    f"{m}{'@c' if args.compile else ''} {v:.2f}x" for m, v in sorted(means.items(), key=lambda kv: -kv[1]))}
-    record(f, override)
+    means = means_of(result, names)
+    win = max(means, key=means.get)
+    best, budget = names[win]
+    here = {"cpu": cpu_kind(), "cpu_model": cpu_model(), "dtype": b.dtype, "compiled": args.compile}
+    measured = f"{files[2]}: the highest mean Spd of " + ", ".join(
+        f"{n} {v:.2f}x" for n, v in sorted(means.items(), key=lambda kv: -kv[1]))
     print(bench.markdown_table(result["rows"]), end="")
+    if budget is not None:  # first the winner's budget, then the record that points at it
+        drafter = best.removesuffix(LOOKUP)
+        g = f.parent / drafter / "serving.json"
+        record(g, {**here, "budget": budget, "measured": measured})
+        print(f"{drafter} now serves at node budget {budget} here; recorded in {g}")
+    record(f, {**here, "method": best, "mean_speedup": round(means[win], 3), "measured": measured})
     print(f"--method auto{' --compile' if args.compile else ''} --dtype {b.dtype} now runs {best} on this machine "
-          f"({cpu_model()}, {cpu_kind()}): mean Spd {means[best]:.2f}x; recorded in {f}")
+          f"({cpu_model()}, {cpu_kind()}): mean Spd {means[win]:.2f}x; recorded in {f}")
     return 0

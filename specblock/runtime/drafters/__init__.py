@@ -259,7 +259,24 @@ def serving_settings(name: str, target, options: dict) -> dict:
         explicit.pop("policy_kwargs", None)  # the CLI's empty default is no choice
     if name not in TRAINED:
         return explicit
-    return over_serving(read_serving(_path(explicit, name, target) / "serving.json", target), explicit)
+    saved = read_serving(_path(explicit, name, target) / "serving.json", target)
+    if not explicit.get("drafter"):  # the shipped drafter: a budget tuned on this machine over its own
+        saved = over_tuned(saved, name, target)
+    return over_serving(saved, explicit)
+
+
+def over_tuned(saved: dict, name: str, target) -> dict:
+    """``saved`` with the settings ``tune --budgets`` measured for drafter ``name`` on this machine
+    (``$SPECBLOCK_HOME/tuned/MODEL/NAME/serving.json``, its overrides for this CPU, dtype and mode).
+    A budget of its own drops the shipped ``warm_sizes``, which were measured on the shipped trees."""
+    from specblock.models.registry import tuned_record
+
+    model = getattr(getattr(target, "model", None), "name_or_path", None)
+    f = tuned_record(Path(model)) if model else None
+    tuned = read_serving(f.parent / name / "serving.json", target) if f is not None else {}
+    if tuned.get("budget", saved.get("budget")) != saved.get("budget"):
+        saved = {k: v for k, v in saved.items() if k != "warm_sizes"}
+    return {**saved, **tuned}
 
 
 def over_serving(saved: dict, explicit: dict) -> dict:
