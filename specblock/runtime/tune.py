@@ -43,21 +43,14 @@ def fastest(result: dict, compiled: bool = False) -> tuple[str, dict[str, float]
     """The method with the highest mean Spd over a bench's domains, among those the CLI runs by name
     (``METHOD+lookup`` too: ``--method auto`` runs it with ``--lookup-branch``; no ``@`` variants, no
     HF peers) and identical to plain decoding on every prompt; ``compiled``: among the ``METHOD@c``
-    rows, named without it. Also each candidate's mean."""
-    spd: dict[str, list[float]] = defaultdict(list)
-    inexact: set[str] = set()
+    rows, named without it. Also each candidate's mean. (``best_method.py``'s rule for a main table.)"""
+    names: dict[str, tuple[str, int | None]] = {}
     for r in result["rows"]:
         name = r["method"]
-        if compiled:  # only the compiled rows count, by their method's name
-            name = name.removesuffix("@c") if name.endswith("@c") else None
-        if name is not None and name.removesuffix(LOOKUP) in METHODS:
-            spd[name].append(r["speedup"])
-            if r.get("match_rate", 1.0) < 1.0:
-                inexact.add(name)
-    means = {m: float(np.mean(v)) for m, v in spd.items() if m not in inexact}
-    if not means:
-        raise SpecBlockError("no runnable method identical to plain decoding in this bench"
-                             + (" with an @c (compiled) row" if compiled else ""))
+        method = (name.removesuffix("@c") if name.endswith("@c") else None) if compiled else name
+        if method is not None and method.removesuffix(LOOKUP) in METHODS:
+            names[name] = (method, None)
+    means = {names[n][0]: v for n, v in means_of(result, names).items()}
     return max(means, key=means.get), means
 
 
