@@ -178,10 +178,11 @@ def read_overrides(f: Path) -> list[dict]:
         rec = json.loads(f.read_text())
         overrides = rec.get("overrides", [])
     except (OSError, ValueError, AttributeError):
-        raise SpecBlockError(f"{f} is not a valid best-method record; rerun experiments/best_method.py or delete it") from None
+        raise SpecBlockError(f"{f} is not a valid best-method record; delete it and run `tune` again "
+                             "(or experiments/best_method.py, for a shipped one)") from None
     if not (isinstance(overrides, list) and all(isinstance(o, dict) and "method" in o for o in overrides)):
-        raise SpecBlockError(f'{f}: "overrides" must be a list of objects, each with a "method"; '
-                             "rerun experiments/best_method.py --cpu (or tune) or fix it")
+        raise SpecBlockError(f'{f}: "overrides" must be a list of objects, each with a "method"; delete it and run '
+                             "`tune` again (or experiments/best_method.py --cpu, for a shipped one)")
     return overrides
 
 
