@@ -186,10 +186,10 @@ def read_overrides(f: Path) -> list[dict]:
     return overrides
 
 
-def measured_here(target: str | Path | None, dtype: str | None, compiled: bool = False) -> tuple[str, Path] | None:
-    """The method measured fastest on this kind of CPU for ``dtype`` and mode, and the file that
-    says so: this machine's own record (``tune``) first, then the shipped ``best.json``'s overrides
-    (``best_method.py --cpu``), the last that holds in each. None where neither measured here."""
+def measured_here(target: str | Path | None, dtype: str | None, compiled: bool = False) -> str | None:
+    """The method measured fastest on this kind of CPU for ``dtype`` and mode: this machine's own
+    record (``tune``) first, then the shipped ``best.json``'s overrides (``best_method.py --cpu``),
+    the last that holds in each. None where neither measured here."""
     spec = _record_spec(target)
     if spec is None:
         return None
@@ -197,7 +197,7 @@ def measured_here(target: str | Path | None, dtype: str | None, compiled: bool =
         if f is not None and f.is_file():
             for o in reversed(read_overrides(f)):
                 if holds_here(o, f, dtype=dtype, compiled=compiled):
-                    return str(o["method"]), f
+                    return str(o["method"])
     return None
 
 
@@ -212,9 +212,12 @@ def best_method(target: str | Path | None, dtype: str | None = None, compiled: b
     and/or its ``"compiled"`` entry. Before all of these, a method measured on this kind of CPU
     (``measured_here``: ``tune``'s record, ``best.json``'s ``"overrides"``): where the tree rows cost
     more, plain decoding can win. Reads no model."""
-    here = measured_here(target, dtype, compiled)
-    if here is not None:
-        return here[0]
+    return measured_here(target, dtype, compiled) or recorded_method(target, dtype, compiled)
+
+
+def recorded_method(target: str | Path | None, dtype: str | None = None, compiled: bool = False) -> str:
+    """``best_method`` without a record for this kind of CPU: the shipped main table's fastest for
+    ``dtype`` and mode, else prompt lookup."""
     spec = _record_spec(target)
     f = spec.drafters / "best.json" if spec is not None else None
     if f is None or not f.is_file():

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from specblock.errors import SpecBlockError
 from specblock.flags import bad_text
 from specblock.models import DEFAULT_TARGET_NAME, MODELS, resolve_target
-from specblock.models.registry import best_method, measured_here
+from specblock.models.registry import measured_here, recorded_method
 from specblock.runtime.chat import parse_messages
 
 #: The lab model and its drafters (the fast fixture); the default target is a name in
@@ -112,8 +112,8 @@ class RunConfig(BaseModel):
             from specblock.runtime.target import resolve_dtype
 
             dtype = resolve_dtype(self.dtype, self.device, self.target if self.target is not None else DEFAULT_TARGET_NAME)
-            here = measured_here(self.target, dtype, self.compile)  # on this kind of CPU, q4 included
-            method = here[0] if here else "ar" if dtype == Q4 else best_method(self.target, dtype, compiled=self.compile)
+            method = (measured_here(self.target, dtype, self.compile)  # on this kind of CPU, q4 included
+                      or ("ar" if dtype == Q4 else recorded_method(self.target, dtype, self.compile)))
             self.method = method.removesuffix(SUFFIX)
             if self.method != method and self.lookup_branch is None:
                 self.lookup_branch = DEFAULT_NODES

@@ -125,20 +125,28 @@ SPECBLOCK_AMX void amx_tiles(const uint32_t* xb, int64_t m, int64_t K, const uin
   _tile_release();
 }
 
-// Checks x [M, K] fp32 against several AMX weights that read it; their tiles numbered side by side
-// (``starts``: each weight's first, as parallel_parts takes them). Returns how many in all.
-int64_t tile_starts(const at::Tensor& x, const std::vector<Weights>& ws, std::vector<int64_t>& starts) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "specblock_q4::linear_amx: x must be 2-D float32");
-  int64_t tiles = 0;
-  for (const auto& w : ws) {
-    TORCH_CHECK(w.qb.dim() == 4 && w.qb.size(2) == 16 && w.dm.dim() == 4, "specblock_q4::linear_amx: not AMX weights");
-    TORCH_CHECK(x.size(1) == w.qb.size(1) * 32, "specblock_q4::linear_amx: x has ", x.size(1), " inputs, the weights ",
-                w.qb.size(1) * 32);
-    starts.push_back(tiles);
-    tiles += w.qb.size(0);
+// One call of x [M, K] fp32 times several AMX weights that read it, checked, as both kernels start it:
+// the weights' tiles numbered side by side (``starts``: each weight's first, as parallel_parts takes
+// them; ``tiles`` in all), x contiguous, and y [M, N = 16 x tiles] for their outputs side by side.
+struct TileCall {
+  std::vector<int64_t> starts;
+  int64_t tiles = 0, M, K, N;
+  at::Tensor xc, y;
+
+  TileCall(const at::Tensor& x, const std::vector<Weights>& ws) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "specblock_q4::linear_amx: x must be 2-D float32");
+    for (const auto& w : ws) {
+      TORCH_CHECK(w.qb.dim() == 4 && w.qb.size(2) == 16 && w.dm.dim() == 4, "specblock_q4::linear_amx: not AMX weights");
+      TORCH_CHECK(x.size(1) == w.qb.size(1) * 32, "specblock_q4::linear_amx: x has ", x.size(1), " inputs, the weights ",
+                  w.qb.size(1) * 32);
+      starts.push_back(tiles);
+      tiles += w.qb.size(0);
+    }
+    M = x.size(0), K = x.size(1), N = tiles * 16;
+    xc = x.contiguous();
+    y = at::empty({M, N}, x.options());
   }
-  return tiles;
-}
+};
 
 at::Tensor run_bf16dot(const at::Tensor& x, const std::vector<Weights>& ws);
 
@@ -146,19 +154,17 @@ at::Tensor run_bf16dot(const at::Tensor& x, const std::vector<Weights>& ws);
 // tiles where the CPU has them, on AVX512-BF16 dot products elsewhere (run_bf16dot, below).
 at::Tensor run_amx(const at::Tensor& x, const std::vector<Weights>& ws) {
   if (!amx_ok()) return run_bf16dot(x, ws);
-  std::vector<int64_t> starts;
-  const int64_t tiles = tile_starts(x, ws, starts);
-  const int64_t M = x.size(0), K = x.size(1);
-  const int64_t N = tiles * 16;
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({M, N}, x.options());
+  const TileCall call(x, ws);
+  const int64_t M = call.M, K = call.K, N = call.N;
+  const at::Tensor& xc = call.xc;
+  const at::Tensor& y = call.y;
   // amx_inputs writes every entry a pass reads: no zeroing
   const std::unique_ptr<uint32_t[]> xb(new uint32_t[static_cast<size_t>(K / 32) * 16 * AMX_ROWS]);
   for (int64_t r0 = 0; r0 < M; r0 += AMX_ROWS) {
     const int64_t m = std::min<int64_t>(AMX_ROWS, M - r0);
     amx_inputs(xc.data_ptr<float>() + r0 * K, K, m, xb.get());
     float* yp = y.data_ptr<float>() + r0 * N;
-    parallel_parts(ws, starts, tiles, [&](const Weights& w, int64_t lo, int64_t hi, int64_t first) {
+    parallel_parts(ws, call.starts, call.tiles, [&](const Weights& w, int64_t lo, int64_t hi, int64_t first) {
       (w.q8() ? amx_tiles<AmxQ8_0> : amx_tiles<AmxQ4_1>)(xb.get(), m, K, w.bytes(), w.dm.data_ptr<float>(), lo, hi,
                                                           yp + first * 16, N);
     });
@@ -308,19 +314,17 @@ SPECBLOCK_BF16DOT void dot_tiles(const uint16_t* xb, int64_t M, int64_t K, const
 // x [M, K] fp32 times several layout_amx weights that read it, without tiles (run_amx's contract).
 at::Tensor run_bf16dot(const at::Tensor& x, const std::vector<Weights>& ws) {
   TORCH_CHECK(bf16dot_ok(), "specblock_q4::linear_amx needs AMX-BF16 or AVX512-BF16");
-  std::vector<int64_t> starts;
-  const int64_t tiles = tile_starts(x, ws, starts);
-  const int64_t M = x.size(0), K = x.size(1);
-  const int64_t N = tiles * 16;
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({M, N}, x.options());
+  const TileCall call(x, ws);
+  const int64_t M = call.M, K = call.K, N = call.N;
+  const at::Tensor& xc = call.xc;
+  const at::Tensor& y = call.y;
   if (M == 0) return y;
   // the call's rows in bf16, then a row of zeros for a padded pass (inline_level) to read
   const std::unique_ptr<uint16_t[]> xb(new uint16_t[static_cast<size_t>((M + 1) * K)]);
   bf16_rows(xc.data_ptr<float>(), M * K / 32, xb.get());
   std::fill(xb.get() + M * K, xb.get() + (M + 1) * K, uint16_t{0});
   float* yp = y.data_ptr<float>();
-  parallel_parts(ws, starts, tiles, [&](const Weights& w, int64_t lo, int64_t hi, int64_t first) {
+  parallel_parts(ws, call.starts, call.tiles, [&](const Weights& w, int64_t lo, int64_t hi, int64_t first) {
     (w.q8() ? dot_tiles<AmxQ8_0> : dot_tiles<AmxQ4_1>)(xb.get(), M, K, w.bytes(), w.dm.data_ptr<float>(), lo, hi,
                                                         yp + first * 16, N);
   });
