@@ -67,6 +67,18 @@ def test_rows_are_independent_and_keyed_calls_fused_or_not_give_the_same_bits(ro
         q4_kernel.linear_key_cat(x, [keys[0], plain], 64)
 
 
+def test_every_pass_size_gives_a_row_the_bits_it_has_alone():
+    """Each count of rows up to a pass's 8 takes its own pass shape (rows x features at once, up to 28
+    accumulators, two reductions where more than 16), and more go in passes of 8 over a decoded tile:
+    every one of them must give a row the bits it gets alone. Hypothesis above may skip some sizes."""
+    g = torch.Generator().manual_seed(1)
+    w = amx(q4_kernel.layout(*quantize_q4_1(torch.randn(64, 160, generator=g) * 0.05)))
+    x = torch.randn(19, 160, generator=g)
+    alone = torch.cat([q4_kernel.linear_amx(x[i:i + 1], *w) for i in range(len(x))])
+    for rows in (*range(1, 11), 13, 16, 17, 19):
+        assert torch.equal(q4_kernel.linear_amx(x[:rows], *w), alone[:rows]), rows
+
+
 def test_every_method_matches_its_greedy_eager_and_compiled(tmp_path):
     from specblock.compiled.target import StaticTarget
 

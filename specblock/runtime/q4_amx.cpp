@@ -223,13 +223,13 @@ SPECBLOCK_BF16DOT inline void prefetch_group(const uint8_t* q, const float* s) {
   for (int o = 0; o < 16 * F::SB * 4; o += 64) _mm_prefetch(reinterpret_cast<const char*>(s) + o, _MM_HINT_T0);
 }
 
-// Rows [0, R) of xb against features [j0, j0 + NJ) of one tile (qp, dp: its first group); the outputs
-// of rows [0, live) are stored (a pass padded with a row of zeros stores the real ones).
+// Rows [0, R) of xb against features [j0, j0 + NJ) of one tile (qp, dp: its first group). R x NJ
+// accumulators (at most 16, as the registers hold beside the decoded weights); sum16 reads 16, so
+// the rest stay zero and their sums are not stored.
 template <class F, int R, int NJ>
-SPECBLOCK_BF16DOT void dot_rows(const uint16_t* xb, int64_t K, const uint8_t* qp, const float* dp, int j0, float* y, int64_t N,
-                                int live) {
+SPECBLOCK_BF16DOT void dot_rows(const uint16_t* xb, int64_t K, const uint8_t* qp, const float* dp, int j0, float* y, int64_t N) {
   const int64_t G = K / 32;
-  static_assert(R * NJ == 16, "sum16 takes 16 accumulators");
+  static_assert(R * NJ <= 28 && 16 % NJ == 0, "accumulators beside NJ weights and a row in 32 registers; passes tile 16 features");
   __m512 acc[R][NJ];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -245,25 +245,25 @@ SPECBLOCK_BF16DOT void dot_rows(const uint16_t* xb, int64_t K, const uint8_t* qp
       for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)w[j], xr);
     }
   }
-  // R x NJ = 16 accumulators, row-major: lane r * NJ + j of the sums is row r's feature j0 + j
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, sum16(&acc[0][0]));
-  for (int r = 0; r < live; ++r)
-    for (int j = 0; j < NJ; ++j) y[r * N + j0 + j] = sums[r * NJ + j];
+  // row-major: lane r * NJ + j of the sums is row r's feature j0 + j
+  // row-major, 16 at a time: lane i of chunk c's sums is accumulator 16c + i (row / NJ, feature j0 + % NJ)
+  for (int c = 0; c < R * NJ; c += 16) {
+    __m512 all[16];
+    for (int i = 0; i < 16; ++i) all[i] = c + i < R * NJ ? acc[(c + i) / NJ][(c + i) % NJ] : _mm512_setzero_ps();
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, sum16(all));
+    for (int i = 0; i < 16 && c + i < R * NJ; ++i) y[((c + i) / NJ) * N + j0 + (c + i) % NJ] = sums[i];
+  }
 }
 
-// Up to this many rows each pass decodes its own features (up to 8 rows, passes of one size whose
-// features do not overlap, so each weight is decoded once all the same); more rows need passes of
-// several sizes, which read a tile decoded once into a buffer (experiments/bf16_rows.py).
+// Up to this many rows one pass takes them all, decoding each weight once as it goes; more rows go in
+// passes of 8 over a tile decoded once into a buffer (experiments/bf16_rows.py). Until stop 71, 5 and 6
+// rows ran as passes of 4 + 1 and 4 + 2, each decoding the weights, and 3 and 7 as padded passes of 4
+// and 8: 5 to 7 rows now keep 4 features a pass (20-28 accumulators, a few spilled at 7), 10-16% less
+// time for the forward's linears than before, 3 rows 9% (bf16_rows_zen5_passes_s71, same bits). Two features a
+// pass (16 accumulators at most) was no faster for 5 or 6 rows: its eight reductions per tile cost as
+// much as the decode saved; 8 rows keep them (4 features measured the same).
 constexpr int64_t DOT_INLINE_ROWS = 8;
-
-
-// The pass (log2 of its rows) for the next `left` rows, up to DOT_INLINE_ROWS, where every pass decodes
-// the weights again: 3 rows as one pass of 4 and 7 as one of 8, each with a row of zeros, since a second
-// pass's decode costs more than a padded row (3 rows 5.07 ms against 4 rows' 4.12, 7 rows 7.37 against
-// 8 rows' 6.62, the forward's linears, bf16_rows_zen5_s70); 5 and 6 as 4 + 1 and 4 + 2 (5.61 and 5.90
-// against one 8-row pass's 6.62). A row's outputs are the same bits in any pass.
-inline int inline_level(int64_t left) { return left >= 7 ? 3 : left >= 3 ? 2 : left >= 2 ? 1 : 0; }
 
 // A tile's weights already decoded (dot_tiles' buffer): a feature's group is 64 bytes of bf16.
 struct DotDecoded {
@@ -271,11 +271,18 @@ struct DotDecoded {
   SPECBLOCK_BF16DOT static inline __m512i decode(const uint8_t* q, const float*) { return _mm512_loadu_si512(q); }
 };
 
-// A call's rows in passes of 8, 4, 2 and 1 (R x NJ = 16 accumulators each, as the registers hold).
+// The pass for R = 1..8 rows (index R - 1): as many features at once as 16 accumulators allow.
 template <class F>
 struct DotPasses {
-  using Fn = void (*)(const uint16_t*, int64_t, const uint8_t*, const float*, int, float*, int64_t, int);
-  static constexpr Fn P[4] = {dot_rows<F, 1, 16>, dot_rows<F, 2, 8>, dot_rows<F, 4, 4>, dot_rows<F, 8, 2>};
+  using Fn = void (*)(const uint16_t*, int64_t, const uint8_t*, const float*, int, float*, int64_t);
+  static constexpr Fn P[8] = {dot_rows<F, 1, 16>, dot_rows<F, 2, 8>, dot_rows<F, 3, 4>, dot_rows<F, 4, 4>,
+                              dot_rows<F, 5, 4>,  dot_rows<F, 6, 4>, dot_rows<F, 7, 4>, dot_rows<F, 8, 2>};
+  static constexpr int NJ[8] = {16, 8, 4, 4, 4, 4, 4, 2};
+  // rows in [r, r + n) of a call, each pass's features in turn
+  SPECBLOCK_BF16DOT static void run(const uint16_t* xb, int64_t K, const uint8_t* q, const float* s, float* y, int64_t N,
+                                    int64_t n) {
+    for (int j0 = 0; j0 < 16; j0 += NJ[n - 1]) P[n - 1](xb, K, q, s, j0, y, N);
+  }
 };
 
 template <class F>
@@ -288,12 +295,8 @@ SPECBLOCK_BF16DOT void dot_tiles(const uint16_t* xb, int64_t M, int64_t K, const
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* q = qp + t * tile_q;
     const float* s = dp + t * tile_s;
-    if (M <= DOT_INLINE_ROWS) {  // each pass decodes as it goes
-      for (int64_t r = 0; r < M;) {
-        const int level = inline_level(M - r), rows = 1 << level, live = static_cast<int>(std::min<int64_t>(rows, M - r));
-        for (int j0 = 0; j0 < 16; j0 += 16 / rows) DotPasses<F>::P[level](xb + r * K, K, q, s, j0, y + r * N + t * 16, N, live);
-        r += rows;
-      }
+    if (M <= DOT_INLINE_ROWS) {  // one pass, decoding as it goes
+      DotPasses<F>::run(xb, K, q, s, y + t * 16, N, M);
       continue;
     }
     // more rows: the tile decoded once, in one sweep of its bytes, for every pass to read
@@ -302,11 +305,9 @@ SPECBLOCK_BF16DOT void dot_tiles(const uint16_t* xb, int64_t M, int64_t K, const
       for (int64_t i = g * 16; i < g * 16 + 16; ++i) _mm512_storeu_si512(buf + i * 32, F::decode(q + i * F::QB, s + i * F::SB));
     }
     const auto* d = reinterpret_cast<const uint8_t*>(buf);
-    for (int64_t r = 0; r < M;) {
-      const int level = M - r >= 8 ? 3 : M - r >= 4 ? 2 : M - r >= 2 ? 1 : 0, rows = 1 << level;
-      for (int j0 = 0; j0 < 16; j0 += 16 / rows)
-        DotPasses<DotDecoded>::P[level](xb + r * K, K, d, nullptr, j0, y + r * N + t * 16, N, rows);
-      r += rows;
+    for (int64_t r = 0; r < M; r += DOT_INLINE_ROWS) {
+      const int64_t n = std::min<int64_t>(DOT_INLINE_ROWS, M - r);
+      DotPasses<DotDecoded>::run(xb + r * K, K, d, nullptr, y + r * N + t * 16, N, n);
     }
   }
 }
@@ -319,10 +320,8 @@ at::Tensor run_bf16dot(const at::Tensor& x, const std::vector<Weights>& ws) {
   const at::Tensor& xc = call.xc;
   const at::Tensor& y = call.y;
   if (M == 0) return y;
-  // the call's rows in bf16, then a row of zeros for a padded pass (inline_level) to read
-  const std::unique_ptr<uint16_t[]> xb(new uint16_t[static_cast<size_t>((M + 1) * K)]);
+  const std::unique_ptr<uint16_t[]> xb(new uint16_t[static_cast<size_t>(M * K)]);  // the call's rows in bf16
   bf16_rows(xc.data_ptr<float>(), M * K / 32, xb.get());
-  std::fill(xb.get() + M * K, xb.get() + (M + 1) * K, uint16_t{0});
   float* yp = y.data_ptr<float>();
   parallel_parts(ws, call.starts, call.tiles, [&](const Weights& w, int64_t lo, int64_t hi, int64_t first) {
     (w.q8() ? dot_tiles<AmxQ8_0> : dot_tiles<AmxQ4_1>)(xb.get(), M, K, w.bytes(), w.dm.data_ptr<float>(), lo, hi,
