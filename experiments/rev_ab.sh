@@ -4,6 +4,8 @@
 # sources, its own kernel build), "now" from this checkout; each run's Spd is against plain decoding in that run.
 # Writes experiments/results/${NAME}_{base,now}_{1..REPS}.* and prints each method's mean Spd per run.
 #   BASE=fa62903 NAME=rev_ab_pad_s70 REPS=2 bash experiments/rev_ab.sh --methods ar,specblock --prompts 2 ...
+# SUB=calibrate runs the simulator's calibration instead of the bench (the target's forward at each tree size)
+# and prints T(n) per run at the first context length.
 set -euo pipefail
 : "${BASE:?set BASE to the git revision to compare against}" "${NAME:?set NAME for the result files}"
 ROOT=$(pwd)
@@ -16,13 +18,20 @@ trap 'git worktree remove --force "$WT"' EXIT
 for i in $(seq 1 "${REPS:-2}"); do
   for side in base now; do
     dir=$ROOT; [ "$side" = base ] && dir=$WT
-    (cd "$dir" && "$PY" -m specblock.runtime bench "$@" --out "$ROOT/experiments/results/${NAME}_${side}_$i") > /dev/null
+    out=$ROOT/experiments/results/${NAME}_${side}_$i; [ "${SUB:-bench}" = calibrate ] && out=$out.json
+    (cd "$dir" && "$PY" -m specblock.runtime "${SUB:-bench}" "$@" --out "$out") > /dev/null
   done
 done
 "$PY" - "$ROOT/experiments/results/$NAME" "${REPS:-2}" <<'PY'
 import json, statistics, sys
 stem, reps = sys.argv[1], int(sys.argv[2])
 runs = {f"{side}_{i}": json.load(open(f"{stem}_{side}_{i}.json")) for i in range(1, reps + 1) for side in ("base", "now")}
+if "target" in next(iter(runs.values())):  # calibrate: T(n) at the first context length, ms
+    ns = next(iter(runs.values()))["target"]["n"]
+    print("| n | " + " | ".join(runs) + " |\n" + "|---" * (len(runs) + 1) + "|")
+    for j, n in enumerate(ns):
+        print(f"| {n} | " + " | ".join(f"{res['target']['ms'][0][j]:.2f}" for res in runs.values()) + " |")
+    sys.exit()
 methods = list(dict.fromkeys(r["method"] for r in next(iter(runs.values()))["rows"]))
 print("| method | " + " | ".join(runs) + " |\n|---" * 1 + "|---" * len(runs) + "|")
 for m in methods:

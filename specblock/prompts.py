@@ -71,10 +71,24 @@ _LOADERS = {
 }
 
 
-def load_prompts(domain: str, n: int | None = None) -> list[Prompt]:
-    """The first ``n`` prompts (all if ``None``) of ``domain``, in the data set's order."""
+#: ``split="tune"``: the last this many prompts of each set, for choosing settings (``runtime tune``)
+#: on prompts the bench's tables do not report. The bench reads a set's first N (10 at most in the
+#: committed tables), so the two stay apart up to N = 47 (chat's 55 - 8).
+TUNE_PROMPTS = 8
+SPLITS: tuple[str, ...] = ("eval", "tune")
+
+
+def load_prompts(domain: str, n: int | None = None, split: str = "eval") -> list[Prompt]:
+    """The first ``n`` prompts (all if ``None``) of ``domain``, in the data set's order; ``split="tune"``:
+    the first ``n`` of its last ``TUNE_PROMPTS``."""
     if domain not in _LOADERS:
         raise ValueError(f"unknown prompt domain {domain!r}; expected one of {DOMAINS}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown prompt split {split!r}; expected one of {SPLITS}")
     prompts = _LOADERS[domain]()
+    if split == "tune":
+        if n is not None and n > TUNE_PROMPTS:
+            raise ValueError(f"the tune split holds {TUNE_PROMPTS} prompts per domain, not {n}; ask for at most {TUNE_PROMPTS}")
+        prompts = prompts[-TUNE_PROMPTS:]
     return prompts if n is None else prompts[:n]
 

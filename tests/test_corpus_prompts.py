@@ -78,6 +78,19 @@ def test_each_prompt_domain_loads(domain: str) -> None:
     assert prompts.load_prompts(domain, n=3) == ps[:3]
 
 
+@pytest.mark.parametrize("domain", prompts.DOMAINS)
+def test_the_tune_split_is_each_sets_last_prompts_apart_from_the_benchs(domain: str) -> None:
+    every = prompts.load_prompts(domain)
+    tune = prompts.load_prompts(domain, split="tune")
+    assert tune == every[-prompts.TUNE_PROMPTS:] and len(tune) == prompts.TUNE_PROMPTS
+    assert prompts.load_prompts(domain, 3, "tune") == tune[:3]
+    assert not {p.id for p in tune} & {p.id for p in prompts.load_prompts(domain, 47)}  # the bench's first N
+    with pytest.raises(ValueError, match="at most 8"):
+        prompts.load_prompts(domain, prompts.TUNE_PROMPTS + 1, "tune")
+    with pytest.raises(ValueError, match="unknown prompt split"):
+        prompts.load_prompts(domain, 1, "train")
+
+
 def test_chat_template_shared_by_corpus_and_prompts() -> None:
     for domain in ("chat", "qa", "mtbench"):
         p = prompts.load_prompts(domain, n=1)[0]

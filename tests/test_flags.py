@@ -64,6 +64,8 @@ BENCH = ["--prompts", "1", "--max-new-tokens", "2", "--runs", "1"]
     (["--runs", "0"], "--runs"),
     (["--runs", "abc"], "--runs"),
     (["--prompts", "0"], "--prompts"),
+    (["--split", "tune", "--prompts", "9"], "--split tune holds 8 prompts per domain"),
+    (["--split", "train"], "--split"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--methods", "lookup", "--set", "lookup:ngram=0"], "--set lookup:ngram"),
     (["--methods", "lookup", "--set", "lookup:budget=-1"], "--set lookup:budget"),

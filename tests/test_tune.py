@@ -29,6 +29,7 @@ def test_tune_records_the_fastest_exact_candidate_for_this_machine(home, capsys)
     f = registry.tuned_record("lab")
     assert f == home / "tuned" / "lab" / "best.json"
     bench = json.loads((f.parent / "bench_float32_eager.json").read_text())
+    assert bench["config"]["split"] == "tune"  # not the prompts the bench's tables report
     best, means = fastest(bench)
     assert set(means) == {"ar", "lookup", "random"}  # plain decoding is a candidate too
     (o,) = json.loads(f.read_text())["overrides"]
@@ -75,7 +76,8 @@ def test_tune_refuses_bad_input_in_one_line(home, tmp_path, capsys):
     for argv, why in [(["--target", str(tmp_path / "nowhere")], "--target"),
                       (["--target", "lab", "--runs", "0"], "at least 1"),
                       (["--target", "lab", "--methods", ","], "names no method"),
-                      (["--target", "lab", "--methods", "nosuch"], "nosuch")]:
+                      (["--target", "lab", "--methods", "nosuch"], "nosuch"),
+                      (["--target", "lab", "--prompts", "9"], "--prompts 8 or fewer")]:
         code, _, err = run_cli(capsys, "tune", *argv)
         assert code == 2 and why in err.strip().splitlines()[-1] and "Traceback" not in err, (argv, err)
     assert not (home / "tuned").exists() or not any((home / "tuned").rglob("best.json"))  # nothing half-written

@@ -39,6 +39,7 @@ from specblock.cpu import cpu_kind
 from specblock.errors import SpecBlockError
 from specblock.flags import OneLineParser
 from specblock.models.registry import DEFAULT_TARGET_NAME
+from specblock.prompts import SPLITS, TUNE_PROMPTS
 from specblock.runtime import chat, drafters, peers
 from specblock.runtime.bench_config import check_bench_flags, method_options
 from specblock.runtime.config import RunConfig, validate
@@ -55,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--methods", default="ar,lookup,specblock", help="comma-separated; NAME@VARIANT for a second setting; specblock+adapt: serving-time adaptation (restarts from the pretrained drafter every run; specblock+adapt+lookup with the branch); hf-greedy, hf-assisted, hf-lookup: HF generate peers")
     ap.add_argument("--domains", default="code,math,chat,qa,mtbench")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per domain (the first N of each set)")
+    ap.add_argument("--split", default="eval", choices=SPLITS,
+                    help="eval: each set's first N; tune: the first N of its last 8, which `tune` chooses settings on")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
@@ -215,7 +218,7 @@ def run_bench(args, traces: AtomicFiles | None = None) -> dict:
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
     # A chat model gets each prompt as one user turn through its template (code framed by
     # data.code_instruction); the lab model its plain-text format. Same ids for every method.
-    prompts = {d: [chat.encode_prompt(tok, p) for p in load_prompts(d, args.prompts)] for d in domains}
+    prompts = {d: [chat.encode_prompt(tok, p) for p in load_prompts(d, args.prompts, args.split)] for d in domains}
     for d, ps in prompts.items():
         for ids in ps:
             if len(ids) + args.max_new_tokens > target.max_context:
@@ -386,6 +389,8 @@ def main(argv: list[str]) -> int:
     args.method_options = check_bench_flags(args)  # one line naming the flag, before anything loads
     if args.runs < 1 or args.prompts < 1 or args.max_new_tokens < 1:
         raise SpecBlockError("--runs, --prompts and --max-new-tokens must be at least 1")
+    if args.split == "tune" and args.prompts > TUNE_PROMPTS:
+        raise SpecBlockError(f"--split tune holds {TUNE_PROMPTS} prompts per domain; pass --prompts {TUNE_PROMPTS} or fewer")
     check_outputs(args)
     with AtomicFiles(args.trace_dir) as traces:
         result = run_bench(args, traces)

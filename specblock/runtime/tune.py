@@ -4,10 +4,12 @@ The shipped records (``best.json`` beside a model's drafters) were measured on a
 overrides per kind of CPU where one was measured (``specblock.cpu.CPU_KINDS``). On another CPU the
 winner can differ: on a Zen 5 the Xeon's compiled choice ran at 0.94x compiled plain decoding. So
 ``tune`` runs the candidates as ``bench`` does (interleaved runs, medians, Spd against plain decoding
-in the same run, the bench's prompts), drops any whose output differs from plain decoding on a
-prompt, and writes the fastest to ``$SPECBLOCK_HOME/tuned/MODEL/best.json`` for this CPU (its kind
+in the same run), drops any whose output differs from plain decoding on a prompt, and writes the fastest to ``$SPECBLOCK_HOME/tuned/MODEL/best.json`` for this CPU (its kind
 and model name), dtype and mode. ``--method auto`` reads it before the shipped record. Its bench
 files lie beside it. Each candidate keeps its drafter's measured serving settings (``serving.json``).
+It measures on the prompt sets' tune split (each set's last 8, ``prompts.TUNE_PROMPTS``), not on the
+prompts the bench's tables report, so a choice it makes is not fitted to the figures it is judged by;
+``--split eval`` measures on the bench's own, as the shipped records were chosen (from main tables).
 
 ``--budgets 1,2,3`` also tries each tree drafter at those node budgets (the lookup branch on top, as
 with a measured budget): the winner's budget goes to ``$SPECBLOCK_HOME/tuned/MODEL/DRAFTER/serving.json``
@@ -28,6 +30,7 @@ from specblock.cpu import cpu_kind, cpu_model
 from specblock.errors import SpecBlockError
 from specblock.flags import OneLineParser
 from specblock.models.registry import DEFAULT_TARGET_NAME, tuned_record
+from specblock.prompts import SPLITS, TUNE_PROMPTS
 from specblock.runtime import bench
 from specblock.runtime.bench_config import check_bench_flags
 from specblock.runtime.config import validate
@@ -60,7 +63,11 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--methods", default=CANDIDATES, help=f"comma-separated candidates (default: {CANDIDATES})")
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     ap.add_argument("--compile", action="store_true", help="tune --method auto --compile: each candidate on the compiled target")
-    ap.add_argument("--prompts", type=int, default=2, help="prompts per domain (the bench's first N)")
+    ap.add_argument("--prompts", type=int, default=2, help=f"prompts per domain (the split's first N, at most {TUNE_PROMPTS} "
+                    "for tune's)")
+    ap.add_argument("--split", default="tune", choices=SPLITS,
+                    help="tune (default): each set's last 8 prompts, which the bench's tables do not report; "
+                    "eval: the bench's own first N, as the shipped records were chosen")
     ap.add_argument("--runs", type=int, default=3, help="interleaved runs (medians)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--domains", default="code,math,chat,qa,mtbench")
@@ -103,7 +110,7 @@ def bench_args(args, names: dict[str, tuple[str, int | None]], out: Path):
     """The bench's own arguments for these candidates (``candidates``): compiled ones beside eager plain
     decoding (every Spd against it, as the shipped records are)."""
     argv = ["--target", str(args.target or DEFAULT_TARGET_NAME), "--dtype", args.dtype, "--domains", args.domains,
-            "--prompts", str(args.prompts), "--runs", str(args.runs), "--max-new-tokens", str(args.max_new_tokens),
+            "--prompts", str(args.prompts), "--split", args.split, "--runs", str(args.runs), "--max-new-tokens", str(args.max_new_tokens),
             "--threads", str(args.threads), "--out", str(out)]
     for name, (m, budget) in names.items():
         sets = ["compiled=true"] * args.compile
@@ -150,6 +157,9 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.runs < 1 or args.prompts < 1 or args.max_new_tokens < 1:
         raise SpecBlockError("--runs, --prompts and --max-new-tokens must be at least 1")
+    if args.split == "tune" and args.prompts > TUNE_PROMPTS:
+        raise SpecBlockError(f"the tune split holds {TUNE_PROMPTS} prompts per domain; pass --prompts {TUNE_PROMPTS} "
+                             "or fewer (or --split eval)")
     validate({"target": args.target, "dtype": args.dtype}).target_dir  # an unknown path: its one line first
     f = tuned_record(args.target)
     if f is None:
@@ -166,7 +176,7 @@ def main(argv: list[str]) -> int:
     win = max(means, key=means.get)
     best, budget = names[win]
     here = {"cpu": cpu_kind(), "cpu_model": cpu_model(), "dtype": b.dtype, "compiled": args.compile}
-    measured = f"{files[2]}: the highest mean Spd of " + ", ".join(
+    measured = f"{files[2]} ({args.split} prompts): the highest mean Spd of " + ", ".join(
         f"{n} {v:.2f}x" for n, v in sorted(means.items(), key=lambda kv: -kv[1]))
     print(bench.markdown_table(result["rows"]), end="")
     if budget is not None:  # first the winner's budget, then the record that points at it
