@@ -35,8 +35,9 @@ from specblock.runtime.target import DTYPE_CHOICES, DTYPE_HELP, TargetModel, res
 from specblock.runtime.verify import GreedyVerifier
 
 #: Every size up to 8: our kernels' cost is not linear between powers of two (packed-q4-amx without
-#: tiles runs 5 rows as passes of 4 + 1, each decoding the weights again: 5.61 ms of linears against
-#: 4.12 at 4 and 6.62 at 8, bf16_rows_zen5_s69 / _pad_s70), and served trees are mostly 2-8 nodes.
+#: tiles ran 5 rows as passes of 4 + 1, each decoding the weights again: 5.61 ms of linears against
+#: 4.12 at 4 and 6.62 at 8, bf16_rows_zen5_s69 / _pad_s70; each size's pass shape still differs since
+#: stop 71's one-pass kernel), and served trees are mostly 2-8 nodes.
 N_GRID = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 32, 48, 64]
 CTX_GRID = [64, 256, 512]
 #: ``--compile``: the compiled target attends over a power-of-two span (``compiled.target.span_of``),

@@ -224,8 +224,8 @@ SPECBLOCK_BF16DOT inline void prefetch_group(const uint8_t* q, const float* s) {
 }
 
 // Rows [0, R) of xb against features [j0, j0 + NJ) of one tile (qp, dp: its first group). R x NJ
-// accumulators (at most 16, as the registers hold beside the decoded weights); sum16 reads 16, so
-// the rest stay zero and their sums are not stored.
+// accumulators, at most 28 of the 32 registers (the rest hold the NJ decoded weights and a row); each sums
+// one row's products in group order, so a row's bits do not depend on R or NJ.
 template <class F, int R, int NJ>
 SPECBLOCK_BF16DOT void dot_rows(const uint16_t* xb, int64_t K, const uint8_t* qp, const float* dp, int j0, float* y, int64_t N) {
   const int64_t G = K / 32;
@@ -245,8 +245,8 @@ SPECBLOCK_BF16DOT void dot_rows(const uint16_t* xb, int64_t K, const uint8_t* qp
       for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)w[j], xr);
     }
   }
-  // row-major: lane r * NJ + j of the sums is row r's feature j0 + j
-  // row-major, 16 at a time: lane i of chunk c's sums is accumulator 16c + i (row / NJ, feature j0 + % NJ)
+  // sum16 reduces 16 accumulators (zeros past the last) in one tree each: lane i of chunk c's sums is
+  // accumulator c + i, row-major, so row (c + i) / NJ's feature j0 + (c + i) % NJ
   for (int c = 0; c < R * NJ; c += 16) {
     __m512 all[16];
     for (int i = 0; i < 16; ++i) all[i] = c + i < R * NJ ? acc[(c + i) / NJ][(c + i) % NJ] : _mm512_setzero_ps();
@@ -271,14 +271,14 @@ struct DotDecoded {
   SPECBLOCK_BF16DOT static inline __m512i decode(const uint8_t* q, const float*) { return _mm512_loadu_si512(q); }
 };
 
-// The pass for R = 1..8 rows (index R - 1): as many features at once as 16 accumulators allow.
+// The pass for R = 1..8 rows (index R - 1): 4 features at once from 3 rows on, 2 at 8 (DOT_INLINE_ROWS).
 template <class F>
 struct DotPasses {
   using Fn = void (*)(const uint16_t*, int64_t, const uint8_t*, const float*, int, float*, int64_t);
   static constexpr Fn P[8] = {dot_rows<F, 1, 16>, dot_rows<F, 2, 8>, dot_rows<F, 3, 4>, dot_rows<F, 4, 4>,
                               dot_rows<F, 5, 4>,  dot_rows<F, 6, 4>, dot_rows<F, 7, 4>, dot_rows<F, 8, 2>};
   static constexpr int NJ[8] = {16, 8, 4, 4, 4, 4, 4, 2};
-  // rows in [r, r + n) of a call, each pass's features in turn
+  // a call's n rows (1..8) in one pass over each group of NJ features in turn
   SPECBLOCK_BF16DOT static void run(const uint16_t* xb, int64_t K, const uint8_t* q, const float* s, float* y, int64_t N,
                                     int64_t n) {
     for (int j0 = 0; j0 < 16; j0 += NJ[n - 1]) P[n - 1](xb, K, q, s, j0, y, N);
