@@ -88,7 +88,8 @@ def load_prompts(domain: str, n: int | None = None, split: str = "eval") -> list
     prompts = _LOADERS[domain]()
     if split == "tune":
         if n is not None and n > TUNE_PROMPTS:
-            raise ValueError(f"the tune split holds {TUNE_PROMPTS} prompts per domain, not {n}; ask for at most {TUNE_PROMPTS}")
+            raise ValueError(f"the tune split holds {TUNE_PROMPTS} prompts per domain, not {n}; "
+                             f"ask for at most {TUNE_PROMPTS}")
         prompts = prompts[-TUNE_PROMPTS:]
     return prompts if n is None else prompts[:n]
 

@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--domains", default="code,math,chat,qa,mtbench")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per domain (the first N of each set)")
     ap.add_argument("--split", default="eval", choices=SPLITS,
-                    help="eval: each set's first N; tune: the first N of its last 8, which `tune` chooses settings on")
+                    help=f"eval: each set's first N; tune: the first N of its last {TUNE_PROMPTS}, which `tune` chooses "
+                    "settings on")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)

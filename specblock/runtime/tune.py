@@ -4,8 +4,9 @@ The shipped records (``best.json`` beside a model's drafters) were measured on a
 overrides per kind of CPU where one was measured (``specblock.cpu.CPU_KINDS``). On another CPU the
 winner can differ: on a Zen 5 the Xeon's compiled choice ran at 0.94x compiled plain decoding. So
 ``tune`` runs the candidates as ``bench`` does (interleaved runs, medians, Spd against plain decoding
-in the same run), drops any whose output differs from plain decoding on a prompt, and writes the fastest to ``$SPECBLOCK_HOME/tuned/MODEL/best.json`` for this CPU (its kind
-and model name), dtype and mode. ``--method auto`` reads it before the shipped record. Its bench
+in the same run), drops any whose output differs from plain decoding on a prompt, and writes the
+fastest to ``$SPECBLOCK_HOME/tuned/MODEL/best.json`` for this CPU (its kind and model name), dtype
+and mode. ``--method auto`` reads it before the shipped record. Its bench
 files lie beside it. Each candidate keeps its drafter's measured serving settings (``serving.json``).
 It measures on the prompt sets' tune split (each set's last 8, ``prompts.TUNE_PROMPTS``), not on the
 prompts the bench's tables report, so a choice it makes is not fitted to the figures it is judged by;
@@ -63,11 +64,11 @@ def build_parser() -> OneLineParser:
     ap.add_argument("--methods", default=CANDIDATES, help=f"comma-separated candidates (default: {CANDIDATES})")
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     ap.add_argument("--compile", action="store_true", help="tune --method auto --compile: each candidate on the compiled target")
-    ap.add_argument("--prompts", type=int, default=2, help=f"prompts per domain (the split's first N, at most {TUNE_PROMPTS} "
-                    "for tune's)")
+    ap.add_argument("--prompts", type=int, default=2,
+                    help=f"prompts per domain (the split's first N, at most {TUNE_PROMPTS} for tune's)")
     ap.add_argument("--split", default="tune", choices=SPLITS,
-                    help="tune (default): each set's last 8 prompts, which the bench's tables do not report; "
-                    "eval: the bench's own first N, as the shipped records were chosen")
+                    help=f"tune (default): each set's last {TUNE_PROMPTS} prompts, which the bench's tables do not "
+                    "report; eval: the bench's own first N, as the shipped records were chosen")
     ap.add_argument("--runs", type=int, default=3, help="interleaved runs (medians)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--domains", default="code,math,chat,qa,mtbench")
@@ -110,7 +111,8 @@ def bench_args(args, names: dict[str, tuple[str, int | None]], out: Path):
     """The bench's own arguments for these candidates (``candidates``): compiled ones beside eager plain
     decoding (every Spd against it, as the shipped records are)."""
     argv = ["--target", str(args.target or DEFAULT_TARGET_NAME), "--dtype", args.dtype, "--domains", args.domains,
-            "--prompts", str(args.prompts), "--split", args.split, "--runs", str(args.runs), "--max-new-tokens", str(args.max_new_tokens),
+            "--prompts", str(args.prompts), "--split", args.split, "--runs", str(args.runs),
+            "--max-new-tokens", str(args.max_new_tokens),
             "--threads", str(args.threads), "--out", str(out)]
     for name, (m, budget) in names.items():
         sets = ["compiled=true"] * args.compile
