@@ -390,8 +390,6 @@ def main(argv: list[str]) -> int:
     args.method_options = check_bench_flags(args)  # one line naming the flag, before anything loads
     if args.runs < 1 or args.prompts < 1 or args.max_new_tokens < 1:
         raise SpecBlockError("--runs, --prompts and --max-new-tokens must be at least 1")
-    if args.split == "tune" and args.prompts > TUNE_PROMPTS:
-        raise SpecBlockError(f"--split tune holds {TUNE_PROMPTS} prompts per domain; pass --prompts {TUNE_PROMPTS} or fewer")
     check_outputs(args)
     with AtomicFiles(args.trace_dir) as traces:
         result = run_bench(args, traces)

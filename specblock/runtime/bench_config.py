@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from specblock.errors import SpecBlockError
 from specblock.flags import check, one_line
-from specblock.prompts import DOMAINS
+from specblock.prompts import DOMAINS, TUNE_PROMPTS
 from specblock.runtime.config import RunConfig
 from specblock.runtime.drafters import TRAINED
 from specblock.runtime.drafters.lookup_branch import SUFFIX as LOOKUP
@@ -133,6 +133,8 @@ def check_bench_flags(args) -> dict[str, dict]:
     """Every bench flag and ``--set`` item, before the bench loads anything. Returns the checked
     per-method options."""
     check(BenchFlags, vars(args))
+    if getattr(args, "split", "eval") == "tune" and args.prompts > TUNE_PROMPTS:
+        raise SpecBlockError(f"--split tune holds {TUNE_PROMPTS} prompts per domain; pass --prompts {TUNE_PROMPTS} or fewer")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if "+adapt" in m and "+lookup" in m and not has_lookup(m):
