@@ -143,6 +143,42 @@ def test_cli_compile_builds_the_static_drafter_but_not_for_adapt(tmp_path, capsy
     assert len(built) == 1
 
 
+def test_serving_json_compiles_the_drafter_beside_an_eager_target(tmp_path, capsys, monkeypatch):
+    """A drafter's ``serving.json`` may say ``drafter_compiled`` (its step measured faster compiled
+    beside an eager target): the CLI and the bench compile it without ``--compile``, and the bench's
+    ``--set METHOD:drafter_compiled=false`` keeps it eager. The wiring is tested; the step uncompiled."""
+    import json
+    import shutil
+
+    from specblock.runtime import cli
+    from specblock.runtime.config import DEFAULT_DRAFTERS
+
+    d = tmp_path / "specblock"
+    shutil.copytree(DEFAULT_DRAFTERS / "specblock", d)
+    (d / "serving.json").write_text(json.dumps({"budget": 4, "M": 1, "drafter_compiled": True}))
+    built = []
+    monkeypatch.setattr(cli, "maybe_compile_drafter", lambda dr, t: built.append(
+        StaticSpecBlockDrafter(dr, capacity=t.max_context + 16, compile=False)) or built[-1])
+    args = ["--target", "lab", "--method", "specblock", "--drafter", str(d), "--prompt", "def add(a, b):",
+            "--max-new-tokens", "12", "--dtype", "float32", "--json", "--no-warmup"]
+    assert cli.main(args + ["--compare", "ar"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["identical_to_ar"] is True
+    assert len(built) == 1 and built[0].cached > 0  # beside the eager target, and it served
+    bench = ["bench", "--target", "lab", "--dtype", "float32", "--domains", "code", "--prompts", "1", "--runs", "1",
+             "--max-new-tokens", "8", "--out", str(tmp_path / "b"), "--set", f"specblock:drafter={d}"]
+    assert cli.main(bench + ["--methods", "specblock"]) == 0
+    assert len(built) > 1
+    n = len(built)
+    assert cli.main(bench + ["--methods", "specblock", "--set", "specblock:drafter_compiled=false"]) == 0
+    assert len(built) == n
+    assert json.loads((tmp_path / "b.json").read_text())["rows"][1]["match_rate"] == 1.0
+    (d / "serving.json").write_text(json.dumps({"drafter_compiled": "yes"}))
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "drafter_compiled" in err and "true or false" in err
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (experiments/gpu_check.sh runs it where one is)")
 def test_cuda_graph_block_proposes_the_eager_trees():
     """CUDA: the buffers on the device, the block compiled with mode='reduce-overhead' (CUDA graphs)."""

@@ -141,8 +141,7 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
     # never: check_bench_flags refuses it, and they run HF's own loop on the eager target's model)
     compiled = bool(opts.pop("compiled", None) or args.compile)
     target = targets.compiled() if compiled else targets.eager
-    drafter_compiled = opts.pop("drafter_compiled", None)
-    drafter_compiled = compiled if drafter_compiled is None else drafter_compiled
+    drafter_compiled = opts.pop("drafter_compiled", None)  # --set's, over the drafter's serving.json
     int8 = opts.pop("drafter_int8", None)  # None: drafters.wants_int8 decides
     # "budget" is the engine's node budget: --set METHOD:budget, then --budget, then the drafter's
     # serving.json (its measured best), then the default
@@ -154,6 +153,8 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
     opts = drafters.serving_settings(_base(m), target, opts)
     budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
     warm = drafters.warm_sizes(opts)
+    saved_compiled = drafters.drafter_compiled(opts, compiled)
+    drafter_compiled = saved_compiled if drafter_compiled is None else drafter_compiled
     drafter = drafters.build(_base(m), target, opts, int8=int8)
     if drafter_compiled and ADAPT not in m:
         from specblock.runtime.cli import maybe_compile_drafter

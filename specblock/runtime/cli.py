@@ -187,8 +187,9 @@ class Session:
         opts = drafters.serving_settings(cfg.method, target, cfg.drafter_options())
         budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
         warm = drafters.warm_sizes(opts)
+        drafter_compiled = drafters.drafter_compiled(opts, cfg.compile)  # serving.json's, else --compile's
         drafter, adapter = drafters.build(cfg.method, target, opts), None
-        if cfg.compile and not cfg.adapt:  # an adapting drafter's weights change while it serves
+        if drafter_compiled and not cfg.adapt:  # an adapting drafter's weights change while it serves
             drafter = maybe_compile_drafter(drafter, target)
         if cfg.adapt:  # inside the branch: it adapts the drafter, and the lookup chain is grafted on its trees
             from specblock.runtime.adapt import AdaptSettings, Adapter

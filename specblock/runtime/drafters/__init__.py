@@ -113,6 +113,7 @@ def build(name: str, target, options: dict | None = None, int8: bool | None = No
         raise SpecBlockError(f"unknown method {name!r}; choose one of {', '.join(sorted(METHODS))}")
     options = {k: v for k, v in (options or {}).items() if v is not None}  # None: not set, the default holds
     options.pop("warm_sizes", None)  # the engine's (``warm_sizes``), where a caller passed serving.json's on
+    options.pop("drafter_compiled", None)  # the caller's (``drafter_compiled``), likewise
     if name not in TAKES_POLICY:
         user_policies(name, options)  # a policy named for a method without one: refused
     drafter = METHODS[name](target, options)
@@ -225,7 +226,8 @@ def norm_op(net) -> int:
 #: The engine's node budget when neither the user nor the drafter's serving.json sets one.
 DEFAULT_BUDGET = 24
 #: What a drafter's ``serving.json`` may set: its measured best node budget and tree settings.
-SERVING_KEYS = ("budget", "M", "max_seeds", "widths", "depth", "top_k", "policy", "policy_kwargs", "warm_sizes")
+SERVING_KEYS = ("budget", "M", "max_seeds", "widths", "depth", "top_k", "policy", "policy_kwargs", "warm_sizes",
+                "drafter_compiled")
 #: Where a serving.json may name its tree policy from: the project's own policies. A drafter folder
 #: is data, and naming a class imports (runs) its module; a user's own class is a flag away.
 SERVING_POLICY_PREFIX = "specblock.policies."
@@ -239,6 +241,16 @@ def warm_sizes(opts: dict) -> tuple[int, ...] | None:
     enough to pad up (each graph is half a minute of a first start). Not a drafter's option."""
     sizes = opts.pop("warm_sizes", None)
     return tuple(sizes) if sizes else None
+
+
+def drafter_compiled(opts: dict, default: bool) -> bool:
+    """Pop a serving.json's ``drafter_compiled``: whether the drafter's step runs compiled beside this
+    target, ``default`` (the target's own mode) where the file says nothing. Beside an eager target
+    it pays where the CPU charges per dispatched op: SpecBlock's two-layer step beside the eager q4
+    target on a Zen 5 (``bench_smollm2_zen5_drafter_compiled_tune_s72.md``). The caller compiles
+    (``compiled/`` sits above the drafters); not a drafter's option."""
+    value = opts.pop("drafter_compiled", None)
+    return default if value is None else value
 
 
 def serving_settings(name: str, target, options: dict) -> dict:
@@ -312,6 +324,8 @@ def read_serving(f: Path, target) -> dict:
     warm = settings.get("warm_sizes")
     if warm is not None and not (isinstance(warm, list) and warm and all(type(n) is int and n >= 1 for n in warm)):
         raise SpecBlockError(f"{f}: \"warm_sizes\" must be a list of tree sizes (positive integers), e.g. [1, 4, 6, 7]")
+    if type(settings.get("drafter_compiled", False)) is not bool:
+        raise SpecBlockError(f"{f}: \"drafter_compiled\" must be true or false")
     pol = settings.get("policy")
     if pol is not None and not (isinstance(pol, str) and _SERVING_POLICY.fullmatch(pol)):
         raise SpecBlockError(f"{f}: \"policy\" {pol!r} is not one of {SERVING_POLICY_PREFIX}*; "
