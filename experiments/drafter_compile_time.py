@@ -34,7 +34,9 @@ from specblock.runtime.cli import Session, maybe_compile_drafter
 from specblock.runtime import chat
 compiled = sys.argv[3] == "1"
 torch.set_num_threads(2)
-s = Session.open(RunConfig(target=sys.argv[1], dtype=sys.argv[2], method="specblock", max_new_tokens=8), None)
+# eager_drafter: the session's own drafter stays eager (a serving.json may name drafter_compiled); compiled here below
+s = Session.open(RunConfig(target=sys.argv[1], dtype=sys.argv[2], method="specblock", max_new_tokens=8, eager_drafter=True),
+                 None)
 if compiled:  # the drafter alone (the target stays eager): its share of a --compile start
     s.engine.drafter = maybe_compile_drafter(s.engine.drafter, s.target)
 ids = chat.encode(s.tokenizer, chat.ChatRequest(prompt="Write a function that adds two numbers."))

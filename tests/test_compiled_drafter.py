@@ -145,8 +145,9 @@ def test_cli_compile_builds_the_static_drafter_but_not_for_adapt(tmp_path, capsy
 
 def test_serving_json_compiles_the_drafter_beside_an_eager_target(tmp_path, capsys, monkeypatch):
     """A drafter's ``serving.json`` may say ``drafter_compiled`` (its step measured faster compiled
-    beside an eager target): the CLI and the bench compile it without ``--compile``, and the bench's
-    ``--set METHOD:drafter_compiled=false`` keeps it eager. The wiring is tested; the step uncompiled."""
+    beside an eager target): the CLI and the bench compile it without ``--compile``; the CLI's
+    ``--eager-drafter`` and the bench's ``--set METHOD:drafter_compiled=false`` keep it eager. The
+    wiring is tested; the step uncompiled."""
     import json
     import shutil
 
@@ -165,6 +166,9 @@ def test_serving_json_compiles_the_drafter_beside_an_eager_target(tmp_path, caps
     rec = json.loads(capsys.readouterr().out)
     assert rec["identical_to_ar"] is True
     assert len(built) == 1 and built[0].cached > 0  # beside the eager target, and it served
+    assert cli.main(args + ["--eager-drafter"]) == 0  # the user's flag over the file
+    assert len(built) == 1
+    capsys.readouterr()
     bench = ["bench", "--target", "lab", "--dtype", "float32", "--domains", "code", "--prompts", "1", "--runs", "1",
              "--max-new-tokens", "8", "--out", str(tmp_path / "b"), "--set", f"specblock:drafter={d}"]
     assert cli.main(bench + ["--methods", "specblock"]) == 0

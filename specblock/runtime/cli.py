@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-on-top", action="store_true",
                    help="with --lookup-branch and --budget: the budget stays the drafter's own and the chain comes on top, "
                         "instead of the whole tree's and shared (its measured budget always stays its own)")
+    p.add_argument("--eager-drafter", action="store_true",
+                   help="keep the drafter's step eager where its serving.json names drafter_compiled (measured faster "
+                        "compiled on this kind of CPU; the first use compiles) or --compile would compile it")
     p.add_argument("--adapt", action="store_true", help="specblock: adapt the drafter while serving (runtime/adapt.py)")
     p.add_argument("--adapt-window", type=int, default=128, help="adapt: decoding iterations per window")
     p.add_argument("--adapt-lambda", type=float, default=0.1, help="adapt: weight of the KL anchor to the pretrained drafter")
@@ -187,7 +190,8 @@ class Session:
         opts = drafters.serving_settings(cfg.method, target, cfg.drafter_options())
         budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
         warm = drafters.warm_sizes(opts)
-        drafter_compiled = drafters.drafter_compiled(opts, cfg.compile)  # serving.json's, else --compile's
+        # serving.json's choice, else --compile's; --eager-drafter over both
+        drafter_compiled = drafters.drafter_compiled(opts, cfg.compile) and not cfg.eager_drafter
         drafter, adapter = drafters.build(cfg.method, target, opts), None
         if drafter_compiled and not cfg.adapt:  # an adapting drafter's weights change while it serves
             drafter = maybe_compile_drafter(drafter, target)

@@ -60,6 +60,8 @@ class RunConfig(BaseModel):
     # with it and --budget: the budget stays the drafter's own and the chain comes on top, instead of
     # the whole tree's and shared (a measured budget always stays the drafter's own)
     lookup_on_top: bool = False
+    # the drafter's step stays eager where its serving.json names drafter_compiled, or --compile would compile it
+    eager_drafter: bool = False
     adapt_window: int = Field(128, ge=2)  # decoding iterations per adaptation window
     adapt_lambda: float = Field(0.1, ge=0.0, allow_inf_nan=False)  # weight of the KL anchor to the pretrained drafter
     adapt_arms: tuple[str, ...] = ("skip", "heads", "full")  # one arm: always play it
