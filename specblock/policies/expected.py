@@ -86,7 +86,8 @@ class ExpectedAcceptanceBranching(TreePolicy):
         v = np.exp(np.asarray(parent_score, dtype=np.float64))[:, None] * np.exp(cand_logprob[:, : self.max_width])
         return (np.minimum.accumulate(v, axis=1) >= self.min_value).sum(axis=1)
 
-    def block_widths(self, parent_score, cand_logprob, bucket, budget_left, seed_ok, bucket_prob=None):
+    def node_values(self, parent_score, cand_logprob, seed_ok, bucket_prob=None) -> np.ndarray:
+        """``[S, K, k']`` each candidate node's value (see the module), ``k' = min(k, max_width)``."""
         s, kd, k = cand_logprob.shape
         k = min(k, self.max_width)
         p = candidate_probs(cand_logprob[..., :k], bucket_prob)
@@ -97,7 +98,11 @@ class ExpectedAcceptanceBranching(TreePolicy):
         # Candidates of a position are kept as a prefix: pooled so that worth falls with rank, each
         # pooled run worth what its nodes are together. No node then outranks an ancestor (the top-1
         # above it is worth its reach at least), so the best ``budget`` nodes form a tree.
-        v = reach[..., None] * falling(p)
+        return reach[..., None] * falling(p)
+
+    def block_widths(self, parent_score, cand_logprob, bucket, budget_left, seed_ok, bucket_prob=None):
+        v = self.node_values(parent_score, cand_logprob, seed_ok, bucket_prob)
+        s, kd, k = v.shape
         flat = v.reshape(-1)
         order = np.argsort(-flat, kind="stable")[: max(int(budget_left), 0)]  # ties: (seed, depth, rank) order
         order = order[flat[order] >= max(self.min_value, np.finfo(np.float64).tiny)]
