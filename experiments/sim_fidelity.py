@@ -246,7 +246,7 @@ def draft_overhead_ms(jobs: list[dict], lat: CalibratedLatency) -> float | None:
             part, own = drafter_share(rec, m)
             fw = specblock_forwards(part, m["K"], m["M"], m["max_seeds"], own["budget"])
             f.append(len(fw))
-            y.append(1e3 * rec.draft_s - sum(lat.draft_ms("specblock", q, rec.ctx) for q in fw))
+            y.append(1e3 * rec.draft_s - sum(lat.draft_ms("specblock", q, rec.ctx, first=i == 0) for i, q in enumerate(fw)))
     return float(robust_lstsq(np.asarray(f, float)[:, None], np.asarray(y))[0]) if f else None
 
 

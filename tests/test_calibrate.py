@@ -23,6 +23,7 @@ def test_specblock_timing_has_k_and_propose_overhead(tmp_path):
     assert timing.K == cfg.K and timing.n_query == [cfg.K * s for s in (1, 2, 3, 4)]
     assert timing.overhead_ms >= 0 and all(m > 0 for m in timing.ms)
     np.testing.assert_allclose(timing.positions(), [(cfg.K + 1) * s for s in (1, 2, 3, 4)])
+    assert timing.first_ms > 0 and timing.compiled is False
 
 
 def test_compiled_calibration_times_the_static_target_and_block(tmp_path, monkeypatch):
@@ -55,6 +56,43 @@ def test_compiled_calibration_times_the_static_target_and_block(tmp_path, monkey
     monkeypatch.setattr(cli, "maybe_compile_drafter",
                         lambda d, t: StaticSpecBlockDrafter(d, capacity=t.max_context + 16, compile=False))
     out = time_specblock(target, tmp_path / "d", reps=2, rng=np.random.default_rng(0), compiled=True)
-    assert DrafterTiming.model_validate(out).ms[0] > 0
+    timing = DrafterTiming.model_validate(out)
+    assert timing.ms[0] > 0 and timing.first_ms > 0 and timing.compiled is True
     assert rows[0] == 254 and set(rows[1:]) == {ROW_BUCKETS[0]}  # the prompt once, then one new position padded
 
+
+
+def test_calibrate_compiles_block_1_where_serving_json_names_drafter_compiled(tmp_path, monkeypatch):
+    """Beside an eager target, as the CLI and the bench serve it: a serving.json that says
+    ``drafter_compiled`` gets block 1 compiled and timed as ``first_ms``; ``--eager-drafter`` keeps
+    it eager. (The static block runs uncompiled here: the same steps, no inductor.)"""
+    import json
+
+    import specblock.runtime.cli as cli
+    from specblock.compiled.drafter import StaticSpecBlockDrafter
+    from specblock.runtime.calibrate import main
+    from tiny import save_tiny
+
+    save_tiny(tmp_path / "t", "llama", vocab=32, ctx=512, layers=3)
+    target = TargetModel.load(tmp_path / "t", "float32", "cpu")
+    cfg = SpecBlockConfig(vocab_size=32, hidden_size=32, num_heads=4, intermediate_size=64, tap_layers=target.tap_layers)
+    torch.manual_seed(0)
+    net = SpecBlockNet(cfg)
+    net.tie_to_target(target.model)
+    net.save(tmp_path / "d" / "specblock")
+    (tmp_path / "d" / "specblock" / "serving.json").write_text(json.dumps({"drafter_compiled": True}))
+    built = []
+
+    def static(d, t):
+        built.append(t)
+        return StaticSpecBlockDrafter(d, capacity=t.max_context + 16, compile=False)
+
+    monkeypatch.setattr(cli, "maybe_compile_drafter", static)
+    for extra, compiled in (([], True), (["--eager-drafter"], False)):
+        out = tmp_path / f"lat{len(extra)}.json"
+        args = ["--target", str(tmp_path / "t"), "--drafter-dir", str(tmp_path / "d"), "--dtype", "float32",
+                "--ctx", "64", "--reps", "1", "--out", str(out), *extra]
+        assert main(args) == 0
+        timing = DrafterTiming.model_validate(json.loads(out.read_text())["drafters"]["specblock"])
+        assert timing.compiled is compiled and timing.first_ms > 0
+    assert len(built) == 1

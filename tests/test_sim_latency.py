@@ -111,6 +111,25 @@ def test_specblock_curve_is_read_in_query_positions(tmp_path):
     assert CalibratedLatency(load_measurements(p)).draft_ms("specblock", 10, 256) == pytest.approx(5.9)
 
 
+def test_a_compiled_first_block_is_priced_apart_from_later_blocks(tmp_path):
+    """calibrate times SpecBlock's block 1 (``first_ms``: compiled beside eager later blocks where
+    serving.json names drafter_compiled): a step's first forward costs that, later ones the curve;
+    a wider first forward (a batch) keeps the curve's slope from there."""
+    sb = {"ms_per_forward": 5.0, "n_query": [4, 8, 12, 16], "ms": [5.0, 5.2, 5.6, 6.2], "K": 4,
+          "overhead_ms": 0.5, "first_ms": 3.0, "compiled": True}
+    p = tmp_path / "lat.json"
+    p.write_text(json.dumps(_meas(drafters={"specblock": sb})))
+    lat = CalibratedLatency(load_measurements(p))
+    assert lat.draft_ms("specblock", 5, 256, first=True) == pytest.approx(3.5)
+    assert lat.draft_ms("specblock", 5, 256) == pytest.approx(5.5)
+    assert lat.draft_ms("specblock", 10, 256, first=True) == pytest.approx(5.2 - 2.0 + 0.5)
+    flat = {"ms_per_forward": 2.0, "first_ms": 1.5}
+    p.write_text(json.dumps(_meas(drafters={"specblock": flat})))
+    lat = CalibratedLatency(load_measurements(p))
+    assert lat.draft_ms("specblock", 5, 256, first=True) == pytest.approx(1.5)
+    assert lat.draft_ms("specblock", 5, 256) == pytest.approx(2.0)
+
+
 def test_sim_specblock_forwards_count_seed_positions():
     from specblock.policies.branching import TopKBranching
     from specblock.sim.acceptance import ParametricShape

@@ -9,6 +9,9 @@ greedy verification, KV pruning). Medians of repeated runs. Format: ``specblock.
 of the CLI; later blocks run eagerly there as here), so the simulator can price the compiled path:
 there a tree costs relatively more than eagerly (T(4) about 1.3x T(1) against 1.1x), which moves
 every method's best budget. First use compiles each tree bucket and span of the grid (minutes).
+SpecBlock's block 1 is compiled beside an eager target too where its ``serving.json`` says
+``drafter_compiled`` for this target and CPU, as the CLI and the bench serve it (``--eager-drafter``:
+not); its time is ``first_ms``, which the simulator charges for a step's first forward.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from specblock.flags import OneLineParser
 from specblock.policies.tree import DraftTree
 from specblock.models import drafters_dir
 from specblock.runtime.config import validate
+from specblock.runtime.drafters import drafter_compiled, serving_settings
 from specblock.runtime.drafters.base import DraftRequest
 from specblock.runtime.target import DTYPE_CHOICES, DTYPE_HELP, TargetModel, resolve_dtype
 from specblock.runtime.verify import GreedyVerifier
@@ -99,7 +103,8 @@ def time_specblock(target: TargetModel, path: Path, reps: int, rng, compiled: bo
     ``n_query`` labels a later block by S*K queries (the forward runs S*(K+1) positions; ``K``
     lets the simulator convert). ``overhead_ms``: median(propose) minus its network forwards, per
     forward, over M = 1, 2 and S = 1..4 under fixed top-2 widths (so no branch is cut and every
-    block runs); the simulator adds it to each drafter forward.
+    block runs); the simulator adds it to each drafter forward. ``first_ms``: block 1's forward
+    (compiled where ``compiled``), which the simulator charges for a step's first forward.
     """
     from specblock.policies.branching import RankBucketBranching
     from specblock.runtime.drafters import pack_for
@@ -177,7 +182,7 @@ def time_specblock(target: TargetModel, path: Path, reps: int, rng, compiled: bo
             net_ms = first + (ms[s - 1] if blocks > 1 else 0.0)
             extra.append(max(median_ms(lambda: d.propose(req)) - net_ms, 0.0) / blocks)
     return {"ms_per_forward": ms[0], "K": k, "n_query": n_query, "ms": ms,
-            "overhead_ms": round(statistics.median(extra), 4)}
+            "overhead_ms": round(statistics.median(extra), 4), "first_ms": round(first, 4), "compiled": compiled}
 
 
 def _ctx_list(text: str) -> list[int]:
@@ -198,6 +203,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--drafter-dir", type=Path, help="drafters to time (default: those shipped for the target)")
     ap.add_argument("--compile", action="store_true",
                     help="time the compiled target and SpecBlock's compiled block (the CLI's --compile)")
+    ap.add_argument("--eager-drafter", action="store_true",
+                    help="time SpecBlock's block 1 eager where its serving.json names drafter_compiled (the CLI's flag)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default), as bench's")
     args = ap.parse_args(argv)
     if args.reps < 1:
@@ -232,7 +239,9 @@ def main(argv: list[str]) -> int:
             ms.append(row)
     drafters = {}
     if (drafter_dir / "specblock" / "config.json").is_file():
-        drafters["specblock"] = time_specblock(target, drafter_dir / "specblock", args.reps, rng, args.compile)
+        served = serving_settings("specblock", target, {"drafter": str(drafter_dir / "specblock")})
+        compiled = args.compile or (drafter_compiled(served, False) and not args.eager_drafter)
+        drafters["specblock"] = time_specblock(target, drafter_dir / "specblock", args.reps, rng, compiled)
     device = f"{target.device.type}: {torch.get_num_threads()} threads, {cpu_model()} ({cpu_kind()})"
     result = {"version": 1, "device": device, "dtype": args.dtype, "compiled": args.compile,
               "target": {"ctx": ctxs, "n": N_GRID, "ms": ms}, "drafters": drafters,

@@ -168,7 +168,7 @@ class Simulation:
         n_fw = max(len(d.forwards) for d in drafts)
         for i in range(n_fw):
             q = sum(d.forwards[i] for d in drafts if i < len(d.forwards))
-            draft += self.lat.draft_ms(self.method.drafter, q, ctx, b)
+            draft += self.lat.draft_ms(self.method.drafter, q, ctx, b, first=i == 0)
         draft += sum(d.host_ms for d in drafts)  # host-side drafting (lookup's search): serial per request
         verify = self.lat.target_ms(sum(d.tree.size for d in drafts), ctx, b)
         t = draft + verify + self.lat.overhead_ms

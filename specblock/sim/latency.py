@@ -34,9 +34,10 @@ class LatencyModel(Protocol):
         """One target forward over ``n`` new tokens in total (all requests of the batch together;
         a tree counts its root), each request attending to about ``ctx`` cached tokens."""
 
-    def draft_ms(self, drafter: str, n_query: int, ctx: float, batch: int = 1) -> float:
+    def draft_ms(self, drafter: str, n_query: int, ctx: float, batch: int = 1, first: bool = False) -> float:
         """One drafter forward with ``n_query`` query positions in total (seeds x K for a
-        SpecBlock block, the frontier for EAGLE, 1 for Medusa heads and SpS)."""
+        SpecBlock block, the frontier for EAGLE, 1 for Medusa heads and SpS); ``first``: the
+        step's first forward, which may run another graph (SpecBlock's compiled block 1)."""
 
 
 # --------------------------------------------------------------------------- the JSON format
@@ -70,7 +71,11 @@ class DrafterTiming(BaseModel):
     read as ``n_query * (K+1) / K`` positions; without it, labels are positions already.
     ``overhead_ms`` (optional, default 0): host work per drafter forward outside the network
     (tree building, seed selection, gathering seed states), charged on every forward;
-    ``calibrate`` measures it from whole ``propose`` calls."""
+    ``calibrate`` measures it from whole ``propose`` calls. ``first_ms`` (optional): a step's first
+    forward at one seed where it is not a later block's (SpecBlock's block 1 compiled beside
+    later blocks run eagerly: ``drafter_compiled``, ``--compile``); the first forward is then
+    priced as the curve plus ``first_ms`` minus the curve at one seed. ``compiled``: whether
+    ``calibrate`` ran block 1 compiled (a record; the price is in ``first_ms``)."""
 
     model_config = ConfigDict(extra="forbid")
     ms_per_forward: float = Field(gt=0)
@@ -78,6 +83,8 @@ class DrafterTiming(BaseModel):
     ms: list[float] | None = None
     K: int | None = Field(None, ge=1)
     overhead_ms: float = Field(0.0, ge=0)
+    first_ms: float | None = Field(None, gt=0)
+    compiled: bool = False
 
     @model_validator(mode="after")
     def _curve(self) -> "DrafterTiming":
@@ -219,7 +226,7 @@ class CalibratedLatency:
     def target_ms(self, n: int, ctx: float, batch: int = 1) -> float:
         return self.fit(float(n), float(ctx) * max(batch, 1))
 
-    def draft_ms(self, drafter: str, n_query: int, ctx: float, batch: int = 1) -> float:
+    def draft_ms(self, drafter: str, n_query: int, ctx: float, batch: int = 1, first: bool = False) -> float:
         try:
             t = self.meas.drafters[drafter]
         except KeyError:
@@ -227,12 +234,15 @@ class CalibratedLatency:
                 f"latency file has no drafter {drafter!r} (has {sorted(self.meas.drafters)})"
             ) from None
         if t.n_query is None:
-            return t.ms_per_forward + t.overhead_ms
+            return (t.first_ms if first and t.first_ms is not None else t.ms_per_forward) + t.overhead_ms
         q, ms = t.positions(), np.asarray(t.ms, float)
         if n_query > q[-1]:
             slope = max((ms[-1] - ms[-2]) / (q[-1] - q[-2]), 0.0) if q.size > 1 else 0.0
-            return float(ms[-1] + slope * (n_query - q[-1])) + t.overhead_ms
-        return float(np.interp(n_query, q, ms)) + t.overhead_ms
+            curve = float(ms[-1] + slope * (n_query - q[-1]))
+        else:
+            curve = float(np.interp(n_query, q, ms))
+        shift = t.first_ms - float(ms[0]) if first and t.first_ms is not None else 0.0  # block 1 against a later block at one seed
+        return max(curve + shift, 0.0) + t.overhead_ms
 
     def tau_needed(self, n: int, ctx: float, speedup: float = 2.0, draft_share: float = 0.2) -> float:
         """The tau a tree of ``n`` tokens needs for ``speedup`` when drafting takes ``draft_share``
@@ -263,7 +273,7 @@ class TableLatency:
         # never below a one-token forward: a tree forward reads the same weights
         return max(self.verify_ms + self.slope_ms_per_token * (n - self.n_ref), self.t1_ms)
 
-    def draft_ms(self, drafter: str, n_query: int, ctx: float, batch: int = 1) -> float:
+    def draft_ms(self, drafter: str, n_query: int, ctx: float, batch: int = 1, first: bool = False) -> float:
         try:
             base = self.draft_ms_per_forward[drafter]
         except KeyError:

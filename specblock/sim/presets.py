@@ -122,7 +122,7 @@ class RooflineLatency:
             return SPS_DRAFT[_key(m)] * 1e9, 16
         raise KeyError(f"roofline preset has no drafter {drafter!r}")
 
-    def draft_ms(self, drafter: str, n_query: int, ctx: float, batch: int = 1) -> float:
+    def draft_ms(self, drafter: str, n_query: int, ctx: float, batch: int = 1, first: bool = False) -> float:
         params, layers = self.draft_params(drafter)
         m = self.model
         # Drafters keep a KV cache of the context too; one layer's worth per drafter layer.
