@@ -33,14 +33,15 @@ Choices, and why:
   same traces, the whole budget as the bench's engine set it (``sim_fidelity_settings.sim_method``);
 * SpecBlock traces written before the runtime logged rank-head cuts (commit 3dfd240) cannot show
   how often the rank head ends a branch: the fit then grows trees that are too large (warned);
-* drafting cost: the latency JSON prices each block forward; calibrate times the bare network
-  call, not the host work around it in ``propose`` (tree building, seed selection and gather,
-  the first block's pending positions). ``draft_overhead_ms_traces`` is that gap, per forward,
-  by least squares over the SpecBlock rows' traces (forwards per iteration inferred with the
-  runtime's rule, ``traces.specblock_forwards``; ``draft_overhead_ms_traces`` in the output JSON,
-  a few tenths of a ms to ~1 ms next to 3-4 ms for the forward itself). ``--draft-overhead traces``
-  charges it in the sim (the Spd comparison then leans on the same traces for drafting cost
-  too: say so next to any number it produces);
+* drafting cost: the latency JSON prices each block forward (the network call, block 1 apart
+  as ``first_ms`` where calibrate timed it) plus calibrate's estimate of the host work around it
+  in ``propose`` (tree building, seed selection and gather, the first block's pending positions;
+  ``overhead_ms``, 0 in files older than that field). ``draft_overhead_ms_traces`` is that host
+  work per forward as the traces show it, by least squares over the SpecBlock rows' traces against
+  the network's price (forwards per iteration inferred with the runtime's rule,
+  ``traces.specblock_forwards``; a few tenths of a ms to ~1 ms next to 2-4 ms for the forward
+  itself). ``--draft-overhead traces`` charges it instead of calibrate's (the Spd comparison then
+  leans on the same traces for drafting cost too: say so next to any number it produces);
 * latency from traces (``--latency-from traces``, issue 7): calibrate's isolated timings run
   faster than the same work in the decode loop (traces' verify ms ~20-25% above calibrate's
   forward for the same tree, AR likewise), and calibrate itself varies ~10-20% run to run. This
@@ -234,9 +235,13 @@ def _jobs(rows_in: dict, cfg: dict, trace_dir: Path, meas_lat, prompts: int,
 
 
 def draft_overhead_ms(jobs: list[dict], lat: CalibratedLatency) -> float | None:
-    """Drafting ms per SpecBlock forward that the latency JSON does not price: measured
-    ``draft_s`` minus the priced forwards, regressed on the number of forwards (robust least
-    squares, ``tracelat.robust_lstsq``: one stalled iteration must not set the price)."""
+    """Host work per SpecBlock forward beside the network, from the traces: measured ``draft_s``
+    minus the priced network forwards (calibrate's curve and ``first_ms``, without its own
+    ``overhead_ms``), regressed on the number of forwards (robust least squares,
+    ``tracelat.robust_lstsq``: one stalled iteration must not set the price). It replaces
+    calibrate's ``overhead_ms`` where charged, so it is measured against the network alone: measured
+    against the whole price, it once replaced calibrate's host cost by what was left of it."""
+    host = lat.meas.drafters["specblock"].overhead_ms if "specblock" in lat.meas.drafters else 0.0
     f, y = [], []
     for j in jobs:
         m = j["method_cfg"]
@@ -246,7 +251,8 @@ def draft_overhead_ms(jobs: list[dict], lat: CalibratedLatency) -> float | None:
             part, own = drafter_share(rec, m)
             fw = specblock_forwards(part, m["K"], m["M"], m["max_seeds"], own["budget"])
             f.append(len(fw))
-            y.append(1e3 * rec.draft_s - sum(lat.draft_ms("specblock", q, rec.ctx, first=i == 0) for i, q in enumerate(fw)))
+            y.append(1e3 * rec.draft_s - sum(lat.draft_ms("specblock", q, rec.ctx, first=i == 0) - host
+                                             for i, q in enumerate(fw)))
     return float(robust_lstsq(np.asarray(f, float)[:, None], np.asarray(y))[0]) if f else None
 
 

@@ -41,8 +41,8 @@ def markdown(res: dict) -> str:
                      f"| {f(r['glue_ms_meas'], r['glue_ms_sim'])} | {f(r['ar_ms_meas'], r['ar_ms_sim'])} "
                      f"| {f(r['tree_meas'], r['tree_sim'])} |")
     if res.get("draft_overhead_ms_traces") is not None:
-        lines.append(f"\nDrafting ms per SpecBlock forward that the latency JSON does not price (traces, least "
-                     f"squares): {res['draft_overhead_ms_traces']:.2f}; charged in the sim: "
+        lines.append(f"\nHost work per SpecBlock forward beside the network (traces, least squares): "
+                     f"{res['draft_overhead_ms_traces']:.2f} ms; charged in the sim instead of calibrate's: "
                      f"{'yes' if res['inputs'].get('draft_overhead') == 'traces' else 'no'}.")
     if res["inputs"].get("latency_from") == "traces":
         lines.append(f"\nLatency: fitted from runtime traces (--latency-from traces), split: "

@@ -36,12 +36,14 @@ METHOD = {"name": "specblock", "K": 4, "M": 2, "max_seeds": 2, "widths": [2, 4, 
 PROMPTS, TOKENS = 30, 64
 
 
-def _make_inputs(tmp: Path, draft_overhead_ms: float = 0.0) -> tuple[Path, Path, Path]:
+def _make_inputs(tmp: Path, draft_overhead_ms: float = 0.0, calibrated_ms: float = 0.0) -> tuple[Path, Path, Path]:
     """Traces and a bench JSON from the sim; ``draft_overhead_ms`` per drafter forward is charged
-    when writing them but absent from the latency JSON handed to the script (the runtime's host
-    work around a block forward, which calibrate does not time)."""
+    when writing them, and the latency JSON handed to the script says ``calibrated_ms`` (the
+    runtime's host work around a block forward, which calibrate estimates apart from the traces)."""
     lat, lat_true = tmp / "lat.json", tmp / "lat_true.json"
-    lat.write_text(json.dumps(LATENCY))
+    given = json.loads(json.dumps(LATENCY))
+    given["drafters"]["specblock"]["overhead_ms"] = calibrated_ms
+    lat.write_text(json.dumps(given))
     true = json.loads(json.dumps(LATENCY))
     true["drafters"]["specblock"]["overhead_ms"] = draft_overhead_ms
     lat_true.write_text(json.dumps(true))
@@ -172,8 +174,11 @@ def test_stale_appends_and_bad_inputs(tmp_path, capsys):
                     "--out", str(tmp_path / "o")]) == 2
 
 
-def test_drafting_cost_missing_from_the_latency_json_is_estimated_from_traces(tmp_path):
-    bench, traces, lat = _make_inputs(tmp_path, draft_overhead_ms=1.5)
+@pytest.mark.parametrize("calibrated_ms", [0.0, 0.5])
+def test_drafting_cost_missing_from_the_latency_json_is_estimated_from_traces(tmp_path, calibrated_ms):
+    """The traces' host work per forward is the whole of it, whatever calibrate's share was: the
+    sim charged with it drafts what the "runtime" paid (not calibrate's 0.5 replaced by 1.0)."""
+    bench, traces, lat = _make_inputs(tmp_path, draft_overhead_ms=1.5, calibrated_ms=calibrated_ms)
     out = tmp_path / "o"
     base = ["--bench", str(bench), "--traces", str(traces), "--latency", str(lat), "--requests", "30",
             "--n-seeds", "1", "--tree-pool", "512"]
