@@ -59,5 +59,4 @@ class CostAwareBranching(ExpectedAcceptanceBranching):
 
     def block_widths(self, parent_score, cand_logprob, bucket, budget_left, seed_ok, bucket_prob=None):
         v = self.node_values(parent_score, cand_logprob, seed_ok, bucket_prob)
-        n = self.nodes_worth(v, budget_left)
-        return super().block_widths(parent_score, cand_logprob, bucket, n, seed_ok, bucket_prob)
+        return self.best_nodes(v, self.nodes_worth(v, budget_left))

@@ -101,7 +101,10 @@ class ExpectedAcceptanceBranching(TreePolicy):
         return reach[..., None] * falling(p)
 
     def block_widths(self, parent_score, cand_logprob, bucket, budget_left, seed_ok, bucket_prob=None):
-        v = self.node_values(parent_score, cand_logprob, seed_ok, bucket_prob)
+        return self.best_nodes(self.node_values(parent_score, cand_logprob, seed_ok, bucket_prob), budget_left)
+
+    def best_nodes(self, v: np.ndarray, budget_left: int) -> tuple[np.ndarray, np.ndarray]:
+        """Widths ``[S, K]`` (and no cuts) keeping the ``budget_left`` most valuable of nodes ``v``."""
         s, kd, k = v.shape
         flat = v.reshape(-1)
         order = np.argsort(-flat, kind="stable")[: max(int(budget_left), 0)]  # ties: (seed, depth, rank) order

@@ -204,7 +204,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="time the compiled target and SpecBlock's compiled block (the CLI's --compile)")
     ap.add_argument("--eager-drafter", action="store_true",
-                    help="time SpecBlock's block 1 eager where its serving.json names drafter_compiled (the CLI's flag)")
+                    help="time SpecBlock's block 1 eager where its serving.json names drafter_compiled or --compile "
+                         "would compile it (the CLI's flag)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default), as bench's")
     args = ap.parse_args(argv)
     if args.reps < 1:
@@ -240,7 +241,7 @@ def main(argv: list[str]) -> int:
     drafters = {}
     if (drafter_dir / "specblock" / "config.json").is_file():
         served = serving_settings("specblock", target, {"drafter": str(drafter_dir / "specblock")})
-        compiled = args.compile or (drafter_compiled(served, False) and not args.eager_drafter)
+        compiled = drafter_compiled(served, args.compile, args.eager_drafter)  # as the CLI serves it
         drafters["specblock"] = time_specblock(target, drafter_dir / "specblock", args.reps, rng, compiled)
     device = f"{target.device.type}: {torch.get_num_threads()} threads, {cpu_model()} ({cpu_kind()})"
     result = {"version": 1, "device": device, "dtype": args.dtype, "compiled": args.compile,

@@ -190,8 +190,7 @@ class Session:
         opts = drafters.serving_settings(cfg.method, target, cfg.drafter_options())
         budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
         warm = drafters.warm_sizes(opts)
-        # serving.json's choice, else --compile's; --eager-drafter over both
-        drafter_compiled = drafters.drafter_compiled(opts, cfg.compile) and not cfg.eager_drafter
+        drafter_compiled = drafters.drafter_compiled(opts, cfg.compile, cfg.eager_drafter)
         drafter, adapter = drafters.build(cfg.method, target, opts), None
         if drafter_compiled and not cfg.adapt:  # an adapting drafter's weights change while it serves
             drafter = maybe_compile_drafter(drafter, target)

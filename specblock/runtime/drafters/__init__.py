@@ -243,14 +243,15 @@ def warm_sizes(opts: dict) -> tuple[int, ...] | None:
     return tuple(sizes) if sizes else None
 
 
-def drafter_compiled(opts: dict, default: bool) -> bool:
+def drafter_compiled(opts: dict, default: bool, eager: bool = False) -> bool:
     """Pop a serving.json's ``drafter_compiled``: whether the drafter's step runs compiled beside this
-    target, ``default`` (the target's own mode) where the file says nothing. Beside an eager target
-    it pays where the CPU charges per dispatched op: SpecBlock's two-layer step beside the eager q4
-    target on a Zen 5 (``bench_smollm2_zen5_drafter_compiled_tune_s72.md``). The caller compiles
-    (``compiled/`` sits above the drafters); not a drafter's option."""
+    target, ``default`` (the target's own mode) where the file says nothing, never with ``eager``
+    (``--eager-drafter``). Beside an eager target it pays where the CPU charges per dispatched op:
+    SpecBlock's two-layer step beside the eager q4 target on a Zen 5
+    (``bench_smollm2_zen5_drafter_compiled_tune_s72.md``). The caller compiles (``compiled/`` sits
+    above the drafters); not a drafter's option. One rule for the CLI, the server and ``calibrate``."""
     value = opts.pop("drafter_compiled", None)
-    return default if value is None else value
+    return (default if value is None else value) and not eager
 
 
 def serving_settings(name: str, target, options: dict) -> dict:
