@@ -39,7 +39,7 @@ def cpu_model() -> str:
 
 def cpu_kind() -> str:
     """This CPU's kind (``CPU_KINDS``): AMX tiles (Intel Sapphire Rapids on), AVX512-BF16 without
-    them (AMD Zen 4-5: packed-q4-amx on dot products, where a tree row costs more), AVX512, other.
+    them (AMD Zen 4-5: q4 on the int8 kernel, where a tree row costs more than on tiles), AVX512, other.
     The best method and node budget differ between them (EAGLE-3's budget 1 measured best on a
     Zen 5 and worst on an AMX Xeon), so a measured choice may say where it holds."""
     f = cpu_flags()

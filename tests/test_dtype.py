@@ -1,7 +1,6 @@
 """``--dtype auto``: packed-fp16 on CPUs with fbgemm (x86), native bf16 or not; bf16 elsewhere; for a
-target with its checkpoint's 4-bit codes packed-q4-amx (AVX512-BF16: AMX tiles or dot products) or packed-q4
-(AVX512); resolved in one
-place, recorded as resolved."""
+target with its checkpoint's 4-bit codes packed-q4-amx (AMX tiles, or AVX512-BF16 without VNNI), q4 (AVX512-BF16
+and VNNI without tiles: the int8 kernel) or packed-q4 (AVX512); resolved in one place, recorded as resolved."""
 
 import json
 
@@ -74,12 +73,24 @@ def test_auto_is_packed_q4_amx_or_packed_q4_for_a_target_with_its_codes(tmp_path
     plain = save_tiny(tmp_path / "t", "llama", vocab=32)
     monkeypatch.setattr(target_mod, "packed_available", lambda: True)
     monkeypatch.setattr(q4_kernel, "amx_cpu", lambda: True)
+    monkeypatch.setattr(q4_kernel, "amx_tiles", lambda: True)  # AMX tiles: packed-q4-amx, VNNI or not
+    monkeypatch.setattr(q4_kernel, "vnni_supports", lambda: True)
     assert resolve_dtype("auto", CPU, with_codes) == "packed-q4-amx"
     assert resolve_dtype("auto", CPU, "smollm2-135m-instruct") == "packed-q4-amx"  # built from its Q4_1 GGUF, built or not
     assert resolve_dtype("auto", CPU, plain) == resolve_dtype("auto", CPU, "lab") == "packed-fp16"
     assert resolve_dtype("auto", CPU) == "packed-fp16"  # a caller that does not know the target
     assert resolve_dtype("packed-fp16", CPU, with_codes) == "packed-fp16"  # an explicit name stays
     assert RunConfig(target=str(with_codes), method="auto").method == "lookup"  # no best.json: auto's record looked up, none
+    monkeypatch.setattr(q4_kernel, "amx_tiles", lambda: False)  # AVX512-BF16 and VNNI without tiles (Zen 4/5): q4
+    assert resolve_dtype("auto", CPU, with_codes) == resolve_dtype("auto", CPU, "smollm2-135m-instruct") == "q4"
+    assert resolve_dtype("auto", CPU, plain) == "packed-fp16"
+    monkeypatch.setenv("SPECBLOCK_Q4_KERNEL", "fp32")  # q4 would not run on the int8 kernel: packed-q4-amx again
+    assert resolve_dtype("auto", CPU, with_codes) == "packed-q4-amx"
+    monkeypatch.setenv("SPECBLOCK_Q4_KERNEL", "int8")
+    assert resolve_dtype("auto", CPU, with_codes) == "q4"
+    monkeypatch.delenv("SPECBLOCK_Q4_KERNEL")
+    monkeypatch.setattr(q4_kernel, "vnni_supports", lambda: False)  # BF16 without VNNI or tiles: packed-q4-amx
+    assert resolve_dtype("auto", CPU, with_codes) == "packed-q4-amx"
     monkeypatch.setattr(q4_kernel, "amx_cpu", lambda: False)  # a CPU with AVX512 but not BF16: packed-q4
     monkeypatch.setattr(q4_kernel, "cpu_supports", lambda: True)
     assert resolve_dtype("auto", CPU, with_codes) == resolve_dtype("auto", CPU, "smollm2-135m-instruct") == "packed-q4"
@@ -101,6 +112,7 @@ def test_auto_falls_back_to_packed_fp16_where_the_load_refuses_the_codes(tmp_pat
     path = save_tiny_q4(tmp_path / "other", layers=1)
     monkeypatch.setattr(target_mod, "packed_available", lambda: True)
     monkeypatch.setattr(q4_kernel, "amx_cpu", lambda: True)
+    monkeypatch.setattr(q4_kernel, "amx_tiles", lambda: True)
     assert resolve_dtype("auto", CPU, path) == "packed-q4-amx"
     with pytest.warns(UserWarning, match="auto falls back to packed-fp16"):
         target = TargetModel.load(path, "auto", "cpu")
@@ -113,6 +125,43 @@ def test_auto_falls_back_to_packed_fp16_where_the_load_refuses_the_codes(tmp_pat
     assert resolve_dtype("auto", CPU, path) == "packed-q4"
     with pytest.warns(UserWarning, match="auto falls back to packed-fp16"):
         assert TargetModel.load(path, "auto", "cpu").dtype_name == "packed-fp16"
+    if _int8_kernel_runs():  # auto's q4 (AVX512-BF16 and VNNI, no tiles): the same check
+        monkeypatch.setattr(q4_kernel, "amx_cpu", lambda: True)
+        monkeypatch.setattr(q4_kernel, "amx_tiles", lambda: False)
+        assert resolve_dtype("auto", CPU, path) == "q4"
+        with pytest.warns(UserWarning, match="auto falls back to packed-fp16"):
+            assert TargetModel.load(path, "auto", "cpu").dtype_name == "packed-fp16"
+        assert TargetModel.load(path, "q4", "cpu").dtype_name == "q4"  # asked by name: the file's codes, as before
+
+
+def _int8_kernel_runs() -> bool:
+    from specblock.runtime import q4_kernel
+
+    return q4_kernel.vnni_supports() and q4_kernel.load()
+
+
+@pytest.mark.skipif(not _int8_kernel_runs(), reason="auto's q4 runs on the int8 kernel, which needs AVX512-VNNI")
+def test_auto_q4_serves_the_checkpoints_codes_on_the_int8_kernel(tmp_path, monkeypatch):
+    """Where auto is q4 (AVX512-BF16 and VNNI, no AMX tiles), a model whose codes are its
+    checkpoint's is served from them on the int8 kernel; with SPECBLOCK_Q4_KERNEL=bf16 the
+    load refuses them first (auto then chooses packed fp16 before loading)."""
+    from specblock.runtime import q4, q4_kernel
+    from specblock.runtime.q4 import use_q4_linears
+    from tiny import save_tiny_packed_q4
+
+    path = save_tiny_packed_q4(tmp_path / "q", layers=1)
+    monkeypatch.setattr(target_mod, "packed_available", lambda: True)
+    monkeypatch.setattr(q4_kernel, "amx_cpu", lambda: True)
+    monkeypatch.setattr(q4_kernel, "amx_tiles", lambda: False)
+    target = TargetModel.load(path, "auto", "cpu")
+    assert target.dtype_name == "q4"
+    kernels = {m.kernel for m in target.model.modules() if hasattr(m, "kernel")}
+    assert kernels == {"int8"}, kernels
+    plain = TargetModel.load(path, "float32", "cpu").model
+    monkeypatch.setattr(q4, "default_kernel", lambda: "fp32")  # the int8 kernel cannot run: auto's q4 refuses
+    with pytest.raises(SpecBlockError, match="int8 kernel"):
+        use_q4_linears(plain, path, check=True)
+    assert not any(hasattr(m, "kernel") for m in plain.modules())  # nothing replaced
 
 
 def test_packed_q4_amx_is_asked_of_avx512_bf16_with_or_without_tiles(monkeypatch):

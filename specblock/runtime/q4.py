@@ -301,9 +301,15 @@ def use_int8_linears(model: nn.Module, bits: int = 8) -> int:
     return len(found)
 
 
-def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None, bf16: bool = False) -> int:
+def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None, bf16: bool = False,
+                   check: bool = False) -> int:
     """Replace each ``nn.Linear`` of an fp32 CPU model that ``path/q4_1.safetensors`` holds; returns
     how many. ``kernel`` None: :func:`default_kernel`.
+
+    ``check`` (``--dtype auto``'s q4): the codes are checked against the checkpoint as ``bf16``'s are,
+    and the int8 kernel is required, so that auto serves a model's own Q4_1 weights on the kernel it
+    was measured on, or refuses before any linear is replaced (auto then takes packed fp16). An
+    explicit ``--dtype q4`` serves whatever codes the file holds, on ``default_kernel``'s kernel.
 
     ``bf16`` (``--dtype packed-q4``): the model keeps its checkpoint's weights, bit for bit. Where the
     checkpoint is the GGUF's dequantization rounded to bf16 (``models/convert.py``), each weight is
@@ -331,6 +337,9 @@ def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None, bf16
         if amx and not q4_kernel.amx_supports():
             raise SpecBlockError(f"--dtype {PACKED_Q4_AMX} needs AMX-BF16 or AVX512-BF16 (Intel Xeon from Cooper Lake on, "
                                  f"AMD from Zen 4 on), which this CPU lacks; use {PACKED_Q4}")
+    elif check and (kernel or default_kernel()) != "int8":
+        raise SpecBlockError(f"--dtype auto's {Q4} runs on our int8 kernel (AVX512-VNNI, a C++ compiler), which "
+                             f"cannot run here; use {PACKED_Q4_AMX}")
     elif not available():
         raise SpecBlockError(f"--dtype {Q4} needs torch's CPU int4 kernel (torch >= 2.6); use packed-fp16")
     f = Path(path) / Q4_FILE
@@ -353,7 +362,7 @@ def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None, bf16
         # --dtype auto can take it as packed fp16 instead).
         q4s = {n: (st.get_tensor(f"{n}.qs"), st.get_tensor(f"{n}.d"), st.get_tensor(f"{n}.m")) for n in sorted(names)}
         q8s = {n: (st.get_tensor(f"{n}.q8"), st.get_tensor(f"{n}.d8")) for n in sorted(q8)}  # torch's int4 kernel has no Q8_0
-    if bf16:
+    if bf16 or check:
         for name, (qs, d, m) in q4s.items():
             _check_rounding(name, dequantize_q4_1(qs[:CHECK_ROWS], d[:CHECK_ROWS], m[:CHECK_ROWS]), mods[name].weight, f)
         for name, (q, d) in q8s.items():
@@ -385,4 +394,4 @@ CHECK_ROWS = 16
 def _check_rounding(name: str, values: torch.Tensor, weight: torch.Tensor, f: Path) -> None:
     if not torch.equal(values.bfloat16().float(), weight[:values.shape[0]]):
         raise SpecBlockError(f"{f}: {name}'s 4-bit weights rounded to bf16 are not this checkpoint's "
-                             f"(--dtype {PACKED_Q4} and {PACKED_Q4_AMX} need the checkpoint a Q4_1 GGUF was converted to); use packed-fp16")
+                             f"(--dtype {PACKED_Q4}, {PACKED_Q4_AMX} and auto's {Q4} need the checkpoint a Q4_1 GGUF was converted to); use packed-fp16")

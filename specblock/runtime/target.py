@@ -12,6 +12,7 @@ L-1 (our choice). ``hidden_states[i]`` of HF's output is the input of layer i.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +64,8 @@ def native_bf16(device: torch.device) -> bool:
 
 
 #: The one line every ``--dtype`` help prints: what ``auto`` picks and why.
-DTYPE_HELP = (f"auto (default): for models converted from a Q4_1 GGUF {PACKED_Q4_AMX} on CPUs with AVX512-BF16, {PACKED_Q4} on other CPUs with AVX512; else "
+DTYPE_HELP = (f"auto (default): for models converted from a Q4_1 GGUF {PACKED_Q4_AMX} on CPUs with AMX tiles, {Q4} on CPUs "
+              f"with AVX512-BF16 and VNNI but no tiles (AMD Zen 4/5), {PACKED_Q4_AMX} on other CPUs with AVX512-BF16, {PACKED_Q4} on other CPUs with AVX512; else "
               f"{PACKED_FP16} (fp16 weights packed for fbgemm, fp32 arithmetic) on x86 CPUs, "
               f"bfloat16 on CUDA and elsewhere (calibrate); {PACKED_Q4}: the bf16 checkpoint's weights read from the "
               f"4-bit codes it was converted from (CPU with AVX512, named models); {PACKED_Q4_AMX}: the same times bf16 activations on AMX tiles (flat tree cost; CPU with AMX-BF16) or AVX512-BF16 dot products; {Q4}: the model's own 4-bit GGUF weights (CPU, named models)")
@@ -72,12 +74,18 @@ DTYPE_HELP = (f"auto (default): for models converted from a Q4_1 GGUF {PACKED_Q4
 def resolve_dtype(name: str, device: str | torch.device = "auto", target: str | Path | None = None) -> str:
     """The target's dtype name, ``auto`` resolved (the one place it is). Explicit names pass as is.
 
-    ``auto`` is packed-q4-amx on a CPU with AVX512-BF16 for a ``target`` (a model name or a directory;
+    ``auto`` is packed-q4-amx on a CPU with AMX tiles for a ``target`` (a model name or a directory;
     None where the caller does not know it) that comes with its checkpoint's 4-bit codes
-    (``models.registry.has_q4_codes``). With AMX tiles ``make run``'s command ran 1.54x packed fp16's
-    tokens/s and trees are nearly flat (stop 68, ``dtype_ab_s68.md``, ``target_speed_amx_s68.md``);
-    without them (AMD Zen 5, its dot-product kernel) as fast as packed-q4 eager and faster compiled
-    (stop 69, ``dtype_ab_zen5_dot7_s69.md``, ``dtype_ab_zen5_dot_compiled_s69.md``). For such a
+    (``models.registry.has_q4_codes``): ``make run``'s command ran 1.54x packed fp16's tokens/s and
+    trees are nearly flat (stop 68, ``dtype_ab_s68.md``, ``target_speed_amx_s68.md``). On a CPU with
+    AVX512-BF16 and VNNI but no tiles (AMD Zen 4 and 5) it is q4 since stop 74: the same codes on the
+    int8 kernel (llama.cpp's arithmetic for a Q4_1 model), checked against the checkpoint at load as
+    packed-q4's are. There T(1) / T(4) / T(8) were 8.7 / 9.5 / 10.3 ms against packed-q4-amx's 9.7 /
+    11.1 / 14.7 on dot products (``latency_smollm2_zen5_q4_s74.json``, ``..._packed_q4_amx_s74.json``),
+    and ``make run``'s command ran 143.1 against 130.3 tokens/s eager and 220.3 against 207.1 compiled,
+    each with its measured method (``dtype_ab_zen5_q4_record_s74.md``, ``..._compiled_s74.md``). Stop 69
+    had chosen packed-q4-amx there when q4 had no measured method yet (``auto`` ran prompt lookup at q4
+    then). For such a
     target on a CPU with AVX512 but not BF16, packed-q4: the checkpoint's weights in fp32 arithmetic,
     ``make run``'s command faster than at packed fp16 (AMD Zen 5 126.6 against 115.3 tokens/s eager and
     209.0 against 152.0 compiled, ``dtype_ab_zen5_s69.md``, ``dtype_ab_zen5_compiled_s69.md``; Intel Xeon
@@ -104,11 +112,16 @@ def resolve_dtype(name: str, device: str | torch.device = "auto", target: str | 
 
 def _q4_for(target: str | Path) -> str | None:
     """auto's choice for a target with its checkpoint's 4-bit codes, by the CPU's flags alone (nothing
-    is built here): packed-q4-amx with AVX512-BF16, packed-q4 with AVX512; None without the codes or either."""
+    is built here): packed-q4-amx with AMX tiles, q4 with AVX512-BF16 and VNNI but no tiles (where the
+    int8 kernel would run: ``SPECBLOCK_Q4_KERNEL`` unset or int8), packed-q4-amx with AVX512-BF16
+    otherwise, packed-q4 with AVX512; None without the codes or any of these."""
     from specblock.models.registry import has_q4_codes
     from specblock.runtime import q4_kernel
 
-    if q4_kernel.amx_cpu():
+    int8 = q4_kernel.vnni_supports() and os.environ.get("SPECBLOCK_Q4_KERNEL", "int8") == "int8"
+    if q4_kernel.amx_cpu() and not q4_kernel.amx_tiles() and int8:
+        kind = Q4
+    elif q4_kernel.amx_cpu():
         kind = PACKED_Q4_AMX
     elif q4_kernel.cpu_supports() and not q4_kernel.torch_asked():
         kind = PACKED_Q4
@@ -347,7 +360,8 @@ def load_causal_lm(
     model = model.to(resolve_device(device))
     if dtype in (Q4, PACKED_Q4, PACKED_Q4_AMX):  # before packing: what the file does not hold is packed below
         try:
-            use_q4_linears(model, path, kernel="amx" if dtype == PACKED_Q4_AMX else None, bf16=dtype != Q4)
+            use_q4_linears(model, path, kernel="amx" if dtype == PACKED_Q4_AMX else None, bf16=dtype != Q4,
+                           check=asked == "auto")  # auto's q4 serves the codes only where they are the checkpoint's
         except SpecBlockError as e:
             if asked != "auto":
                 raise
