@@ -5,7 +5,7 @@
 
 Why: the feature cache (taps, soft targets, argmax) is computed once in one dtype (its manifest says
 ``bfloat16``), while the bench serves the target in another (``--dtype auto``: packed-q4-amx on this
-CPU). Each is lossless against itself, but a drafter learns the cache's target: where the served
+CPU until stop 73, q4 since stop 74). Each is lossless against itself, but a drafter learns the cache's target: where the served
 target's argmax differs from it, a drafter that learnt its lesson still misses. Teacher-forced over
 the served target's own greedy answers to each domain's prompts (the tune split by default, which
 no table reports), the share of answer positions where the argmaxes agree, for the served dtype
