@@ -65,7 +65,7 @@ def test_bench_records_resolved_dtype(tmp_path, monkeypatch):
     assert json.loads(out.with_suffix(".json").read_text())["config"]["dtype"] == "bfloat16"
 
 
-def test_auto_is_packed_q4_amx_or_packed_q4_for_a_target_with_its_codes(tmp_path, monkeypatch):
+def test_auto_is_packed_q4_amx_q4_or_packed_q4_for_a_target_with_its_codes(tmp_path, monkeypatch):
     from specblock.runtime import q4_kernel
     from tiny import save_tiny_packed_q4
 
