@@ -82,8 +82,9 @@ def resolve_dtype(name: str, device: str | torch.device = "auto", target: str | 
     int8 kernel (llama.cpp's arithmetic for a Q4_1 model), checked against the checkpoint at load as
     packed-q4's are. There T(1) / T(4) / T(8) were 8.7 / 9.5 / 10.3 ms against packed-q4-amx's 9.7 /
     11.1 / 14.7 on dot products (``latency_smollm2_zen5_q4_s74.json``, ``..._packed_q4_amx_s74.json``),
-    and ``make run``'s command ran 143.1 against 130.3 tokens/s eager and 220.3 against 207.1 compiled,
-    each with its measured method (``dtype_ab_zen5_q4_record_s74.md``, ``..._compiled_s74.md``). Stop 69
+    and ``make run``'s command ran 131.1 against 115.7 tokens/s eager (EAGLE-3 with lookup's branch at
+    both) and 220.3 against 207.1 compiled, each with its measured method (``dtype_ab_zen5_q4_final_s74.md``,
+    ``dtype_ab_zen5_q4_compiled_s74.md``). Stop 69
     had chosen packed-q4-amx there when q4 had no measured method yet (``auto`` ran prompt lookup at q4
     then). For such a
     target on a CPU with AVX512 but not BF16, packed-q4: the checkpoint's weights in fp32 arithmetic,
