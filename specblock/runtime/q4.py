@@ -337,9 +337,11 @@ def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None, bf16
         if amx and not q4_kernel.amx_supports():
             raise SpecBlockError(f"--dtype {PACKED_Q4_AMX} needs AMX-BF16 or AVX512-BF16 (Intel Xeon from Cooper Lake on, "
                                  f"AMD from Zen 4 on), which this CPU lacks; use {PACKED_Q4}")
-    elif check and (kernel or default_kernel()) != "int8":
-        raise SpecBlockError(f"--dtype auto's {Q4} runs on our int8 kernel (AVX512-VNNI, a C++ compiler), which "
-                             f"cannot run here; use {PACKED_Q4_AMX}")
+    elif check:
+        kernel = kernel or default_kernel()
+        if kernel != "int8":
+            raise SpecBlockError(f"--dtype auto's {Q4} runs on our int8 kernel (AVX512-VNNI, a C++ compiler), which "
+                                 f"cannot run here; use {PACKED_Q4_AMX}")
     elif not available():
         raise SpecBlockError(f"--dtype {Q4} needs torch's CPU int4 kernel (torch >= 2.6); use packed-fp16")
     f = Path(path) / Q4_FILE

@@ -111,6 +111,13 @@ def torch_asked() -> bool:
     return os.environ.get("SPECBLOCK_Q4_KERNEL", "fp32") == "bf16"
 
 
+def int8_cpu() -> bool:
+    """Whether q4 would run on the int8 kernel here, by the CPU's flags and ``SPECBLOCK_Q4_KERNEL``
+    (unset or ``int8``) alone, nothing built: what ``--dtype auto`` asks before choosing q4
+    (``q4.default_kernel`` builds and says the same where the build succeeds)."""
+    return vnni_supports() and os.environ.get("SPECBLOCK_Q4_KERNEL", "int8") == "int8"
+
+
 def start_building() -> None:
     """``load``'s build begun in the background where it would run: a q4 target's, or the int8
     linears of drafters beside a packed one (``drafters.int8_drafters``)."""

@@ -12,7 +12,6 @@ L-1 (our choice). ``hidden_states[i]`` of HF's output is the input of layer i.
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,8 +118,7 @@ def _q4_for(target: str | Path) -> str | None:
     from specblock.models.registry import has_q4_codes
     from specblock.runtime import q4_kernel
 
-    int8 = q4_kernel.vnni_supports() and os.environ.get("SPECBLOCK_Q4_KERNEL", "int8") == "int8"
-    if q4_kernel.amx_cpu() and not q4_kernel.amx_tiles() and int8:
+    if q4_kernel.amx_cpu() and not q4_kernel.amx_tiles() and q4_kernel.int8_cpu():
         kind = Q4
     elif q4_kernel.amx_cpu():
         kind = PACKED_Q4_AMX
