@@ -17,7 +17,7 @@ REFS=$H/data/reference/$T        # reference answers from ../shared/data in the 
 ASK=$H/data/chatgen-ask/$T       # the target's own answers to instructions it wrote itself (selfask, then chatgen)
 ASKS=("$ASK")                    # ... and to those of selfask's other seeds (chatgen-ask-sN, shards askN_*), where made
 for d in "$H"/data/chatgen-ask-s*/$T; do [[ -f $d/manifest.json ]] && ASKS+=("$d"); done
-FEAT=$H/features/$T              # taps, top hidden state, top-8 soft targets (memory-mapped .npy)
+FEAT=${FEAT:-$H/features/$T}     # taps, top hidden state, top-8 soft targets (memory-mapped .npy); FEAT= another cache
 RUN=${RUN:-$H/runs/$T/specblock} # checkpoints and metrics.jsonl of the SpecBlock drafter
 OUT=specblock/assets/drafters/$T/specblock
 # Each method's architecture flags, shared by its training and any fine-tune of it (a fine-tune must match them)
@@ -66,7 +66,8 @@ case "${1:-}" in
     $PY -m specblock.training refanswers --target $T --out $REFS ;;
   features)  # 2. the feature cache: every finished chatgen shard first, then reference shards (--follow: wait for more;
     #            69 reference shards of ~70k tokens wait, ~8 min each: MAX_SHARDS=n or MAX_MINUTES=m bound a run)
-    #            (reference shards only where `refs` has run; FEAT_DTYPE= / THREADS= as for data)
+    #            (reference shards only where `refs` has run; FEAT_DTYPE= / THREADS= as for data; FEAT_DTYPE=q4: the target
+    #            as --dtype q4 serves it, one sequence a forward, into FEAT=$H/features/$T-q4 say: 11.8 min on the Zen 5, 2 threads)
     SRC=(--data "$DATA")
     for d in "${ASKS[@]}"; do [[ -f $d/manifest.json ]] && SRC+=(--data "$d"); done
     [[ -f $REFS/manifest.json ]] && SRC+=(--data "$REFS")

@@ -16,15 +16,15 @@ from specblock.training.featcache import FeatureCache, as_tensor, build_cache, t
 from tests.tiny import save_tiny
 
 
-def _fake_chatgen(data, target_dir, shards: int = 2, seed: int = 0) -> None:
+def _fake_chatgen(data, target_dir, shards: int = 2, seed: int = 0, vocab: int = 64) -> None:
     """A chatgen directory as chatgen writes it (answers need not be the model's: features do not care)."""
     rng = np.random.default_rng(seed)
     data.mkdir()
     man = {"target": "tiny", "target_sha256": target_identity(target_dir)["weights_sha256"], "heldout_shards": [0],
            "shards": {}}
     for s in range(shards):
-        rows = [{"id": f"{s}/{i}", "domain": "chat", "prompt_ids": rng.integers(3, 64, int(rng.integers(3, 9))).tolist(),
-                 "answer_ids": rng.integers(3, 64, int(rng.integers(1, 20))).tolist(), "stopped": True} for i in range(5)]
+        rows = [{"id": f"{s}/{i}", "domain": "chat", "prompt_ids": rng.integers(3, vocab, int(rng.integers(3, 9))).tolist(),
+                 "answer_ids": rng.integers(3, vocab, int(rng.integers(1, 20))).tolist(), "stopped": True} for i in range(5)]
         (data / f"shard_{s:05d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         man["shards"][f"shard_{s:05d}"] = {"sequences": 5}
     (data / "manifest.json").write_text(json.dumps(man))
@@ -89,6 +89,36 @@ def test_bf16_features_stored_bit_exact(setup, tmp_path):
         ref = model(torch.tensor([seq]), output_hidden_states=True)
     got = as_tensor(sh.top[:len(seq)], cache.bf16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, ref.hidden_states[-1][0])
+
+
+def test_q4_features_are_the_served_targets_bit_for_bit(tmp_path):
+    """``--dtype q4``: each sequence's taps equal what the served q4 target's prefill hands a drafter,
+    and its soft targets the served logits' top-k; the cache says q4, and another dtype cannot carry it on."""
+    from specblock.runtime.target import TargetModel
+    from tests.tiny import Q4_VOCAB, save_tiny_q4
+
+    target = save_tiny_q4(tmp_path / "t", layers=9)
+    data = tmp_path / "gen"
+    _fake_chatgen(data, target, vocab=Q4_VOCAB)
+    served = TargetModel.load(target, "q4", "cpu")
+    served.want_features = True
+    out = tmp_path / "cache"
+    man = build_cache(data, out, target, served.model, k=4, max_shards=1, log=lambda s: None)
+    assert man["dtype"] == "q4"
+    cache = FeatureCache(out, target)
+    cache.verify()
+    assert not cache.bf16
+    sh = cache.shard("shard_00000")
+    for i in range(len(sh.offsets) - 1):
+        a, b = int(sh.offsets[i]), int(sh.offsets[i + 1])
+        got = served.prefill(np.array(sh.tokens[a:b]))  # taps at every position, logits at the last
+        assert torch.equal(as_tensor(sh.taps[a:b], cache.bf16), got.taps)
+        assert torch.equal(as_tensor(sh.top[a:b], cache.bf16), got.top)
+        lp, ids = torch.log_softmax(got.logits[-1].float(), -1).topk(4)
+        assert torch.equal(torch.from_numpy(np.array(sh.topk_ids[b - 1])), ids.int())
+    fp32 = load_causal_lm(target, "float32", "cpu", "sdpa", False).eval()
+    with pytest.raises(SpecBlockError, match="pass the same settings"):
+        build_cache(data, out, target, fp32, k=4, log=lambda s: None)
 
 
 def test_refuses_another_target(setup, tmp_path):

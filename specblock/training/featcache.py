@@ -17,6 +17,14 @@ shard's sequences concatenated (prompt then answer, ``offsets`` [n+1] marks wher
 - ``topk_ids`` [T, k] int32 and ``topk_logp`` [T, k] float32: the target's k most likely next
   tokens and their log-probabilities over the whole vocabulary.
 
+``--dtype q4`` computes them with the target as ``--dtype q4`` serves it (its GGUF codes on our
+kernels, ``runtime.target.TargetModel``), stored as float32, one sequence a forward. Why: at q4 the
+served target agrees with the bf16 model on about 97% of next tokens, and a drafter trained on bf16
+features meets other taps and other soft targets when it serves. One sequence a forward because
+q4's forward is not batch-invariant (a 1e-3 difference after the second layer in a batch of two,
+which the int8 kernel's rounding of activations turns into other tokens), while serving runs one
+sequence; alone, each sequence's taps equal the served prefill's bit for bit (``tests/test_featcache.py``).
+
 ``manifest.json`` holds the target's name and weights sha256, the taps, k, per-shard token counts,
 bytes and the sha256 of every file. Resumable (a shard is written to a temp directory then
 renamed; shards in the manifest are skipped); a cache made for another target is refused.
@@ -92,7 +100,9 @@ def sequence_features(model, seqs: list[list[int]], taps: tuple[int, ...], k: in
     width = max(len(s) for s in seqs)
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-    with torch.no_grad():
+    from specblock.runtime import exact_parts
+
+    with torch.no_grad(), exact_parts.rotary_op(model):  # as the served target runs (a no-op where not prepared)
         out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         hs = out.hidden_states
         tap = torch.cat([hs[i] for i in taps], dim=-1)
@@ -244,17 +254,35 @@ def pending(data: list[Path], out: Path, man: dict) -> list[tuple[Path, str]]:
     return todo
 
 
+#: The ``--dtype`` of a cache computed with the served q4 target (its arrays are float32).
+Q4 = "q4"
+
+
+def served_dtype(model) -> str:
+    """The manifest's ``dtype``: ``q4`` for a model whose linears are our q4 ones, else ``bfloat16``
+    or ``float32`` by its torch dtype."""
+    import torch
+
+    from specblock.runtime.target import dtype_name_of
+
+    if dtype_name_of(model, model.dtype) == Q4:
+        return Q4
+    return "bfloat16" if model.dtype == torch.bfloat16 else "float32"
+
+
 def build_cache(data: Path | list[Path], out: Path, target_dir: Path, model, k: int = 8, batch_tokens: int = 2048,
                 max_shards: int | None = None, max_minutes: float | None = None, log=print) -> dict:
     """Features for every shard of ``data`` (one directory or several) not yet in ``out``;
-    returns the manifest."""
+    returns the manifest. A q4 ``model`` (``served_dtype``) runs one sequence a forward."""
     data = [data] if isinstance(data, Path) else list(data)
     gens = [check_sources(d, out, target_dir)[0] for d in data]
     ident = target_identity(target_dir)
     from specblock.runtime.target import default_taps
 
     taps = tuple(default_taps(model.config.num_hidden_layers))
-    dtype = "bfloat16" if str(model.dtype) == "torch.bfloat16" else "float32"
+    dtype = served_dtype(model)
+    if dtype == Q4:
+        batch_tokens = 1  # one sequence a batch: q4's forward is not batch-invariant (module docstring)
     settings = {"taps": list(taps), "k": k, "dtype": dtype, "hidden_size": model.config.hidden_size}
     out.mkdir(parents=True, exist_ok=True)
     man = open_manifest(out, ident, settings)
@@ -289,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--k", type=int, default=8, help="soft targets kept per position")
     ap.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per target forward")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", Q4],
+                    help="the target's dtype; q4: as --dtype q4 serves it, one sequence a forward")
     ap.add_argument("--max-shards", type=int, default=None)
     ap.add_argument("--max-minutes", type=float, default=None)
     ap.add_argument("--follow", action="store_true",
@@ -307,7 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     target_dir = resolve_target(args.target)
     for d in args.data:
         check_sources(d, args.out, target_dir)
-    model = load_causal_lm(target_dir, args.dtype, "cpu", "sdpa", False).eval()
+    if args.dtype == Q4:
+        from specblock.runtime.target import TargetModel
+
+        model = TargetModel.load(target_dir, Q4, "cpu").model.eval()
+    else:
+        model = load_causal_lm(target_dir, args.dtype, "cpu", "sdpa", False).eval()
     t0, man, added = time.perf_counter(), {}, 0
     while True:
         left = None if args.max_minutes is None else args.max_minutes - (time.perf_counter() - t0) / 60
