@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import argparse as _ap
 import json
+import sys
 from pathlib import Path
 
 from specblock.atomic import write_atomic
@@ -189,10 +190,17 @@ def card(run: dict, last: dict, gen: dict, refs: dict | None, feat: dict, net, t
 """
 
 
+def refuse(why: str) -> None:
+    """One line on stderr and exit 2, before anything is written."""
+    print(f"error: {why}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", type=Path, required=True)
-    ap.add_argument("--features", type=Path, required=True)
+    ap.add_argument("--features", type=Path, default=None,
+                    help="the feature cache the run trained on, for the card (default: the one its flags name)")
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--refs", type=Path, default=None, help="the refanswers directory, when the cache holds reference shards")
     ap.add_argument("--ask", type=Path, action="append", default=[],
@@ -201,6 +209,15 @@ def main() -> None:
     args = ap.parse_args()
     run = load_checkpoint(args.run_dir / CKPT)
     targs = _ap.Namespace(**run["args"])
+    trained_on = getattr(targs, "features", None)
+    if args.features is None and trained_on is None:
+        refuse(f"{args.run_dir} trained without a feature cache; pass --features for the card")
+    if args.features is None:
+        args.features = Path(trained_on)
+    elif trained_on is not None and Path(trained_on).resolve() != args.features.resolve():
+        # the card's feature totals and target dtype come from this cache: another one would misstate them
+        refuse(f"{args.run_dir} trained on the feature cache {trained_on}, not {args.features}; "
+               "pass that one (or leave --features out)")
     targs.d2t = run["net"].get("d2t")  # the flags keep only a string of it; the weights hold the map
     target = load_causal_lm(targs.target, "bfloat16", "cpu", "sdpa", False)
     net = recipes.get(run["method"]).build(target, targs)

@@ -70,6 +70,14 @@ def test_a_fine_tune_card_names_its_source_and_mix(tmp_path, monkeypatch):
     out = tmp_path / "exported"
     out.mkdir()
     (out / "serving.json").write_text('{"budget": 3}')  # a re-export keeps the measured serving settings
+    # another cache than the one the run trained on would misstate the card: refused, nothing written
+    other = tmp_path / "other_cache"
+    other.mkdir()
+    monkeypatch.setattr(sys, "argv", ["export_drafter.py", "--run-dir", str(tmp_path / "base-ft"), "--features", str(other),
+                                      "--data", str(tmp_path / "gen"), "--out", str(out)])
+    with pytest.raises(SystemExit) as stop:
+        mod.main()
+    assert stop.value.code == 2 and sorted(p.name for p in out.iterdir()) == ["serving.json"]
     monkeypatch.setattr(sys, "argv", ["export_drafter.py", "--run-dir", str(tmp_path / "base-ft"), "--features", str(cache),
                                       "--data", str(tmp_path / "gen"), "--out", str(out)])
     mod.main()
