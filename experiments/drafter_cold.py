@@ -155,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                 {"way": "grow_block, in the decode loop", "calls": len(grow_loop), "median_ms": median_ms(grow_loop)}]
     lines = [f"`python experiments/drafter_cold.py --dtype {args.dtype} --domains {args.domains} --tokens {args.tokens} "
              f"--reps {args.reps} --rounds {args.rounds} --flush-mb {args.flush_mb} --threads {args.threads} --out {args.out}`: "
-             f"SpecBlock's compiled block call for 4 new positions, and the tree's growth after it, median ms. The drafter's served parameters and "
-             f"buffers (embedding excluded): {weights / 1e6:.1f} MB; the flush read {gbps:.1f} GB/s. The loop's calls by "
+             f"SpecBlock's compiled block call for 4 new positions, and the tree's growth after it, median ms. "
+             f"The drafter's served weights (embedding excluded): {weights / 1e6:.1f} MB; the flush read {gbps:.1f} GB/s. The loop's calls by "
              f"row bucket: " + ", ".join(f"{b} rows {n}" for b, n in sorted(buckets.items())) + ".", "",
              "| way | calls | median ms |", "|---|---|---|"]
     lines += [f"| {r['way']} | {r['calls']} | {r['median_ms']:.3f} |" for r in rows_out]
