@@ -21,9 +21,9 @@ shard's sequences concatenated (prompt then answer, ``offsets`` [n+1] marks wher
 kernels, ``runtime.target.TargetModel``), stored as float32, one sequence a forward. Why: at q4 the
 served target agrees with the bf16 model on about 97% of next tokens, and a drafter trained on bf16
 features meets other taps and other soft targets when it serves. One sequence a forward because
-q4's forward is not batch-invariant (a 1e-3 difference after the second layer in a batch of two,
-which the int8 kernel's rounding of activations turns into other tokens), while serving runs one
-sequence; alone, each sequence's taps equal the served prefill's bit for bit (``tests/test_featcache.py``).
+q4's forward is not batch-invariant (in a batch of two, 1e-5 after the first layer and 1e-2 after
+the second, which the int8 kernel's rounding of activations turns into other tokens:
+``experiments/q4_batch_invariance.py``), while serving runs one sequence; alone, each sequence's taps equal the served prefill's bit for bit (``tests/test_featcache.py``).
 
 ``manifest.json`` holds the target's name and weights sha256, the taps, k, per-shard token counts,
 bytes and the sha256 of every file. Resumable (a shard is written to a temp directory then
