@@ -88,6 +88,8 @@ def test_auto_is_packed_q4_amx_q4_or_packed_q4_for_a_target_with_its_codes(tmp_p
     assert resolve_dtype("auto", CPU, with_codes) == "packed-q4-amx"
     monkeypatch.setenv("SPECBLOCK_Q4_KERNEL", "int8")
     assert resolve_dtype("auto", CPU, with_codes) == "q4"
+    monkeypatch.setenv("SPECBLOCK_Q4_KERNEL", "")  # empty is unset, as q4.default_kernel reads it: the int8 kernel
+    assert resolve_dtype("auto", CPU, with_codes) == "q4"
     monkeypatch.delenv("SPECBLOCK_Q4_KERNEL")
     monkeypatch.setattr(q4_kernel, "vnni_supports", lambda: False)  # BF16 without VNNI or tiles: packed-q4-amx
     assert resolve_dtype("auto", CPU, with_codes) == "packed-q4-amx"

@@ -61,7 +61,6 @@ another order than the tiles', so there it is that kernel's own model, held to i
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -84,7 +83,7 @@ OURS = ("int8", "fp32", "amx")  # the kernels of ``runtime/q4_kernel.py``
 def default_kernel() -> str:
     """``SPECBLOCK_Q4_KERNEL`` if set; else ours: int8 where the CPU has AVX512-VNNI, fp32 where
     it has AVX512; else torch's (``q4_kernel.load`` warns once why)."""
-    asked = os.environ.get("SPECBLOCK_Q4_KERNEL")
+    asked = q4_kernel.asked_kernel()
     if asked:
         q4_kernels = [k for k in KERNELS if k != "amx"]  # amx runs packed-q4-amx's bf16 weights only: a dtype of its own
         if asked not in q4_kernels:
@@ -329,7 +328,7 @@ def use_q4_linears(model: nn.Module, path: Path, kernel: str | None = None, bf16
         if kernel not in (None, "fp32", "amx"):
             raise SpecBlockError(f"--dtype {PACKED_Q4} runs on the fp32 q4 kernel, not {kernel!r}")
         kernel = kernel or "fp32"
-        if os.environ.get("SPECBLOCK_Q4_KERNEL") == "bf16":  # it keeps our library from loading in this process
+        if q4_kernel.torch_asked():  # it keeps our library from loading in this process
             raise SpecBlockError(f"--dtype {dtype_name} runs on our {kernel} q4 kernel, and SPECBLOCK_Q4_KERNEL=bf16 asks "
                                  "for torch's (a --dtype q4 setting): unset it")
         if not q4_kernel.load():

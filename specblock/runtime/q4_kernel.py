@@ -106,16 +106,22 @@ def _fake_cat(x: torch.Tensor, k0: int, k1: int, k2: int, k3: int, out_features:
 LIBRARY = "specblock_q4"
 
 
+def asked_kernel() -> str | None:
+    """The kernel ``SPECBLOCK_Q4_KERNEL`` names; None where it is unset or empty (the default's). The one
+    place the variable is read, so that every question about it agrees on what "unset" means."""
+    return os.environ.get("SPECBLOCK_Q4_KERNEL") or None
+
+
 def torch_asked() -> bool:
     """``SPECBLOCK_Q4_KERNEL=bf16``: torch's int4 kernel asked for instead of ours."""
-    return os.environ.get("SPECBLOCK_Q4_KERNEL", "fp32") == "bf16"
+    return asked_kernel() == "bf16"
 
 
 def int8_cpu() -> bool:
     """Whether q4 would run on the int8 kernel here, by the CPU's flags and ``SPECBLOCK_Q4_KERNEL``
     (unset or ``int8``) alone, nothing built: what ``--dtype auto`` asks before choosing q4
     (``q4.default_kernel`` builds and says the same where the build succeeds)."""
-    return vnni_supports() and os.environ.get("SPECBLOCK_Q4_KERNEL", "int8") == "int8"
+    return vnni_supports() and asked_kernel() in (None, "int8")
 
 
 def start_building() -> None:

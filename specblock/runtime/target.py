@@ -118,10 +118,8 @@ def _q4_for(target: str | Path) -> str | None:
     from specblock.models.registry import has_q4_codes
     from specblock.runtime import q4_kernel
 
-    if q4_kernel.amx_cpu() and not q4_kernel.amx_tiles() and q4_kernel.int8_cpu():
-        kind = Q4
-    elif q4_kernel.amx_cpu():
-        kind = PACKED_Q4_AMX
+    if q4_kernel.amx_cpu():
+        kind = Q4 if not q4_kernel.amx_tiles() and q4_kernel.int8_cpu() else PACKED_Q4_AMX
     elif q4_kernel.cpu_supports() and not q4_kernel.torch_asked():
         kind = PACKED_Q4
     else:
