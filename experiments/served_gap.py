@@ -20,7 +20,8 @@ loses nothing and the gap is the text; if they sit clearly above, serving does.
 ``--lookup`` adds prompt lookup's chain (its first match, as ``lookup`` serves it) and, for each
 drafter, the two chains side by side (``NAME+lookup``: a tree of two branches accepts the longer
 of the two; up to twice the nodes). How much a lookup branch could add to a drafter's tree on the
-bench's text, before anyone builds one.
+bench's text, before anyone builds one. ``--datastore shipped`` adds the same with lookup's chain
+taken from the target's own answers where the prompt has no match (``--lookup-datastore``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from specblock.prompts import DOMAINS, load_prompts  # noqa: E402
 from specblock.runtime import chat  # noqa: E402
 from specblock.runtime.cli import load_tokenizer  # noqa: E402
 from specblock.runtime.drafters.base import DraftRequest  # noqa: E402
+from specblock.runtime.drafters.datastore import Datastore, open_datastore  # noqa: E402
 from specblock.runtime.drafters.lookup import LookupDrafter  # noqa: E402
 from specblock.runtime.target import load_causal_lm, read_generation_eos  # noqa: E402
 from specblock.training.specblock_step import target_pass  # noqa: E402
@@ -64,7 +66,7 @@ def greedy_answer(model, ids: list[int], n: int, eos: list[int]) -> list[int]:
 def texts(a: argparse.Namespace, domain: str, model, tok, eos: list[int]):
     """(prompt ids, answer ids) of one domain: the bench's prompts answered now, or a chatgen shard's."""
     if a.chatgen is None:
-        for p in load_prompts(domain, a.prompts):
+        for p in load_prompts(domain, a.prompts, split=a.split):
             ids = chat.encode_prompt(tok, p)
             yield ids, greedy_answer(model, ids, a.max_new_tokens, eos)
         return
@@ -103,9 +105,10 @@ def chain_hits(method: str, net, tp) -> torch.Tensor:
     return ok.cumprod(-1).bool()  # right at every depth up to d
 
 
-def lookup_hits(seq: np.ndarray, lookup: LookupDrafter | None = None) -> torch.Tensor:
+def lookup_hits(seq: np.ndarray, lookup: LookupDrafter | None = None, store: Datastore | None = None) -> torch.Tensor:
     """``[W-1, DEPTH]`` bool, rows as in ``chain_hits`` (row R-1: root R): prompt lookup's chain
-    proposed from ``seq[:R+1]`` is right at every depth up to d (a depth past the sequence: a miss)."""
+    proposed from ``seq[:R+1]`` is right at every depth up to d (a depth past the sequence: a miss).
+    With ``store``, where lookup finds nothing the chain is the store's, as the branch serves it."""
     lookup = lookup or LookupDrafter(branches=1)
     seq = np.asarray(seq, dtype=np.int64)
     w = len(seq)
@@ -113,6 +116,8 @@ def lookup_hits(seq: np.ndarray, lookup: LookupDrafter | None = None) -> torch.T
     for r in range(1, w - 1):
         tree = lookup.propose(DraftRequest(seq[: r + 1], budget=DEPTH, max_depth=DEPTH))
         guess = tree.tokens[1:]  # one branch: a chain, in depth order
+        if not guess.size and store is not None:
+            guess = store.chain(seq[: r + 1], DEPTH)
         n = min(len(guess), w - 1 - r)
         ok[r - 1, :n] = torch.from_numpy(guess[:n] == seq[r + 1 : r + 1 + n])
     return ok.cumprod(-1).bool()
@@ -146,13 +151,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lookup", action="store_true",
                     help="also prompt lookup's chain, and each drafter's chain beside it (NAME+lookup: the longer of the two)")
+    ap.add_argument("--datastore", default=None, metavar="shipped|PATH",
+                    help="with --lookup: also lookup's chain fed by this datastore where the prompt has no match "
+                         "(lookup+ds, NAME+lookup+ds), as --lookup-datastore serves it")
+    ap.add_argument("--split", choices=("eval", "tune"), default="eval", help="the bench's prompt split")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     try:
         model, tok, eos, nets = load_chains(a.target, a.drafter)
         methods = {n: m for n, (m, _) in nets.items()}  # every row's name -> its method
+        if a.datastore and not a.lookup:
+            raise SpecBlockError("--datastore feeds prompt lookup's chain; give --lookup with it")
+        store = open_datastore(a.datastore, a.target) if a.datastore else None
         if a.lookup:
             methods |= {"lookup": "lookup"} | {f"{n}+lookup": f"{m}+lookup" for n, (m, _) in nets.items()}
+        if store is not None:
+            methods |= {"lookup+ds": "lookup"} | {f"{n}+lookup+ds": f"{m}+lookup" for n, (m, _) in nets.items()}
         sums = {(n, d): torch.zeros(DEPTH) for n in methods for d in a.domains.split(",")}
         roots = {d: 0 for d in a.domains.split(",")}  # a chatgen shard's domains: code, math, chat, prose
         for d in a.domains.split(","):
@@ -163,12 +177,17 @@ def main(argv: list[str]) -> int:
                 near = lookup_hits(seq[0].numpy())[first - 1 : last - 1] if a.lookup else None
                 if near is not None:
                     sums["lookup", d] += near.float().sum(0)
+                fed = lookup_hits(seq[0].numpy(), store=store)[first - 1 : last - 1] if store is not None else None
+                if fed is not None:
+                    sums["lookup+ds", d] += fed.float().sum(0)
                 for name, (method, net) in nets.items():
                     tp = target_pass(model, seq, tuple(net.cfg.tap_layers), net)
                     hits = chain_hits(method, net, tp)[first - 1 : last - 1]  # row R-1 <-> root R
                     sums[name, d] += hits.float().sum(0)
                     if near is not None:  # two branches: the longer chain is accepted
                         sums[f"{name}+lookup", d] += (hits | near).float().sum(0)
+                    if fed is not None:
+                        sums[f"{name}+lookup+ds", d] += (hits | fed).float().sum(0)
             print(d, {n: [round(float(x) / max(roots[d], 1), 3) for x in sums[n, d]] for n in methods}, flush=True)
     except SpecBlockError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -178,7 +197,7 @@ def main(argv: list[str]) -> int:
         per = {d: [round(float(x) / max(roots[d], 1), 4) for x in sums[name, d]] for d in roots}
         tot = sum((sums[name, d] for d in roots), torch.zeros(DEPTH)) / max(sum(roots.values()), 1)
         rows.append({"name": name, "method": method, "by_depth": [round(float(x), 4) for x in tot], "by_domain": per})
-    what = "the bench's prompts" if a.chatgen is None else f"the prompts of {a.chatgen.name}"
+    what = f"the bench's prompts ({a.split} split)" if a.chatgen is None else f"the prompts of {a.chatgen.name}"
     md = [f"Chains rooted at answer positions of the target's greedy answers to {what} ({a.prompts} per domain, "
           f"{a.max_new_tokens} new tokens, fp32): expected accepted drafts of a top-1 chain, by depth (cumulative).", "",
           "| drafter | chain of 2 | chain of 3 | chain of 4 | by depth | " + " | ".join(roots) + " (chain of 3) |",

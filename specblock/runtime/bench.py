@@ -44,6 +44,7 @@ from specblock.runtime import chat, drafters, peers
 from specblock.runtime.bench_config import check_bench_flags, method_options
 from specblock.runtime.config import RunConfig, validate
 from specblock.runtime.drafters import lookup_branch
+from specblock.runtime.drafters.datastore import open_datastore
 from specblock.runtime.engine import Engine
 from specblock.runtime.metrics import DecodeStats
 from specblock.runtime.target import DTYPE_CHOICES, DTYPE_HELP, TargetModel, read_generation_eos, resolve_dtype
@@ -150,6 +151,7 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
     given = opts.get("budget") is not None  # the whole tree's, lookup's branch included
     nodes = opts.pop("lookup_nodes", None)  # check_bench_flags refused both on other methods
     on_top = bool(opts.pop("lookup_on_top", None))
+    store_spec = opts.pop("lookup_datastore", None)
     opts = drafters.serving_settings(_base(m), target, opts)
     budget = int(opts.pop("budget", drafters.DEFAULT_BUDGET))
     warm = drafters.warm_sizes(opts)
@@ -172,7 +174,9 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
         chosen = {k: v for k in ("amp", "lr_heads", "lr_full") if (v := opts.get(f"adapt_{k}")) is not None}
         drafter = Adapter(drafter, AdaptSettings(window=window, **chosen, **user))  # the rest: AdaptSettings' defaults
     if lookup_branch.has_lookup(m):
-        drafter, budget = lookup_branch.with_branch(drafter, budget, nodes or lookup_branch.DEFAULT_NODES, given, on_top)
+        store = open_datastore(store_spec, args.target) if store_spec else None
+        drafter, budget = lookup_branch.with_branch(drafter, budget, nodes or lookup_branch.DEFAULT_NODES, given, on_top,
+                                                    store)
     return Engine(target, drafter, GreedyVerifier(), budget, eos, warm_sizes=warm)
 
 

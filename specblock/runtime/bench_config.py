@@ -38,6 +38,9 @@ MethodOptions = create_model(
     num_assistant_tokens=_POSITIVE,
     lookup_nodes=_POSITIVE,  # METHOD+lookup: the most nodes prompt lookup's branch may take
     lookup_on_top=(bool | None, None),  # METHOD+lookup: the drafter keeps its budget, the chain on top
+    # METHOD+lookup: where the prompt has no match, the chain from a datastore of the target's own
+    # answers ("shipped" or a path)
+    lookup_datastore=(str | None, None),
     # this method on the compiled target (specblock/compiled, one model shared with the eager one):
     # compiled against eager in one run, e.g. --methods ar,ar@c --set ar@c:compiled=true
     compiled=(bool | None, None),
@@ -141,7 +144,7 @@ def check_bench_flags(args) -> dict[str, dict]:
             raise SpecBlockError(f"{m}: the branch goes last, e.g. specblock+adapt{LOOKUP}")
     opts = method_options(args.set, methods)
     for m, o in opts.items():
-        for key in ("lookup_nodes", "lookup_on_top"):
+        for key in ("lookup_nodes", "lookup_on_top", "lookup_datastore"):
             if o.get(key) is not None and not has_lookup(m):
                 raise SpecBlockError(f"--set {m}:{key} is for a METHOD{LOOKUP} method, e.g. eagle3{LOOKUP}")
         if "+adapt" not in m and (given := [k for k in ADAPT_KEYS if o.get(k) is not None]):

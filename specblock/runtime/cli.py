@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-on-top", action="store_true",
                    help="with --lookup-branch and --budget: the budget stays the drafter's own and the chain comes on top, "
                         "instead of the whole tree's and shared (its measured budget always stays its own)")
+    p.add_argument("--lookup-datastore", metavar="shipped|PATH",
+                   help="with --lookup-branch: where the prompt has no match, the branch's chain is what the target "
+                        "wrote after the same n-gram in its own answers to training instructions ('shipped': the "
+                        "target's own store; drafters/datastore.py)")
     p.add_argument("--eager-drafter", action="store_true",
                    help="keep the drafter's step eager where its serving.json names drafter_compiled (measured faster "
                         "compiled on this kind of CPU; the first use compiles) or --compile would compile it")
@@ -201,7 +205,13 @@ class Session:
         if cfg.lookup_branch:
             from specblock.runtime.drafters.lookup_branch import with_branch
 
-            drafter, budget = with_branch(drafter, budget, cfg.lookup_branch, cfg.budget is not None, cfg.lookup_on_top)
+            store = None
+            if cfg.lookup_datastore:
+                from specblock.runtime.drafters.datastore import open_datastore
+
+                store = open_datastore(cfg.lookup_datastore, str(cfg.target_dir))
+            drafter, budget = with_branch(drafter, budget, cfg.lookup_branch, cfg.budget is not None, cfg.lookup_on_top,
+                                          store)
         engine = Engine(target, drafter, verifier(), budget, eos, trace, warm_sizes=warm)
         baseline = Engine(target, drafters.ARDrafter(), verifier(), 0, eos) if cfg.compare else None
         return cls(cfg, target, tokenizer, engine, baseline, adapter)
@@ -284,6 +294,7 @@ def result_record(s: Session, res: GenerationResult, base: GenerationResult | No
         "method": s.cfg.method,
         **({"lookup_branch": s.cfg.lookup_branch} if s.cfg.lookup_branch else {}),
         **({"lookup_on_top": True} if s.cfg.lookup_on_top else {}),
+        **({"lookup_datastore": s.cfg.lookup_datastore} if s.cfg.lookup_datastore else {}),
         "token_ids": res.token_ids,
         "text": s.tokenizer.decode(res.token_ids, skip_special_tokens=True),
         "stopped": res.stopped,
@@ -337,7 +348,8 @@ def run(cfg: RunConfig) -> int:
         if cfg.prompt_file:
             summary = {"summary": True, "method": cfg.method, "prompts": len(rows), **total.summary(),
                        **({"lookup_branch": cfg.lookup_branch} if cfg.lookup_branch else {}),
-                       **({"lookup_on_top": True} if cfg.lookup_on_top else {})}
+                       **({"lookup_on_top": True} if cfg.lookup_on_top else {}),
+                       **({"lookup_datastore": cfg.lookup_datastore} if cfg.lookup_datastore else {})}
             if s.baseline:
                 summary.update(speedup=round(speedup(total, total_base), 4), identical_to_ar=identical)
             if s.adapter is not None:

@@ -60,6 +60,9 @@ class RunConfig(BaseModel):
     # with it and --budget: the budget stays the drafter's own and the chain comes on top, instead of
     # the whole tree's and shared (a measured budget always stays the drafter's own)
     lookup_on_top: bool = False
+    # with it: where the prompt has no match, the chain from a datastore of the target's own answers,
+    # "shipped" or a path (drafters/datastore.py)
+    lookup_datastore: str | None = Field(None, min_length=1)
     # the drafter's step stays eager where its serving.json names drafter_compiled, or --compile would compile it
     eager_drafter: bool = False
     adapt_window: int = Field(128, ge=2)  # decoding iterations per adaptation window
@@ -135,6 +138,8 @@ class RunConfig(BaseModel):
             raise ValueError("--adapt adapts the SpecBlock drafter; use it with --method specblock")
         if self.lookup_on_top and not self.lookup_branch:
             raise ValueError("--lookup-on-top places prompt lookup's branch; give --lookup-branch N with it")
+        if self.lookup_datastore and not self.lookup_branch:
+            raise ValueError("--lookup-datastore feeds prompt lookup's branch; give --lookup-branch N with it")
         return self
 
     @model_validator(mode="after")

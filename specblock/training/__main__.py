@@ -1,4 +1,4 @@
-"""``python -m specblock.training {drafter,target,chatgen,featcache,refanswers,selfask} ...``"""
+"""``python -m specblock.training {drafter,target,chatgen,featcache,refanswers,selfask,datastore} ...``"""
 
 import importlib
 import sys
@@ -8,7 +8,7 @@ from specblock.errors import SpecBlockError
 COMMANDS = {"drafter": "specblock.training.drafter", "target": "specblock.training.target",
             "chatgen": "specblock.training.chatgen", "featcache": "specblock.training.featcache",
             "refanswers": "specblock.training.refanswers",
-            "selfask": "specblock.training.selfask"}
+            "selfask": "specblock.training.selfask", "datastore": "specblock.training.datastore"}
 
 
 def main(argv: list[str]) -> int:

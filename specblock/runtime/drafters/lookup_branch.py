@@ -29,6 +29,7 @@ import numpy as np
 from specblock.policies.branching import drafter_budget
 from specblock.policies.tree import DraftTree
 from specblock.runtime.drafters.base import DraftRequest, Drafter
+from specblock.runtime.drafters.datastore import Datastore
 from specblock.runtime.drafters.lookup import first_match
 from specblock.runtime.target import TargetOutput
 from specblock.runtime.verify import Verdict
@@ -68,13 +69,16 @@ class LookupBranch(Drafter):
     tree changes, never the verification."""
 
     def __init__(self, inner: Drafter, nodes: int = DEFAULT_NODES, max_ngram: int = 3,
-                 inner_budget: int | None = None) -> None:
+                 inner_budget: int | None = None, datastore: Datastore | None = None) -> None:
         if nodes < 1:
             raise ValueError(f"lookup_nodes must be at least 1 (got {nodes})")
         if inner_budget is not None and inner_budget < 0:
             raise ValueError(f"the drafter's own budget must be at least 0 (got {inner_budget})")
         self.inner, self.nodes, self.max_ngram = inner, nodes, max_ngram
         self.inner_budget = inner_budget  # None: shared (the drafter gets what the chain leaves)
+        # where the prompt has no match, the chain comes from the target's own answers (datastore.py):
+        # one chain either way, so the tree's sizes and the budget stay lookup's
+        self.datastore = datastore
         self.name = f"{inner.name}{SUFFIX}"
         self.needs_features = inner.needs_features
         self.tap_layers = getattr(inner, "tap_layers", None)
@@ -86,7 +90,10 @@ class LookupBranch(Drafter):
         self.inner.prefill(prompt, features)
 
     def propose(self, req: DraftRequest) -> DraftTree:
-        guess = first_match(req.tokens, self.max_ngram, 1, min(self.nodes, req.budget, req.max_depth))
+        room = min(self.nodes, req.budget, req.max_depth)
+        guess = first_match(req.tokens, self.max_ngram, 1, room)
+        if not guess.size and self.datastore is not None:
+            guess = self.datastore.chain(req.tokens, room)
         tree = self.inner.propose(DraftRequest(req.tokens, drafter_budget(req.budget, guess.size, self.inner_budget),
                                                req.max_depth))
         if guess.size:
@@ -108,10 +115,10 @@ class LookupBranch(Drafter):
 
 
 def with_branch(drafter: Drafter, budget: int, nodes: int, budget_given: bool,
-                on_top: bool = False) -> tuple[LookupBranch, int]:
+                on_top: bool = False, datastore: Datastore | None = None) -> tuple[LookupBranch, int]:
     """``drafter`` with the branch, and the engine's node budget for it (the CLI's and the bench's
     one rule): the drafter's measured budget stays its own and the chain comes on top; a budget
     the user gave is the whole tree's, shared, unless ``on_top`` makes it the drafter's own too."""
     if on_top or not budget_given:
-        return LookupBranch(drafter, nodes, inner_budget=budget), budget + nodes
-    return LookupBranch(drafter, nodes), budget
+        return LookupBranch(drafter, nodes, inner_budget=budget, datastore=datastore), budget + nodes
+    return LookupBranch(drafter, nodes, datastore=datastore), budget
