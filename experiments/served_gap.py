@@ -162,7 +162,7 @@ def main(argv: list[str]) -> int:
         methods = {n: m for n, (m, _) in nets.items()}  # every row's name -> its method
         if a.datastore and not a.lookup:
             raise SpecBlockError("--datastore feeds prompt lookup's chain; give --lookup with it")
-        store = open_datastore(a.datastore, a.target) if a.datastore else None
+        store = open_datastore(a.datastore, a.target, model.config.vocab_size) if a.datastore else None
         if a.lookup:
             methods |= {"lookup": "lookup"} | {f"{n}+lookup": f"{m}+lookup" for n, (m, _) in nets.items()}
         if store is not None:

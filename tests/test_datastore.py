@@ -76,11 +76,13 @@ def test_save_and_load_round_trip_and_clear_errors(tmp_path):
         Datastore.load(tmp_path / "bad.npz")
     with pytest.raises(SpecBlockError, match="no shipped datastore"):
         resolve("shipped", "no-such-model")
-    assert resolve(str(path), "x") == path and open_datastore(str(path), "x").tokens == store.tokens
+    assert resolve(str(path), "x") == path and open_datastore(str(path), "x", V).tokens == store.tokens
+    with pytest.raises(SpecBlockError, match="built for a vocabulary of 32 tokens, the target has 64"):
+        open_datastore(str(path), "x", 64)
 
 
 def test_the_shipped_datastore_loads_and_finds_the_chat_templates_header():
-    store = open_datastore("shipped", "smollm2-135m-instruct")
+    store = open_datastore("shipped", "smollm2-135m-instruct", 49152)
     assert store.tokens > 100_000 and store.vocab == 49152
     header = store.stream[:3]  # every answer starts after its prompt's last tokens
     assert store.chain(header, 2).size == 2

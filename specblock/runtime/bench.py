@@ -174,7 +174,7 @@ def build_engine(m: str, targets: Targets, args, eos: frozenset[int]) -> Engine:
         chosen = {k: v for k in ("amp", "lr_heads", "lr_full") if (v := opts.get(f"adapt_{k}")) is not None}
         drafter = Adapter(drafter, AdaptSettings(window=window, **chosen, **user))  # the rest: AdaptSettings' defaults
     if lookup_branch.has_lookup(m):
-        store = open_datastore(store_spec, args.target) if store_spec else None
+        store = open_datastore(store_spec, args.target, targets.eager.vocab_size) if store_spec else None
         drafter, budget = lookup_branch.with_branch(drafter, budget, nodes or lookup_branch.DEFAULT_NODES, given, on_top,
                                                     store)
     return Engine(target, drafter, GreedyVerifier(), budget, eos, warm_sizes=warm)

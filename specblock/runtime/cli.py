@@ -209,7 +209,7 @@ class Session:
             if cfg.lookup_datastore:
                 from specblock.runtime.drafters.datastore import open_datastore
 
-                store = open_datastore(cfg.lookup_datastore, str(cfg.target_dir))
+                store = open_datastore(cfg.lookup_datastore, str(cfg.target_dir), target.vocab_size)
             drafter, budget = with_branch(drafter, budget, cfg.lookup_branch, cfg.budget is not None, cfg.lookup_on_top,
                                           store)
         engine = Engine(target, drafter, verifier(), budget, eos, trace, warm_sizes=warm)

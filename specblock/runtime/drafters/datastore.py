@@ -131,12 +131,12 @@ class Datastore:
     def load(cls, path: Path) -> "Datastore":
         path = Path(path)
         if not path.is_file():
-            raise SpecBlockError(f"no datastore at {path}; build one with python -m specblock.training.datastore")
+            raise SpecBlockError(f"no datastore at {path}; build one with python -m specblock.training datastore")
         try:
             with np.load(path) as z:
                 body, vocab, fmt = z["stream"], int(z["vocab"]), int(z["format"])
         except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
-            raise SpecBlockError(f"{path} is not a datastore ({e}); build it again with python -m specblock.training.datastore") from e
+            raise SpecBlockError(f"{path} is not a datastore ({e}); build it again with python -m specblock.training datastore") from e
         if fmt != FORMAT:
             raise SpecBlockError(f"{path}: datastore format {fmt}, this version reads {FORMAT}; build it again")
         stream = body.astype(np.int64)
@@ -149,7 +149,12 @@ def _load(path: Path) -> Datastore:
     return Datastore.load(path)
 
 
-def open_datastore(spec: str, target: str) -> Datastore:
+def open_datastore(spec: str, target: str, vocab: int) -> Datastore:
     """``resolve`` then load, once per path (a bench builds an engine per method and run; a lookup
-    never changes the store)."""
-    return _load(resolve(spec, target).resolve())
+    never changes the store), refusing a store built over another vocabulary than the target's."""
+    path = resolve(spec, target).resolve()
+    store = _load(path)
+    if store.vocab != vocab:
+        raise SpecBlockError(f"the datastore {path} was built for a vocabulary of {store.vocab} tokens, the target has "
+                             f"{vocab}; build one from this target's answers (python -m specblock.training datastore)")
+    return store
