@@ -470,6 +470,45 @@ def test_drafters_beside_a_packed_target_run_int8_and_stay_lossless(tmp_path, mo
         assert accepted > 0
 
 
+@needs_vnni
+def test_drafters_beside_a_bf16_target_load_fp32_and_run_int8(tmp_path, monkeypatch):
+    """Beside a bf16 CPU target ``drafters.build`` loads a trained drafter in fp32 and puts its
+    linears on the int8 kernel (the kernel takes fp32 activations); the target's own drafter dtype
+    comes back after the load (a bench's methods share the target). ``int8=False`` (the bench's
+    ``drafter_int8=false``) keeps the drafter in the target's drafter dtype with plain linears."""
+    from specblock.runtime import drafters
+    from specblock.runtime.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Net
+    from tiny import perturb
+
+    target = TargetModel.load(save_tiny_q4(tmp_path / "t", layers=3), "bfloat16", "cpu")
+    assert target.dtype == torch.bfloat16 and drafters.beside_bf16(target) and drafters.wants_int8(target)
+    own = target.drafter_dtype
+
+    def fresh_net() -> Eagle3Net:
+        torch.manual_seed(1)
+        net = Eagle3Net(Eagle3Config(vocab_size=V, hidden_size=64, num_heads=4, intermediate_size=128,
+                                     tap_layers=target.tap_layers, top_k=4))
+        net.tie_to_target(target.model)
+        perturb(net, 0.3)
+        return net
+
+    monkeypatch.setitem(drafters.METHODS, "eagle3", lambda t, opt: Eagle3Drafter(fresh_net().to(dtype=t.drafter_dtype).eval()))
+    for int8 in (None, False):
+        drafter = drafters.build("eagle3", target, {}, int8=int8)
+        assert target.drafter_dtype == own
+        mods = list(drafter.net.modules())
+        assert any(isinstance(m, q4.Int8Linear) for m in mods) == (int8 is None)
+        assert drafter.dtype == (torch.float32 if int8 is None else own)
+        if int8 is False:
+            assert any(type(m) is torch.nn.Linear for m in mods)
+        res = Engine(target, drafter, budget=6).generate(np.arange(2, 12), 16)
+        assert len(res.token_ids) == 16 and sum(res.stats.accepted) >= 0
+    # a drafter that arrives in bf16 (built elsewhere) is left as it is: its linears need fp32
+    bf = Eagle3Drafter(fresh_net().to(dtype=torch.bfloat16).eval())
+    assert drafters.pack_for(bf, target) == 0
+    assert drafters.pack_for(LookupDrafter(), target) == 0
+
+
 def test_no_int8_drafters_where_the_kernel_cannot_run(tmp_path, monkeypatch):
     """Without AVX512-VNNI a drafter beside a packed target is packed fp16; beside a target that is
     not packed it keeps its plain linears; a drafter with no network has nothing to move."""
@@ -492,13 +531,15 @@ def test_no_int8_drafters_where_the_kernel_cannot_run(tmp_path, monkeypatch):
 
 def test_the_int8_library_starts_building_only_where_drafters_will_use_it(monkeypatch):
     """``start_int8_build`` (``Session.open``, before the target loads): an eager packed-fp16 or a q4
-    target on a CPU with VNNI; not a compiled packed-fp16 one (``wants_int8``), nor bf16, nor without VNNI."""
+    target, or an eager bf16 one, on a CPU with VNNI; not a compiled packed-fp16 or bf16 one (``wants_int8``), nor
+    fp32, nor without VNNI."""
     from specblock.runtime import drafters
 
     started = []
     monkeypatch.setattr(q4_kernel, "start_building", lambda: started.append(True))
     for vnni, dtype, compiled, want in ((True, "packed-fp16", False, True), (True, "q4", True, True),
-                                        (True, "packed-fp16", True, False), (True, "bfloat16", False, False),
+                                        (True, "packed-fp16", True, False), (True, "bfloat16", False, True),
+                                        (True, "bfloat16", True, False), (True, "float32", False, False),
                                         (False, "packed-fp16", False, False)):
         monkeypatch.setattr(q4_kernel, "vnni_supports", lambda: vnni)
         started.clear()

@@ -107,11 +107,9 @@ def time_specblock(target: TargetModel, path: Path, reps: int, rng, compiled: bo
     (compiled where ``compiled``), which the simulator charges for a step's first forward.
     """
     from specblock.policies.branching import RankBucketBranching
-    from specblock.runtime.drafters import pack_for
-    from specblock.runtime.drafters.specblock import SpecBlockDrafter
+    from specblock.runtime.drafters import build
 
-    d = SpecBlockDrafter.load(path, target)
-    pack_for(d, target)  # as drafters.build serves it beside a packed target
+    d = build("specblock", target, {"drafter": str(path)})  # as served: its dtype and linears beside this target
     if compiled:  # block 1 on static buffers, compiled (the CLI's hook: compiled/ sits above runtime/)
         from specblock.runtime.cli import maybe_compile_drafter
 

@@ -192,6 +192,7 @@ class TargetModel:
         # Trained drafters run in this dtype: the target's where bf16 is native, else fp32 (their
         # weights are small, and on an AVX2 CPU a bf16 linear ran 1.7x slower than fp32 at 1 row
         # and 3.5-6x at 8-256 rows). Verification by the target keeps the output lossless either way.
+        # Beside a bf16 CPU target, drafters.build loads them in fp32 for the int8 kernel where it runs.
         self.drafter_dtype = self.dtype if self.dtype != torch.bfloat16 or native_bf16(self.device) else torch.float32
         n_layers = int(self.config.num_hidden_layers)
         self.tap_layers = tuple(tap_layers) if tap_layers is not None else default_taps(n_layers)
