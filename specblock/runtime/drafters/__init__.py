@@ -155,8 +155,8 @@ def pack_for(drafter: Drafter, target, int8: bool | None = None) -> int:
     where it runs (:func:`int8_drafters`) and is wanted (``int8``; None: :func:`wants_int8`), packed
     fp16 otherwise. Beside a bf16 CPU target, an fp32 drafter (``build`` loads it so where the int8
     kernel runs and is wanted) goes on the int8 kernel: at bf16 on a Zen 5 SpecBlock's propose fell
-    from 4.3 to 2.4 ms and EAGLE-3's from 4.8 to 2.7 (``drafter_cost_zen5_bf16_int8_s77.md``), where an
-    fp32 drafter with plain linears took 8.4 ms. Beside any other target nothing changes. Returns
+    from 3.8 to 2.6 ms and EAGLE-3's from 4.5 to 2.3 (``drafter_cost_zen5_bf16_int8_s77.md``; an fp32
+    drafter on plain linears was slower than bf16 there, 8.4 against 4.3 ms, in a scratch run). Beside any other target nothing changes. Returns
     how many linears moved."""
     if beside_bf16(target):
         import torch
