@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -117,7 +118,9 @@ def build(name: str, target, options: dict | None = None, int8: bool | None = No
     if name not in TAKES_POLICY:
         user_policies(name, options)  # a policy named for a method without one: refused
     if beside_bf16(target) and (wants_int8(target) if int8 is None else int8) and int8_drafters(target):
-        with _drafter_dtype(target, "float32"):  # the int8 kernel takes fp32 activations
+        import torch
+
+        with _drafter_dtype(target, torch.float32):  # the int8 kernel takes fp32 activations
             drafter = METHODS[name](target, options)
     else:
         drafter = METHODS[name](target, options)
@@ -133,21 +136,15 @@ def beside_bf16(target) -> bool:
             and getattr(target, "dtype", None) == torch.bfloat16)
 
 
-class _drafter_dtype:
-    """The dtype trained drafters load in (``target.drafter_dtype``), for one ``build``: a bench's
+@contextmanager
+def _drafter_dtype(target, dtype):
+    """Trained drafters load in ``dtype`` (``target.drafter_dtype``) for one ``build``: a bench's
     methods share one target, so the target's own setting comes back afterwards."""
-
-    def __init__(self, target, dtype: str) -> None:
-        import torch
-
-        self.target, self.dtype = target, getattr(torch, dtype)
-
-    def __enter__(self) -> None:
-        self.saved = self.target.drafter_dtype
-        self.target.drafter_dtype = self.dtype
-
-    def __exit__(self, *exc) -> None:
-        self.target.drafter_dtype = self.saved
+    saved, target.drafter_dtype = target.drafter_dtype, dtype
+    try:
+        yield
+    finally:
+        target.drafter_dtype = saved
 
 
 def pack_for(drafter: Drafter, target, int8: bool | None = None) -> int:
@@ -155,9 +152,9 @@ def pack_for(drafter: Drafter, target, int8: bool | None = None) -> int:
     where it runs (:func:`int8_drafters`) and is wanted (``int8``; None: :func:`wants_int8`), packed
     fp16 otherwise. Beside a bf16 CPU target, an fp32 drafter (``build`` loads it so where the int8
     kernel runs and is wanted) goes on the int8 kernel: at bf16 on a Zen 5 SpecBlock's propose fell
-    from 3.8 to 2.6 ms and EAGLE-3's from 4.5 to 2.3 (``drafter_cost_zen5_bf16_int8_s77.md``; an fp32
-    drafter on plain linears was slower than bf16 there, 8.4 against 4.3 ms, in a scratch run). Beside any other target nothing changes. Returns
-    how many linears moved."""
+    from 3.8 to 2.6 ms and EAGLE-3's from 4.5 to 2.3 (``drafter_cost_zen5_bf16_int8_s77.md``). An fp32
+    drafter on plain linears is no alternative: in a scratch run it was twice as slow as bf16.
+    Beside any other target nothing changes. Returns how many linears moved."""
     if beside_bf16(target):
         import torch
 
