@@ -289,12 +289,16 @@ class Streamer:
         self.shown = max(self.shown, len(text))
 
 
+def branch_fields(cfg: RunConfig) -> dict:
+    """Prompt lookup's branch as a record names it (each prompt's and the summary's): only what was set."""
+    return {k: v for k, v in (("lookup_branch", cfg.lookup_branch), ("lookup_on_top", cfg.lookup_on_top),
+                              ("lookup_datastore", cfg.lookup_datastore)) if v}
+
+
 def result_record(s: Session, res: GenerationResult, base: GenerationResult | None) -> dict:
     rec = {
         "method": s.cfg.method,
-        **({"lookup_branch": s.cfg.lookup_branch} if s.cfg.lookup_branch else {}),
-        **({"lookup_on_top": True} if s.cfg.lookup_on_top else {}),
-        **({"lookup_datastore": s.cfg.lookup_datastore} if s.cfg.lookup_datastore else {}),
+        **branch_fields(s.cfg),
         "token_ids": res.token_ids,
         "text": s.tokenizer.decode(res.token_ids, skip_special_tokens=True),
         "stopped": res.stopped,
@@ -347,9 +351,7 @@ def run(cfg: RunConfig) -> int:
                 print("\n" + summary_line(rec), flush=True)
         if cfg.prompt_file:
             summary = {"summary": True, "method": cfg.method, "prompts": len(rows), **total.summary(),
-                       **({"lookup_branch": cfg.lookup_branch} if cfg.lookup_branch else {}),
-                       **({"lookup_on_top": True} if cfg.lookup_on_top else {}),
-                       **({"lookup_datastore": cfg.lookup_datastore} if cfg.lookup_datastore else {})}
+                       **branch_fields(cfg)}
             if s.baseline:
                 summary.update(speedup=round(speedup(total, total_base), 4), identical_to_ar=identical)
             if s.adapter is not None:

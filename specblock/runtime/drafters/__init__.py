@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -117,15 +117,20 @@ def build(name: str, target, options: dict | None = None, int8: bool | None = No
     options.pop("drafter_compiled", None)  # the caller's (``drafter_compiled``), likewise
     if name not in TAKES_POLICY:
         user_policies(name, options)  # a policy named for a method without one: refused
-    if beside_bf16(target) and (wants_int8(target) if int8 is None else int8) and int8_drafters(target):
-        import torch
+    import torch
 
-        with _drafter_dtype(target, torch.float32):  # the int8 kernel takes fp32 activations
-            drafter = METHODS[name](target, options)
-    else:
+    # beside a bf16 CPU target, fp32 where the drafter goes on the int8 kernel (it takes fp32 activations)
+    fp32 = beside_bf16(target) and _int8_wanted(target, int8)
+    with _drafter_dtype(target, torch.float32) if fp32 else nullcontext():
         drafter = METHODS[name](target, options)
     pack_for(drafter, target, int8)
     return drafter
+
+
+def _int8_wanted(target, int8: bool | None) -> bool:
+    """Whether a drafter beside ``target`` goes on the int8 kernel: wanted (``int8``; None:
+    :func:`wants_int8`) and able to run here (:func:`int8_drafters`, checked last: it builds the library)."""
+    return bool(wants_int8(target) if int8 is None else int8) and int8_drafters(target)
 
 
 def beside_bf16(target) -> bool:
@@ -160,12 +165,10 @@ def pack_for(drafter: Drafter, target, int8: bool | None = None) -> int:
 
         net = getattr(drafter, "net", None)
         fp32 = net is not None and all(p.dtype == torch.float32 for p in net.parameters())
-        want = wants_int8(target) if int8 is None else int8
-        return pack_drafter(drafter, int8=True) if fp32 and want and int8_drafters(target) else 0
+        return pack_drafter(drafter, int8=True) if fp32 and _int8_wanted(target, int8) else 0
     if not getattr(target, "packed", False):
         return 0
-    want = wants_int8(target) if int8 is None else int8
-    return pack_drafter(drafter, int8=want and int8_drafters(target))
+    return pack_drafter(drafter, int8=_int8_wanted(target, int8))
 
 
 def wants_int8(target) -> bool:
